@@ -1,0 +1,28 @@
+# The two set-up commands of the README: `make serve` and `make test`.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+INSTALLED := $(VENV)/.installed
+ARGS ?=
+
+.PHONY: install serve test protos clean
+
+$(INSTALLED): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e '.[test]'
+	touch $@
+
+install: $(INSTALLED)
+
+serve: install
+	$(BIN)/speclane serve $(ARGS)
+
+test: install
+	$(BIN)/speclane pull smollm2-135m-instruct
+	$(BIN)/python -m pytest -q -p no:cacheprovider $(ARGS)
+
+protos: install
+	$(BIN)/python -m protos.build
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,36 @@
+"""The gateway's configuration, from flags and SPECLANE_GATEWAY_* variables."""
+
+import dataclasses
+from dataclasses import dataclass
+
+from gateway.types import SpeculationSettings
+from speclane.config import option
+
+ENV_PREFIX = "SPECLANE_GATEWAY_"
+
+
+@dataclass(frozen=True)
+class GatewayConfig:
+    model: str = option("smollm2-135m-instruct", "packaged model name or Hugging Face directory (tokenizer, chat template)")
+    served_model_name: str = option("", "model name clients use; defaults to the model's name")
+    host: str = option("127.0.0.1", "HTTP listen address")
+    port: int = option(8000, "HTTP port (OpenAI-compatible API)")
+    grpc_address: str = option("127.0.0.1:50060", "listen address of the gRPC Generate API")
+    drafter_address: str = option("127.0.0.1:50061", "drafter service address; empty disables speculation")
+    verifier_addresses: tuple[str, ...] = option(("127.0.0.1:50062",), "comma-separated verifier addresses")
+    speculative_config: str = option("", "vLLM-style JSON, e.g. '{\"method\": \"suffix\", \"num_speculative_tokens\": 8}'")
+    draft_timeout_ms: int = option(200, "a draft slower than this is skipped and the drafter given a rest")
+    max_concurrent_requests: int = option(64, "requests in flight before new ones get HTTP 429 / RESOURCE_EXHAUSTED")
+    log_level: str = option("info", "debug, info, warning or error")
+    speculation: SpeculationSettings = dataclasses.field(init=False, repr=False)
+
+    def __post_init__(self):
+        if not 0 < self.port < 65536:
+            raise ValueError("port must be in 1..65535")
+        if not self.verifier_addresses:
+            raise ValueError("at least one verifier address is needed")
+        if self.draft_timeout_ms <= 0:
+            raise ValueError("draft_timeout_ms must be positive")
+        if self.max_concurrent_requests < 1:
+            raise ValueError("max_concurrent_requests must be >= 1")
+        object.__setattr__(self, "speculation", SpeculationSettings.from_json(self.speculative_config))

@@ -1,0 +1,82 @@
+"""Runs the gateway: OpenAI HTTP API and gRPC Generate API over one orchestrator."""
+
+import asyncio
+import contextlib
+import pathlib
+
+import structlog
+import uvicorn
+from transformers import AutoTokenizer
+
+from gateway.clients import DrafterClient, VerifierPool
+from gateway.config import GatewayConfig
+from gateway.grpc_api import add_generation_servicer
+from gateway.metrics import GatewayMetrics
+from gateway.openai_api import create_app
+from gateway.orchestrator import Orchestrator
+from gateway.serving import ServingContext
+from speclane import grpc_server
+from speclane.log import configure_logging
+from speclane.models import resolve_model
+
+log = structlog.get_logger()
+
+
+class _EmbeddedHttpServer(uvicorn.Server):
+    """uvicorn without its own signal handling: the gateway stops HTTP and gRPC together."""
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        yield
+
+
+async def run(config: GatewayConfig) -> None:
+    configure_logging("gateway", config.log_level)
+    model_dir = resolve_model(config.model)
+    model_name = config.served_model_name or pathlib.Path(model_dir).name
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    verifiers = VerifierPool(config.verifier_addresses)
+    drafter = DrafterClient(config.drafter_address, config.draft_timeout_ms / 1000) if config.drafter_address else None
+    metrics = GatewayMetrics(model_name)
+    orchestrator = Orchestrator(verifiers, drafter, metrics)
+    log.info("waiting_for_verifier", addresses=config.verifier_addresses)
+    await verifiers.wait_ready()
+    info = await verifiers.model_info()
+    context = ServingContext(
+        model_name=model_name,
+        tokenizer=tokenizer,
+        generate=orchestrator.generate,
+        default_speculation=config.speculation,
+        max_context_len=info.max_context_len,
+        max_concurrent_requests=config.max_concurrent_requests,
+        metrics=metrics,
+        ready=verifiers.ready,
+    )
+    http = _EmbeddedHttpServer(uvicorn.Config(
+        create_app(context), host=config.host, port=config.port, log_config=None, access_log=False,
+        timeout_graceful_shutdown=5,
+    ))
+    http_task = asyncio.ensure_future(http.serve())
+
+    async def wait_for_http():
+        while not http.started:
+            if http_task.done():
+                http_task.result()
+                raise OSError(f"HTTP server on {config.host}:{config.port} did not start")
+            await asyncio.sleep(0.05)
+        log.info("http_listening", url=f"http://{config.host}:{config.port}/v1", model=model_name,
+                 speculation=config.speculation.method)
+
+    async def shutdown():
+        http.should_exit = True
+        await http_task
+        if drafter is not None:
+            await drafter.close()
+        await verifiers.close()
+
+    await grpc_server.serve(
+        address=config.grpc_address,
+        add_servicers=lambda server: [add_generation_servicer(server, context)],
+        warmup=wait_for_http,
+        on_shutdown=shutdown,
+    )

@@ -1,0 +1,1 @@
+"""gRPC contracts between speclane services; generated modules sit beside each .proto."""

@@ -1,0 +1,74 @@
+from protos.common.v1 import common_pb2 as _common_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class Method(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    METHOD_UNSPECIFIED: _ClassVar[Method]
+    METHOD_SUFFIX: _ClassVar[Method]
+    METHOD_NGRAM: _ClassVar[Method]
+METHOD_UNSPECIFIED: Method
+METHOD_SUFFIX: Method
+METHOD_NGRAM: Method
+
+class ProposerParams(_message.Message):
+    __slots__ = ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "max_spec_factor", "max_spec_offset", "min_token_prob", "max_tree_depth", "use_tree_spec")
+    METHOD_FIELD_NUMBER: _ClassVar[int]
+    NUM_SPECULATIVE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOOKUP_MIN_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOOKUP_MAX_FIELD_NUMBER: _ClassVar[int]
+    MAX_SPEC_FACTOR_FIELD_NUMBER: _ClassVar[int]
+    MAX_SPEC_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    MIN_TOKEN_PROB_FIELD_NUMBER: _ClassVar[int]
+    MAX_TREE_DEPTH_FIELD_NUMBER: _ClassVar[int]
+    USE_TREE_SPEC_FIELD_NUMBER: _ClassVar[int]
+    method: Method
+    num_speculative_tokens: int
+    prompt_lookup_min: int
+    prompt_lookup_max: int
+    max_spec_factor: float
+    max_spec_offset: float
+    min_token_prob: float
+    max_tree_depth: int
+    use_tree_spec: bool
+    def __init__(self, method: _Optional[_Union[Method, str]] = ..., num_speculative_tokens: _Optional[int] = ..., prompt_lookup_min: _Optional[int] = ..., prompt_lookup_max: _Optional[int] = ..., max_spec_factor: _Optional[float] = ..., max_spec_offset: _Optional[float] = ..., min_token_prob: _Optional[float] = ..., max_tree_depth: _Optional[int] = ..., use_tree_spec: _Optional[bool] = ...) -> None: ...
+
+class Start(_message.Message):
+    __slots__ = ("sequence_id", "prompt_token_ids", "params", "tenant")
+    SEQUENCE_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    PARAMS_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    sequence_id: str
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    params: ProposerParams
+    tenant: str
+    def __init__(self, sequence_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[ProposerParams, _Mapping]] = ..., tenant: _Optional[str] = ...) -> None: ...
+
+class Step(_message.Message):
+    __slots__ = ("committed_token_ids", "committed_len")
+    COMMITTED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    COMMITTED_LEN_FIELD_NUMBER: _ClassVar[int]
+    committed_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    committed_len: int
+    def __init__(self, committed_token_ids: _Optional[_Iterable[int]] = ..., committed_len: _Optional[int] = ...) -> None: ...
+
+class SessionRequest(_message.Message):
+    __slots__ = ("start", "step")
+    START_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    start: Start
+    step: Step
+    def __init__(self, start: _Optional[_Union[Start, _Mapping]] = ..., step: _Optional[_Union[Step, _Mapping]] = ...) -> None: ...
+
+class SessionResponse(_message.Message):
+    __slots__ = ("draft",)
+    DRAFT_FIELD_NUMBER: _ClassVar[int]
+    draft: _common_pb2.Draft
+    def __init__(self, draft: _Optional[_Union[_common_pb2.Draft, _Mapping]] = ...) -> None: ...

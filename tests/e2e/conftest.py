@@ -1,0 +1,17 @@
+import pytest
+
+from speclane.models import DEFAULT_MODEL, resolve_model
+from tests.e2e.stack import start_stack
+
+
+@pytest.fixture(scope="session")
+def model_dir():
+    return resolve_model(DEFAULT_MODEL)
+
+
+@pytest.fixture(scope="session")
+def stack(model_dir, tmp_path_factory):
+    running = start_stack(model_dir, tmp_path_factory.mktemp("stack-logs"),
+                          speculative_config='{"method": "suffix", "num_speculative_tokens": 8}')
+    yield running
+    running.stop()

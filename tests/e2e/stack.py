@@ -1,0 +1,110 @@
+"""Starts the three real services as separate processes on free localhost ports."""
+
+import dataclasses
+import os
+import pathlib
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from drafter_service.config import DrafterConfig
+from gateway.config import GatewayConfig
+from speclane.config import to_argv
+from verifier_service.config import VerifierConfig
+
+_START_TIMEOUT_SECONDS = 180
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def grpc_health(address: str) -> int:
+    with grpc.insecure_channel(address) as channel:
+        reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
+    return reply.status
+
+
+@dataclasses.dataclass
+class Stack:
+    drafter: DrafterConfig
+    verifier: VerifierConfig
+    gateway: GatewayConfig
+    log_dir: pathlib.Path
+    processes: dict = dataclasses.field(default_factory=dict)
+
+    @property
+    def base_url(self) -> str:
+        return f"http://{self.gateway.host}:{self.gateway.port}/v1"
+
+    def start_service(self, name: str) -> None:
+        module, config = {"drafter": ("drafter_service", self.drafter),
+                          "verifier": ("verifier_service", self.verifier),
+                          "gateway": ("gateway", self.gateway)}[name]
+        log_file = (self.log_dir / f"{name}.log").open("ab")
+        self.processes[name] = subprocess.Popen(
+            [sys.executable, "-m", module, *to_argv(config)], stdout=log_file, stderr=subprocess.STDOUT,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
+
+    def kill(self, name: str) -> None:
+        process = self.processes[name]
+        process.send_signal(signal.SIGKILL)
+        process.wait()
+
+    def wait_ready(self) -> None:
+        deadline = time.monotonic() + _START_TIMEOUT_SECONDS
+        while time.monotonic() < deadline:
+            for name, process in self.processes.items():
+                if process.poll() is not None:
+                    raise RuntimeError(f"{name} exited with {process.returncode}:\n{self.logs(name)}")
+            try:
+                with urllib.request.urlopen(f"http://{self.gateway.host}:{self.gateway.port}/health") as reply:
+                    if reply.status == 200:
+                        return
+            except OSError:
+                pass
+            time.sleep(0.5)
+        raise TimeoutError("the stack did not become ready:\n" + "\n".join(self.logs(n) for n in self.processes))
+
+    def logs(self, name: str) -> str:
+        return (self.log_dir / f"{name}.log").read_text(errors="replace")[-4000:]
+
+    def stop(self) -> None:
+        for name in ("gateway", "verifier", "drafter"):
+            process = self.processes.get(name)
+            if process is not None and process.poll() is None:
+                process.send_signal(signal.SIGTERM)
+                try:
+                    process.wait(30)
+                except subprocess.TimeoutExpired:
+                    process.kill()
+                    process.wait()
+
+
+def start_stack(model_dir: pathlib.Path, log_dir: pathlib.Path, speculative_config: str = "") -> Stack:
+    drafter = DrafterConfig(address=f"127.0.0.1:{free_port()}")
+    verifier = VerifierConfig(model=str(model_dir), model_name="smollm2-135m-instruct",
+                              address=f"127.0.0.1:{free_port()}")
+    gateway = GatewayConfig(
+        model=str(model_dir), served_model_name="smollm2-135m-instruct", port=free_port(),
+        grpc_address=f"127.0.0.1:{free_port()}", drafter_address=drafter.address,
+        verifier_addresses=(verifier.address,), speculative_config=speculative_config,
+    )
+    stack = Stack(drafter, verifier, gateway, log_dir)
+    for name in ("drafter", "verifier", "gateway"):
+        stack.start_service(name)
+    try:
+        stack.wait_ready()
+    except BaseException:
+        stack.stop()
+        raise
+    return stack

@@ -1,0 +1,48 @@
+"""Greedy output with speculation equals greedy output without, token for token,
+through the real drafter, verifier and gateway processes."""
+
+import pytest
+
+from gateway.client import GenerationClient
+from tests.e2e.prompts import code_edit_messages, humaneval_messages, sharegpt_messages
+
+pytestmark = pytest.mark.e2e
+MAX_TOKENS = 40
+PROMPTS = [("humaneval", i) for i in range(10)] + [("sharegpt", i) for i in range(10)]
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    return {"humaneval": humaneval_messages(10), "sharegpt": sharegpt_messages(10)}
+
+
+@pytest.fixture(scope="module")
+def client(stack):
+    with GenerationClient(stack.gateway.grpc_address) as client:
+        yield client
+
+
+@pytest.mark.parametrize("source,index", PROMPTS, ids=[f"{s}-{i}" for s, i in PROMPTS])
+def test_speculative_greedy_output_equals_plain(client, prompts, source, index):
+    messages = prompts[source][index]
+    # Speculative runs go first, so the suffix drafter cannot simply replay this prompt's plain answer.
+    runs = {method: client.generate(messages=messages, max_tokens=MAX_TOKENS, temperature=0.0,
+                                    speculation={"method": method})
+            for method in ("suffix", "ngram", "none")}
+    plain = runs["none"]
+    assert plain.draft_tokens == 0 and plain.verify_steps > 0
+    assert len(plain.token_ids) > 0
+    for method in ("suffix", "ngram"):
+        assert runs[method].token_ids == plain.token_ids, f"{method} changed the output"
+        assert runs[method].text == plain.text
+
+
+def test_speculation_accepts_tokens_on_repetitive_code(client):
+    result = client.generate(messages=code_edit_messages(), max_tokens=96, temperature=0.0,
+                             speculation={"method": "suffix"})
+    plain = client.generate(messages=code_edit_messages(), max_tokens=96, temperature=0.0,
+                            speculation={"method": "none"})
+    assert result.token_ids == plain.token_ids
+    assert result.accepted_tokens > 0
+    # Accepted drafts mean fewer verify steps than tokens.
+    assert result.verify_steps < plain.verify_steps
