@@ -1,0 +1,33 @@
+"""Configuration of the drafter service (flags `--max-tree-depth`, env `SPECLANE_DRAFTER_MAX_TREE_DEPTH`, ...)."""
+
+from dataclasses import dataclass
+
+from drafter_service.proposer import MAX_TREE_DEPTH
+from speclane.config import option
+
+ENV_PREFIX = "SPECLANE_DRAFTER_"
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+@dataclass(frozen=True)
+class DrafterConfig:
+    address: str = option("127.0.0.1:50061", "host:port the gRPC server listens on")
+    max_tree_depth: int = option(24, "depth of the global suffix trees, and of per-request trees "
+                                     "unless a session asks for another")
+    max_cached_requests: int = option(10000, "responses kept per tenant in the global suffix tree, "
+                                             "evicted first in first out; 0 disables the global tree")
+    max_concurrent_rpcs: int = option(1024, "open sessions beyond which new ones get RESOURCE_EXHAUSTED")
+    log_level: str = option("info", "one of " + ", ".join(LOG_LEVELS))
+
+    def __post_init__(self):
+        host, _, port = self.address.rpartition(":")
+        if not host or not port.isdigit():
+            raise ValueError(f"address must be host:port, got {self.address!r}")
+        if not 1 <= self.max_tree_depth <= MAX_TREE_DEPTH:
+            raise ValueError(f"max_tree_depth must be between 1 and {MAX_TREE_DEPTH}")
+        if self.max_cached_requests < 0:
+            raise ValueError("max_cached_requests must be >= 0")
+        if self.max_concurrent_rpcs < 1:
+            raise ValueError("max_concurrent_rpcs must be >= 1")
+        if self.log_level not in LOG_LEVELS:
+            raise ValueError(f"log_level must be one of {', '.join(LOG_LEVELS)}")

@@ -1,0 +1,40 @@
+"""A proposed continuation of one sequence, as the drafters return it."""
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Draft:
+    """Draft tokens, possibly a tree.
+
+    `parents[i]` is the index in `token_ids` of token i's parent, -1 for a child
+    of the last committed token. `probs` are the drafter's per-token path
+    probabilities (empty when it makes no estimate, as n-gram lookup), `score`
+    the expected number of accepted tokens, `match_len` how many context tokens
+    the drafter matched to produce it.
+    """
+
+    token_ids: tuple[int, ...] = ()
+    parents: tuple[int, ...] = ()
+    probs: tuple[float, ...] = ()
+    score: float = 0.0
+    match_len: int = 0
+    source: str = ""
+
+    def __post_init__(self):
+        if len(self.parents) != len(self.token_ids):
+            raise ValueError("a draft needs one parent per token")
+        if self.probs and len(self.probs) != len(self.token_ids):
+            raise ValueError("a draft needs one probability per token, or none")
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def is_chain(self) -> bool:
+        return all(parent == index - 1 for index, parent in enumerate(self.parents))
+
+
+def chain_parents(length: int) -> tuple[int, ...]:
+    """Parents of a single path: each token follows the previous one."""
+    return tuple(range(-1, length - 1))

@@ -1,0 +1,392 @@
+"""OpenAI-compatible HTTP API: /v1/chat/completions, /v1/completions (with SSE
+streaming), /v1/models, /health and /metrics, over a ServingContext."""
+
+import asyncio
+import contextlib
+import dataclasses
+import json
+import time
+import uuid
+from typing import Any, ClassVar
+
+import anyio
+import structlog
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ConfigDict
+from starlette.exceptions import HTTPException
+
+from gateway.metrics import CONTENT_TYPE
+from gateway.serving import (MAX_SEED, GenerationParams, InvalidRequest, ModelNotFound, Overloaded,
+                             ServingContext, TextDelta, build_generation_request, generate_text)
+from gateway.types import SpeculationUsage
+from speclane.log import TENANT_METADATA_KEY, bind_request_id
+
+log = structlog.get_logger()
+
+LEGACY_DEFAULT_MAX_TOKENS = 16  # /v1/completions' default in OpenAI's API (and vLLM's)
+# Values of refused fields that ask for nothing, so clients sending defaults still work.
+NEUTRAL_VALUES = {"tool_choice": ("none", "auto"), "response_format": ({"type": "text"},), "best_of": (1,),
+                  "modalities": (["text"],), "service_tier": ("auto", "default")}
+
+
+class StrictModel(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class ContentPart(BaseModel):
+    # Not strict: image/audio parts carry other fields; chat_messages refuses them by type.
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(StrictModel):
+    role: str
+    content: str | list[ContentPart] | None = None
+
+
+class StreamOptions(StrictModel):
+    include_usage: bool = False
+
+
+class CompletionBase(BaseModel):
+    # Other fields are checked by check_extra_fields: refused unless neutral, or unknown.
+    model_config = ConfigDict(extra="allow")
+    refused: ClassVar[tuple[str, ...]] = ("logprobs", "top_logprobs", "logit_bias", "presence_penalty",
+                                          "frequency_penalty", "response_format")
+
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None  # extension (vLLM)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None  # extension (vLLM)
+    ignore_eos: bool = False  # extension (vLLM)
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    speculation: dict[str, Any] | None = None  # extension: vLLM --speculative-config keys
+    user: str | None = None  # an end-user id for the provider's abuse tracking: nothing to do
+
+
+class ChatCompletionRequest(CompletionBase):
+    refused: ClassVar[tuple[str, ...]] = (*CompletionBase.refused, "tools", "tool_choice", "functions",
+                                          "function_call", "prediction", "audio", "modalities", "store",
+                                          "reasoning_effort", "service_tier", "web_search_options")
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = None
+    metadata: dict[str, str] | None = None  # only labels stored completions, which we do not store
+    parallel_tool_calls: bool | None = None  # meaningless without tools, which are refused
+
+
+class CompletionRequest(CompletionBase):
+    refused: ClassVar[tuple[str, ...]] = (*CompletionBase.refused, "echo", "suffix", "best_of")
+    prompt: Any
+
+
+@dataclasses.dataclass(frozen=True)
+class ApiFlavor:
+    """Where chat and text completions differ in their response bodies."""
+
+    chat: bool
+    id_prefix: str
+    object: str
+    chunk_object: str
+
+    def choice(self, index: int, text: str, finish_reason: str | None) -> dict:
+        body = {"message": {"role": "assistant", "content": text}} if self.chat else {"text": text}
+        return {"index": index, **body, "logprobs": None, "finish_reason": finish_reason}
+
+    def chunk_choice(self, index: int, text: str, finish_reason: str | None) -> dict:
+        body = {"delta": {"content": text} if text else {}} if self.chat else {"text": text}
+        return {"index": index, **body, "logprobs": None, "finish_reason": finish_reason}
+
+
+CHAT = ApiFlavor(True, "chatcmpl", "chat.completion", "chat.completion.chunk")
+TEXT = ApiFlavor(False, "cmpl", "text_completion", "text_completion")
+
+
+class UsageTally:
+    """Completion tokens and speculation usage summed over a request's choices."""
+
+    def __init__(self, prompt_tokens: int):
+        self.prompt_tokens = prompt_tokens
+        self.completion_tokens = 0
+        self.speculation = SpeculationUsage()
+
+    def add(self, delta: TextDelta) -> None:
+        self.completion_tokens += len(delta.token_ids)
+        if delta.speculation is not None:
+            for key in ("draft_tokens", "accepted_tokens", "verify_steps"):
+                setattr(self.speculation, key, getattr(self.speculation, key) + getattr(delta.speculation, key))
+
+    def as_dict(self) -> dict:
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
+                "total_tokens": self.prompt_tokens + self.completion_tokens,
+                "speculation": dataclasses.asdict(self.speculation)}
+
+
+def error_body(message: str, kind: str, param: str | None = None, code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+def error_for(ctx: ServingContext, error: Exception) -> tuple[int, dict]:
+    """HTTP status and OpenAI error body for an exception; counts it."""
+    if isinstance(error, ModelNotFound):
+        status, kind, code, label = 404, "invalid_request_error", "model_not_found", "model_not_found"
+    elif isinstance(error, InvalidRequest):
+        status, kind, code, label = 400, "invalid_request_error", None, "invalid_request"
+    elif isinstance(error, Overloaded):
+        status, kind, code, label = 429, "rate_limit_error", "overloaded", "overloaded"
+    else:
+        log.error("request failed", exc_info=error)
+        ctx.metrics.record_error("internal")
+        return 500, error_body("Internal server error", "server_error")
+    ctx.metrics.record_error(label)
+    return status, error_body(str(error), kind, error.param if isinstance(error, InvalidRequest) else None, code)
+
+
+def validation_message(error: dict) -> tuple[str, str | None]:
+    """A readable message and the offending parameter for one pydantic error."""
+    loc = [str(part) for part in error.get("loc", ()) if part != "body"]
+    param = ".".join(loc) or None
+    if error["type"] == "json_invalid":
+        return f"the request body is not valid JSON: {error.get('ctx', {}).get('error', error['msg'])}", None
+    if error["type"] == "extra_forbidden":
+        return f"Unrecognized request argument supplied: {param}", param
+    if error["type"] == "missing":
+        return f"missing required parameter: {param}", param
+    return (f"{param}: {error['msg']}" if param else error["msg"]), param
+
+
+def check_extra_fields(body: CompletionBase) -> None:
+    for name, value in (body.model_extra or {}).items():
+        if name not in body.refused:  # OpenAI's own answer to unknown fields
+            raise InvalidRequest(f"Unrecognized request argument supplied: {name}", name)
+        if value and value not in NEUTRAL_VALUES.get(name, ()):
+            raise InvalidRequest(f"{name} is not supported by this server", name)
+
+
+def chat_messages(messages: list[ChatMessage]) -> list[dict]:
+    rendered = []
+    for index, message in enumerate(messages):
+        content = message.content
+        if isinstance(content, list):
+            if any(part.type != "text" for part in content):
+                raise InvalidRequest("only text content parts are supported", f"messages.{index}.content")
+            content = "\n".join(part.text or "" for part in content)
+        rendered.append({"role": message.role, "content": content})
+    return rendered
+
+
+def completion_prompt(prompt: Any) -> dict:
+    if isinstance(prompt, str):
+        return {"text": prompt}
+    if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        return {"token_ids": prompt}
+    raise InvalidRequest("prompt must be a string or a list of token ids (batched prompts are not supported)",
+                         "prompt")
+
+
+async def choice_events(ctx: ServingContext, requests, stop_strings):
+    """(choice index, TextDelta) from the n generations as they come; holds n limiter slots."""
+    with ctx.limiter.acquire(len(requests)):
+        queue = asyncio.Queue()
+
+        async def pump(index, request):
+            try:
+                async for delta in generate_text(ctx, request, stop_strings):
+                    queue.put_nowait((index, delta, None))
+            except Exception as error:
+                queue.put_nowait((index, None, error))
+
+        tasks = [asyncio.create_task(pump(index, request)) for index, request in enumerate(requests)]
+        try:
+            unfinished = len(requests)
+            while unfinished:
+                index, delta, error = await queue.get()
+                if error is not None:
+                    raise error
+                unfinished -= delta.finish_reason is not None
+                yield index, delta
+        finally:
+            for task in tasks:
+                task.cancel()  # closes the generations that are still running: downstream abort
+            with anyio.CancelScope(shield=True):
+                await asyncio.gather(*tasks, return_exceptions=True)
+
+
+@dataclasses.dataclass
+class ResponseWriter:
+    """Writes one request's response from its choices' deltas: a JSON body, or SSE chunks."""
+
+    ctx: ServingContext
+    flavor: ApiFlavor
+    response_id: str
+    n: int
+    usage: UsageTally
+    created: int = dataclasses.field(default_factory=lambda: int(time.time()))
+
+    def envelope(self, object_name: str, choices: list) -> dict:
+        return {"id": self.response_id, "object": object_name, "created": self.created,
+                "model": self.ctx.model_name, "choices": choices}
+
+    async def body(self, events) -> dict:
+        texts, finish_reasons = [[] for _ in range(self.n)], [None] * self.n
+        async with contextlib.aclosing(events):
+            async for index, delta in events:
+                texts[index].append(delta.text)
+                finish_reasons[index] = delta.finish_reason
+                self.usage.add(delta)
+        choices = [self.flavor.choice(index, "".join(texts[index]), finish_reasons[index])
+                   for index in range(self.n)]
+        return {**self.envelope(self.flavor.object, choices), "usage": self.usage.as_dict()}
+
+    def event(self, choices: list, include_usage: bool, usage: dict | None = None) -> str:
+        chunk = self.envelope(self.flavor.chunk_object, choices)
+        if include_usage:
+            chunk["usage"] = usage  # null on all but the last chunk, as OpenAI does
+        return f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n"
+
+    def delta_event(self, index: int, delta: TextDelta, include_usage: bool) -> str | None:
+        self.usage.add(delta)
+        if not (delta.text or delta.finish_reason):
+            return None
+        return self.event([self.flavor.chunk_choice(index, delta.text, delta.finish_reason)], include_usage)
+
+    async def events(self, first: tuple[int, TextDelta], events, include_usage: bool):
+        async with contextlib.aclosing(events):
+            try:
+                if self.flavor.chat:
+                    for index in range(self.n):
+                        yield self.event([{"index": index, "delta": {"role": "assistant", "content": ""},
+                                           "logprobs": None, "finish_reason": None}], include_usage)
+                if chunk := self.delta_event(*first, include_usage):
+                    yield chunk
+                async for index, delta in events:
+                    if chunk := self.delta_event(index, delta, include_usage):
+                        yield chunk
+                if include_usage:
+                    yield self.event([], include_usage, self.usage.as_dict())
+            except Exception as error:  # headers are gone: report in-band, as OpenAI and vLLM do
+                yield f"data: {json.dumps(error_for(self.ctx, error)[1])}\n\n"
+        yield "data: [DONE]\n\n"
+
+
+class EventStream(StreamingResponse):
+    media_type = "text/event-stream"
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            # Starlette leaves the body iterator suspended when the client goes
+            # away; closing it cancels the generations and frees their slots.
+            with anyio.CancelScope(shield=True):
+                await self.body_iterator.aclose()
+
+
+async def unless_disconnected(request: Request, work):
+    """Awaits coroutine `work`, cancelling it (and returning None) if the client goes away first."""
+
+    async def disconnected():
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    task, watcher = asyncio.ensure_future(work), asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait([task, watcher], return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        task.cancel()  # a no-op once done
+        await asyncio.wait([task])
+    return None if task.cancelled() else task.result()
+
+
+def create_app(ctx: ServingContext) -> FastAPI:
+    app = FastAPI(title="speclane gateway")
+    started = int(time.time())
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_body(request: Request, error: RequestValidationError):
+        message, param = validation_message(error.errors()[0])
+        ctx.metrics.record_error("invalid_request")
+        return JSONResponse(error_body(message, "invalid_request_error", param), status_code=400)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, error: HTTPException):
+        return JSONResponse(error_body(str(error.detail), "invalid_request_error"), status_code=error.status_code,
+                            headers=error.headers)
+
+    async def complete(request: Request, flavor: ApiFlavor, body: CompletionBase, max_tokens: int | None):
+        response_id = f"{flavor.id_prefix}-{uuid.uuid4().hex}"
+        bind_request_id(response_id)
+        headers = {"X-Request-Id": response_id}
+        try:
+            check_extra_fields(body)
+            if not 1 <= body.n <= ctx.max_concurrent_requests:
+                raise InvalidRequest(f"n must be between 1 and {ctx.max_concurrent_requests}", "n")
+            if body.stream_options is not None and not body.stream:
+                raise InvalidRequest("stream_options is only allowed with stream=true", "stream_options")
+            stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or ())
+            params = GenerationParams(
+                model=body.model, max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p,
+                top_k=body.top_k, seed=body.seed, stop=stop, stop_token_ids=body.stop_token_ids or (),
+                ignore_eos=body.ignore_eos, speculation=body.speculation,
+                tenant=request.headers.get(TENANT_METADATA_KEY, ""))
+            prompt = {"messages": chat_messages(body.messages)} if flavor.chat else completion_prompt(body.prompt)
+            base = build_generation_request(ctx, response_id, params, **prompt)
+            requests = [base] if body.n == 1 else [
+                # Distinct ids downstream (one KV cache each) and distinct samples for one seed.
+                dataclasses.replace(base, request_id=f"{response_id}-{index}",
+                                    seed=None if base.seed is None else (base.seed + index) % MAX_SEED)
+                for index in range(body.n)]
+            events = choice_events(ctx, requests, stop)
+            writer = ResponseWriter(ctx, flavor, response_id, body.n, UsageTally(len(base.prompt_token_ids)))
+            if body.stream:
+                include_usage = bool(body.stream_options and body.stream_options.include_usage)
+                # Waiting for the first tokens lets overload and bad input still get a status code.
+                first = await anext(events)
+                return EventStream(writer.events(first, events, include_usage),
+                                   headers={**headers, "Cache-Control": "no-cache"})
+            result = await unless_disconnected(request, writer.body(events))
+            if result is None:
+                log.info("client disconnected")
+                return Response(status_code=499)  # nobody reads it; nginx's "client closed request"
+            return JSONResponse(result, headers=headers)
+        except Exception as error:
+            status, error_json = error_for(ctx, error)
+            return JSONResponse(error_json, status_code=status, headers=headers)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        return await complete(request, CHAT, body, max_tokens)
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        max_tokens = body.max_tokens if body.max_tokens is not None else LEGACY_DEFAULT_MAX_TOKENS
+        return await complete(request, TEXT, body, max_tokens)
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": ctx.model_name, "object": "model", "created": started,
+                                            "owned_by": "speclane", "max_model_len": ctx.max_context_len}]}
+
+    @app.get("/health")
+    async def health():
+        try:
+            ready = await ctx.ready()
+        except Exception as error:
+            log.warning("readiness check failed", error=str(error))
+            ready = False
+        return Response(status_code=200 if ready else 503)
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(ctx.metrics.render(), media_type=CONTENT_TYPE)
+
+    return app

@@ -1,0 +1,282 @@
+"""What both front ends (OpenAI HTTP, gRPC Generate) share: turning a request
+into a validated GenerationRequest, a concurrency limit, and running the
+propose/verify loop with detokenization and stop strings on top."""
+
+import contextlib
+import dataclasses
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+
+import jinja2
+
+from gateway.detokenizer import IncrementalDetokenizer
+from gateway.metrics import GatewayMetrics
+from gateway.stop_strings import StopStringMatcher
+from gateway.types import GenerationRequest, SpeculationSettings, SpeculationUsage, TokenDelta
+
+MAX_STOP_STRINGS = 4  # OpenAI's limit
+CHAT_ROLES = ("system", "developer", "user", "assistant")
+MAX_SEED = 2**64  # seeds travel as uint64
+
+
+class InvalidRequest(ValueError):
+    """Bad input from the client: HTTP 400 / INVALID_ARGUMENT."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
+
+
+class ModelNotFound(InvalidRequest):
+    """The request names a model we do not serve: HTTP 404 / NOT_FOUND."""
+
+
+class Overloaded(Exception):
+    """Too many generations in flight: HTTP 429 / RESOURCE_EXHAUSTED."""
+
+
+class ConcurrencyLimiter:
+    """Admits up to `limit` generations at once and refuses the rest at once
+    (no queue: the client retries, and a queue would hide overload)."""
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self.in_flight = 0
+
+    @contextlib.contextmanager
+    def acquire(self, count: int = 1):
+        # A single event loop runs all requests, so check-and-add is atomic.
+        if self.in_flight + count > self.limit:
+            raise Overloaded(f"server is at its limit of {self.limit} concurrent generations; retry later")
+        self.in_flight += count
+        try:
+            yield
+        finally:
+            self.in_flight -= count
+
+
+GenerateFn = Callable[[GenerationRequest], AsyncIterator[TokenDelta]]
+
+
+@dataclass
+class ServingContext:
+    model_name: str
+    tokenizer: object  # any Hugging Face tokenizer
+    generate: GenerateFn
+    default_speculation: SpeculationSettings
+    max_context_len: int
+    max_concurrent_requests: int
+    metrics: GatewayMetrics
+    ready: Callable[[], Awaitable[bool]]
+    limiter: ConcurrencyLimiter = field(init=False)
+
+    def __post_init__(self):
+        self.limiter = ConcurrencyLimiter(self.max_concurrent_requests)
+
+
+@dataclass(frozen=True)
+class GenerationParams:
+    """A request's generation settings, as either front end parsed them."""
+
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    seed: int | None = None
+    stop: Sequence[str] = ()
+    stop_token_ids: Sequence[int] = ()
+    ignore_eos: bool = False
+    speculation: dict | None = None  # overrides of ctx.default_speculation
+    tenant: str = ""
+
+
+def chat_prompt_ids(ctx: ServingContext, messages: Sequence[dict]) -> list[int]:
+    """Renders {"role", "content"} messages with the model's chat template."""
+    if not messages:
+        raise InvalidRequest("messages must not be empty", "messages")
+    rendered = []
+    for index, message in enumerate(messages):
+        role, content = message.get("role"), message.get("content")
+        if role not in CHAT_ROLES:
+            raise InvalidRequest(f"messages[{index}].role must be one of {', '.join(CHAT_ROLES)}, got {role!r}",
+                                 f"messages.{index}.role")
+        if not isinstance(content, str):
+            raise InvalidRequest(f"messages[{index}].content must be a string", f"messages.{index}.content")
+        # "developer" is OpenAI's newer name for "system"; chat templates know only the latter.
+        rendered.append({"role": "system" if role == "developer" else role, "content": content})
+    if not getattr(ctx.tokenizer, "chat_template", None):
+        raise InvalidRequest(f"model {ctx.model_name!r} has no chat template; send a plain prompt instead")
+    try:
+        text = ctx.tokenizer.apply_chat_template(rendered, add_generation_prompt=True, tokenize=False)
+    except jinja2.TemplateError as error:  # e.g. "roles must alternate user/assistant"
+        raise InvalidRequest(f"messages rejected by the chat template: {error}", "messages") from error
+    # The template writes its own special tokens (BOS and the like).
+    return ctx.tokenizer.encode(text, add_special_tokens=False)
+
+
+def text_prompt_ids(ctx: ServingContext, text: str) -> list[int]:
+    return ctx.tokenizer.encode(text)
+
+
+def _check_token_ids(ctx: ServingContext, token_ids: Sequence[int], param: str) -> list[int]:
+    vocab_size = len(ctx.tokenizer)
+    for token_id in token_ids:
+        if not 0 <= token_id < vocab_size:
+            raise InvalidRequest(f"{param} contains token id {token_id}, outside the vocabulary [0, {vocab_size})",
+                                 param)
+    return list(token_ids)
+
+
+def _check_params(params: GenerationParams) -> None:
+    if params.max_tokens is not None and params.max_tokens < 1:
+        raise InvalidRequest(f"max_tokens must be at least 1, got {params.max_tokens}", "max_tokens")
+    if params.temperature is not None and not 0 <= params.temperature <= 2:
+        raise InvalidRequest(f"temperature must be between 0 and 2, got {params.temperature}", "temperature")
+    if params.top_p is not None and not 0 < params.top_p <= 1:
+        raise InvalidRequest(f"top_p must be in (0, 1], got {params.top_p}", "top_p")
+    if params.top_k is not None and params.top_k < -1:
+        raise InvalidRequest(f"top_k must be -1 or 0 (disabled) or a positive number, got {params.top_k}", "top_k")
+    if params.seed is not None and not 0 <= params.seed < MAX_SEED:
+        raise InvalidRequest("seed must be between 0 and 2**64 - 1", "seed")
+    if len(params.stop) > MAX_STOP_STRINGS:
+        raise InvalidRequest(f"at most {MAX_STOP_STRINGS} stop strings are allowed, got {len(params.stop)}", "stop")
+    if any(not isinstance(stop, str) or not stop for stop in params.stop):
+        raise InvalidRequest("stop strings must be non-empty strings", "stop")
+
+
+def _max_tokens(ctx: ServingContext, prompt_len: int, requested: int | None) -> int:
+    room = ctx.max_context_len - prompt_len
+    if room < 1:
+        raise InvalidRequest(f"the prompt has {prompt_len} tokens, which leaves no room to generate within the "
+                             f"model's maximum context length of {ctx.max_context_len} tokens")
+    if requested is None:
+        return room
+    if requested > room:
+        raise InvalidRequest(f"this model's maximum context length is {ctx.max_context_len} tokens, but "
+                             f"{prompt_len + requested} were requested ({prompt_len} in the prompt, {requested} "
+                             "for the completion); reduce the prompt or max_tokens", "max_tokens")
+    return requested
+
+
+def build_generation_request(ctx: ServingContext, request_id: str, params: GenerationParams, *,
+                             messages: Sequence[dict] | None = None, text: str | None = None,
+                             token_ids: Sequence[int] | None = None) -> GenerationRequest:
+    """Validates a request whose prompt is exactly one of chat messages, text or token ids.
+
+    Raises ModelNotFound or InvalidRequest with a message meant for the client.
+    """
+    if params.model and params.model != ctx.model_name:
+        raise ModelNotFound(f"the model {params.model!r} does not exist; this server serves {ctx.model_name!r}",
+                            "model")
+    _check_params(params)
+    if sum(prompt is not None for prompt in (messages, text, token_ids)) != 1:
+        raise InvalidRequest("give exactly one of messages, a text prompt or a token id prompt", "prompt")
+    if messages is not None:
+        prompt_ids = chat_prompt_ids(ctx, messages)
+    elif text is not None:
+        prompt_ids = text_prompt_ids(ctx, text)
+    else:
+        prompt_ids = _check_token_ids(ctx, token_ids, "prompt")
+    if not prompt_ids:
+        raise InvalidRequest("the prompt must not be empty", "prompt")
+    try:
+        speculation = ctx.default_speculation.override(params.speculation or {})
+    except ValueError as error:
+        raise InvalidRequest(str(error), "speculation") from error
+    stop_token_ids = _check_token_ids(ctx, params.stop_token_ids, "stop_token_ids")
+    if not params.ignore_eos and ctx.tokenizer.eos_token_id is not None:
+        stop_token_ids.append(ctx.tokenizer.eos_token_id)
+    return GenerationRequest(
+        request_id=request_id,
+        prompt_token_ids=prompt_ids,
+        max_tokens=_max_tokens(ctx, len(prompt_ids), params.max_tokens),
+        speculation=speculation,
+        temperature=params.temperature,
+        top_p=params.top_p,
+        top_k=params.top_k if params.top_k and params.top_k > 0 else None,
+        seed=params.seed,
+        stop_token_ids=stop_token_ids,
+        ignore_eos=params.ignore_eos,
+        tenant=params.tenant,
+    )
+
+
+@dataclass(frozen=True)
+class TextDelta:
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None = None  # "stop" | "length" | "abort" on the last delta
+    speculation: SpeculationUsage | None = None  # cumulative, on the last delta
+
+
+class _TextStream:
+    """Detokenizer and stop strings over one generation's tokens."""
+
+    def __init__(self, ctx: ServingContext, request: GenerationRequest, stop_strings: Sequence[str]):
+        self.detokenizer = IncrementalDetokenizer(ctx.tokenizer, request.prompt_token_ids)
+        self.stops = StopStringMatcher(stop_strings)
+
+    def advance(self, token_ids: list[int]) -> tuple[list[int], str, bool]:
+        """Returns the tokens kept, their text, and whether a stop string ended the output.
+
+        Token by token, so that a stop string cuts the token ids where it cuts the text.
+        """
+        pieces = []
+        for count, token_id in enumerate(token_ids, start=1):
+            text, stopped = self.stops.push(self.detokenizer.push([token_id]))
+            pieces.append(text)
+            if stopped:
+                return token_ids[:count], "".join(pieces), True
+        return token_ids, "".join(pieces), False
+
+    def finish(self) -> tuple[str, bool]:
+        text, stopped = self.stops.push(self.detokenizer.flush())
+        return (text, True) if stopped else (text + self.stops.flush(), False)
+
+
+async def generate_text(ctx: ServingContext, request: GenerationRequest,
+                        stop_strings: Sequence[str] = ()) -> AsyncIterator[TextDelta]:
+    """Runs one generation, yielding text as it is committed.
+
+    The last delta has finish_reason and speculation usage. A stop string ends
+    the output with "stop" and closes the token generator, which aborts the
+    generation downstream; so does closing this generator early. Front ends
+    hold a `ctx.limiter.acquire()` slot around it.
+    """
+    stream = _TextStream(ctx, request, stop_strings)
+    started = time.perf_counter()
+    generated = 0
+    usage = None
+    outcome = "abort"  # unless we get to the end
+    with ctx.metrics.in_flight():
+        try:
+            async with contextlib.aclosing(ctx.generate(request)) as deltas:
+                async for delta in deltas:
+                    if delta.speculation is not None:
+                        usage = dataclasses.replace(delta.speculation)  # a snapshot; the source may mutate
+                    if generated == 0 and delta.token_ids:
+                        ctx.metrics.record_first_token(time.perf_counter() - started)
+                    token_ids, text, stopped = stream.advance(delta.token_ids)
+                    generated += len(token_ids)
+                    if delta.finish_reason and not stopped:
+                        tail, stopped = stream.finish()
+                        text += tail
+                    if stopped:
+                        await deltas.aclose()  # abort downstream before the client hears of it
+                    finish_reason = "stop" if stopped else delta.finish_reason
+                    if finish_reason:
+                        outcome = finish_reason
+                        yield TextDelta(token_ids, text, finish_reason, usage or SpeculationUsage())
+                        return
+                    if token_ids or text:
+                        yield TextDelta(token_ids, text)
+            raise RuntimeError("generation ended without a finish reason")
+        except Exception:
+            outcome = None  # the front end reports the error
+            raise
+        finally:
+            if outcome is not None:
+                ctx.metrics.record_request(outcome, len(request.prompt_token_ids), generated,
+                                           time.perf_counter() - started)

@@ -1,0 +1,210 @@
+"""Drafter.Session through a real in-process gRPC server and channel."""
+
+import asyncio
+import contextlib
+import signal
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from drafter_service import server
+from drafter_service.config import DrafterConfig
+from drafter_service.service import DrafterServicer
+from drafter_service.suffix_decoding import SuffixDecodingCache
+from protos.drafter.v1 import drafter_pb2, drafter_pb2_grpc
+from speclane.grpc_server import CHANNEL_OPTIONS
+
+REPEATED = [11, 12, 13, 14, 15]
+RESPONSE = list(range(100, 116))
+
+
+@contextlib.asynccontextmanager
+async def drafter(cache: SuffixDecodingCache | None = None):
+    cache = cache or SuffixDecodingCache(max_tree_depth=24, max_cached_requests=100)
+    grpc_server = grpc.aio.server()
+    drafter_pb2_grpc.add_DrafterServicer_to_server(DrafterServicer(cache, default_tree_depth=24), grpc_server)
+    port = grpc_server.add_insecure_port("127.0.0.1:0")
+    await grpc_server.start()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=CHANNEL_OPTIONS) as channel:
+            yield drafter_pb2_grpc.DrafterStub(channel)
+    finally:
+        await grpc_server.stop(None)
+
+
+def start(prompt, method=drafter_pb2.METHOD_SUFFIX, k=8, tenant="", **params):
+    return drafter_pb2.SessionRequest(start=drafter_pb2.Start(
+        sequence_id="seq", prompt_token_ids=prompt, tenant=tenant,
+        params=drafter_pb2.ProposerParams(method=method, num_speculative_tokens=k, **params)))
+
+
+def step(tokens, committed_len):
+    return drafter_pb2.SessionRequest(step=drafter_pb2.Step(committed_token_ids=tokens, committed_len=committed_len))
+
+
+async def run_session(stub, first, commits, metadata=None):
+    """Sends start, then one step per commit (empty first step); returns the drafts, then half-closes."""
+    call = stub.Session(metadata=metadata)
+    await call.write(first)
+    length = len(first.start.prompt_token_ids)
+    drafts = []
+    for tokens in commits:
+        length += len(tokens)
+        await call.write(step(tokens, length))
+        drafts.append((await call.read()).draft)
+    await call.done_writing()
+    assert await call.read() == grpc.aio.EOF
+    return drafts
+
+
+async def expect_error(stub, messages) -> grpc.StatusCode:
+    call = stub.Session()
+    with pytest.raises(grpc.aio.AioRpcError) as error:
+        for message in messages:
+            await call.write(message)
+        await call.done_writing()
+        while await call.read() != grpc.aio.EOF:
+            pass
+    return error.value.code()
+
+
+def test_repetitive_sequence_gets_its_repeated_tokens():
+    async def main():
+        async with drafter() as stub:
+            return await run_session(stub, start(REPEATED * 3, k=4), [[], [11, 12]])
+
+    first, second = asyncio.run(main())
+    assert list(first.token_ids) == [11, 12, 13, 14]
+    assert first.committed_len == 15
+    assert first.source == "suffix-request"
+    assert list(second.token_ids) == [13, 14, 15, 11]
+    assert second.committed_len == 17
+    assert len(second.confidences) == 4 and second.score == pytest.approx(sum(second.confidences))
+    assert list(second.parents) == []  # a chain
+
+
+def test_ngram_session_drafts_by_prompt_lookup():
+    async def main():
+        async with drafter() as stub:
+            return await run_session(stub, start([5, 6, 7, 8, 5, 6], drafter_pb2.METHOD_NGRAM, k=3,
+                                                  prompt_lookup_min=2, prompt_lookup_max=3), [[]])
+
+    (draft,) = asyncio.run(main())
+    assert list(draft.token_ids) == [7, 8, 5]
+    assert draft.source == "ngram"
+
+
+def test_tree_spec_returns_parents():
+    async def main():
+        async with drafter() as stub:
+            # Depth 2 keeps the tree to "token -> next token": after 1 come 2 and 3.
+            return await run_session(stub, start([1, 2, 50, 1, 3, 60, 1], k=4, max_spec_offset=3, max_tree_depth=2,
+                                                 use_tree_spec=True), [[]])
+
+    (draft,) = asyncio.run(main())
+    assert list(draft.token_ids) == [2, 3]
+    assert list(draft.parents) == [-1, -1]
+
+
+@pytest.mark.parametrize("messages", [
+    [step([1], 1)],
+    [start([1, 2], method=drafter_pb2.METHOD_UNSPECIFIED)],
+    [start([1, 2], method=7)],
+    [start([1, 2], k=0)],
+    [start([1, 2], k=65)],
+    [start([1, 2], prompt_lookup_min=4, prompt_lookup_max=2)],
+    [start([1, -2])],
+    [start([1, 2]), step([-1], 3)],
+    [start([1, 2]), start([1, 2])],
+    [start([1, 2]), drafter_pb2.SessionRequest()],
+])
+def test_bad_input_is_invalid_argument(messages):
+    async def main():
+        async with drafter() as stub:
+            return await expect_error(stub, messages)
+
+    assert asyncio.run(main()) == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_committed_len_mismatch_is_failed_precondition():
+    async def main():
+        cache = SuffixDecodingCache()
+        async with drafter(cache) as stub:
+            code = await expect_error(stub, [start([1, 2, 3]), step([4, 5], 4)])
+            return code, cache.active_requests
+
+    code, active = asyncio.run(main())
+    assert code == grpc.StatusCode.FAILED_PRECONDITION
+    assert active == frozenset()
+
+
+def test_finished_session_teaches_later_sessions():
+    async def main():
+        async with drafter() as stub:
+            await run_session(stub, start([1, 2, 3]), [RESPONSE[:6], RESPONSE[6:]])
+            return await run_session(stub, start([7, 8, 9], max_spec_factor=2), [RESPONSE[:4]])
+
+    (draft,) = asyncio.run(main())
+    assert list(draft.token_ids) == RESPONSE[4:12]
+    assert draft.source == "suffix-global"
+
+
+def test_cancelled_session_ends_and_keeps_its_response():
+    async def main():
+        cache = SuffixDecodingCache()
+        async with drafter(cache) as stub:
+            call = stub.Session()
+            await call.write(start([1, 2, 3]))
+            await call.write(step(RESPONSE, 3 + len(RESPONSE)))
+            await call.read()
+            call.cancel()
+            while cache.active_requests:
+                await asyncio.sleep(0.01)
+            (draft,) = await run_session(stub, start([7], max_spec_factor=2), [RESPONSE[:4]])
+            return draft
+
+    draft = asyncio.run(main())
+    assert list(draft.token_ids) == RESPONSE[4:12]
+
+
+def test_tenant_from_metadata_or_start_isolates_global_trees():
+    async def main():
+        async with drafter() as stub:
+            await run_session(stub, start([1]), [RESPONSE], metadata=(("x-tenant-id", "a"),))
+            other = await run_session(stub, start([7], tenant="b"), [RESPONSE[:4]], metadata=(("x-tenant-id", "a"),))
+            shared = await run_session(stub, start([7]), [RESPONSE[:4]])
+            same = await run_session(stub, start([7], tenant="a", max_spec_factor=2), [RESPONSE[:4]])
+            return other[0], shared[0], same[0]
+
+    other, shared, same = asyncio.run(main())
+    assert list(other.token_ids) == [] and list(shared.token_ids) == []
+    assert list(same.token_ids) == RESPONSE[4:12]
+
+
+def test_server_run_reports_serving_and_drafts():
+    async def main():
+        loop = asyncio.get_running_loop()
+        port = loop.create_future()
+        task = asyncio.create_task(server.run(DrafterConfig(address="127.0.0.1:0"), ready=port.set_result))
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{await port}") as channel:
+            health = health_pb2_grpc.HealthStub(channel)
+            request = health_pb2.HealthCheckRequest(service="speclane.drafter.v1.Drafter")
+            while (await health.Check(request)).status != health_pb2.HealthCheckResponse.SERVING:
+                await asyncio.sleep(0.01)
+            drafts = await run_session(drafter_pb2_grpc.DrafterStub(channel), start(REPEATED * 2, k=3), [[]])
+        signal.raise_signal(signal.SIGTERM)  # serve() drains and returns
+        await task
+        return drafts
+
+    (draft,) = asyncio.run(main())
+    assert list(draft.token_ids) == [11, 12, 13]
+
+
+def test_config_validation():
+    with pytest.raises(ValueError):
+        DrafterConfig(address="nowhere")
+    with pytest.raises(ValueError):
+        DrafterConfig(max_tree_depth=0)
+    with pytest.raises(ValueError):
+        DrafterConfig(max_cached_requests=-1)

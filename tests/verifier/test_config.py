@@ -1,0 +1,39 @@
+"""VerifierConfig: defaults, validation, and flags/env through speclane.config."""
+
+import argparse
+import os
+
+import pytest
+
+from speclane.config import add_arguments, from_namespace
+from verifier_service.config import ENV_PREFIX, VerifierConfig
+
+
+def test_defaults(tiny_model_dir):
+    config = VerifierConfig(model=tiny_model_dir)
+    assert config.model_name == os.path.basename(tiny_model_dir)
+    assert (config.address, config.device, config.dtype, config.threads) == ("127.0.0.1:50062", "auto", "auto", 0)
+    assert config.max_concurrent_rpcs == 256
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({"model": ""}, "model is required"),
+    ({"model": "/nonexistent"}, "not a Hugging Face model directory"),
+    ({"device": "gpu"}, "device"),
+    ({"dtype": "fp8"}, "dtype"),
+    ({"threads": -1}, "threads"),
+    ({"max_concurrent_rpcs": 0}, "max_concurrent_rpcs"),
+    ({"log_level": "loud"}, "log_level"),
+])
+def test_invalid_values_are_refused(tiny_model_dir, overrides, message):
+    with pytest.raises(ValueError, match=message):
+        VerifierConfig(**{"model": tiny_model_dir, **overrides})
+
+
+def test_flags_and_environment(tiny_model_dir, monkeypatch):
+    monkeypatch.setenv(ENV_PREFIX + "MODEL", tiny_model_dir)
+    monkeypatch.setenv(ENV_PREFIX + "THREADS", "2")
+    parser = argparse.ArgumentParser()
+    add_arguments(parser, VerifierConfig, ENV_PREFIX)
+    config = from_namespace(VerifierConfig, parser.parse_args(["--model-name", "tiny", "--device", "cpu"]))
+    assert (config.model, config.model_name, config.device, config.threads) == (tiny_model_dir, "tiny", "cpu", 2)

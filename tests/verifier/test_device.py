@@ -1,0 +1,90 @@
+"""Device and dtype selection with fake CUDA and torch_npu (neither is installed here)."""
+
+import sys
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from verifier_service.device import DeviceError, resolve_device, resolve_dtype, resolve_threads
+
+
+def fake_backend(available: bool, count: int = 1, bf16: bool = True):
+    return SimpleNamespace(is_available=lambda: available, device_count=lambda: count,
+                           is_bf16_supported=lambda: bf16)
+
+
+NO_CUDA = fake_backend(False, 0)
+
+
+def importer(npu=None, error: type[Exception] = ImportError):
+    """An import_module that offers a fake torch_npu (or fails like a missing one)."""
+    def import_module(name):
+        assert name == "torch_npu"
+        if npu is None:
+            raise error("No module named 'torch_npu'")
+        return SimpleNamespace(npu=npu)
+    return import_module
+
+
+def must_not_import(name):
+    raise AssertionError(f"imported {name}")
+
+
+def test_auto_prefers_cuda():
+    assert resolve_device("auto", import_module=must_not_import, cuda=fake_backend(True)) == "cuda:0"
+
+
+def test_auto_falls_back_to_npu_then_cpu():
+    assert resolve_device("auto", import_module=importer(fake_backend(True)), cuda=NO_CUDA) == "npu:0"
+    assert resolve_device("auto", import_module=importer(fake_backend(False, 0)), cuda=NO_CUDA) == "cpu"
+    assert resolve_device("auto", import_module=importer(None), cuda=NO_CUDA) == "cpu"
+    # A torch_npu without CANN fails with other errors than ImportError.
+    assert resolve_device("auto", import_module=importer(None, RuntimeError), cuda=NO_CUDA) == "cpu"
+
+
+def test_cpu_never_probes_accelerators():
+    assert resolve_device("cpu", import_module=must_not_import, cuda=fake_backend(True)) == "cpu"
+
+
+def test_explicit_npu_without_library_is_a_clear_error():
+    with pytest.raises(DeviceError, match="torch_npu is not installed"):
+        resolve_device("npu", import_module=importer(None), cuda=NO_CUDA)
+    with pytest.raises(DeviceError, match="no NPU is visible"):
+        resolve_device("npu", import_module=importer(fake_backend(False, 0)), cuda=NO_CUDA)
+
+
+def test_explicit_indices_are_checked():
+    two_npus = importer(fake_backend(True, 2))
+    assert resolve_device("npu:1", import_module=two_npus, cuda=NO_CUDA) == "npu:1"
+    with pytest.raises(DeviceError, match="only 2"):
+        resolve_device("npu:2", import_module=two_npus, cuda=NO_CUDA)
+    assert resolve_device("cuda:1", import_module=must_not_import, cuda=fake_backend(True, 2)) == "cuda:1"
+    with pytest.raises(DeviceError, match="CUDA is not available"):
+        resolve_device("cuda", import_module=must_not_import, cuda=NO_CUDA)
+
+
+@pytest.mark.parametrize("name", ["gpu", "npu:x", "cuda:", "CPU", ""])
+def test_unknown_device_names_are_refused(name):
+    with pytest.raises(DeviceError, match="unknown device"):
+        resolve_device(name, import_module=must_not_import, cuda=NO_CUDA)
+
+
+def test_real_host_resolves_to_cpu_without_loading_torch_npu():
+    assert resolve_device("auto") == "cpu"
+    assert "torch_npu" not in sys.modules
+
+
+def test_dtype_defaults_per_device():
+    assert resolve_dtype("auto", "cpu") is torch.float32
+    assert resolve_dtype("auto", "npu:0") is torch.bfloat16
+    assert resolve_dtype("auto", "cuda:0", cuda=fake_backend(True, bf16=True)) is torch.bfloat16
+    assert resolve_dtype("auto", "cuda:0", cuda=fake_backend(True, bf16=False)) is torch.float16
+    assert resolve_dtype("float16", "cpu") is torch.float16
+    with pytest.raises(ValueError, match="unknown dtype"):
+        resolve_dtype("fp8", "cpu")
+
+
+def test_auto_threads_is_one():
+    assert resolve_threads(0) == 1
+    assert resolve_threads(3) == 3

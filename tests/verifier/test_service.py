@@ -1,0 +1,202 @@
+"""The gRPC service in-process on port 0, through speclane's serve() and a
+real channel."""
+
+import asyncio
+import contextlib
+import os
+import signal
+
+import grpc
+import pytest
+import torch
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from protos.common.v1 import common_pb2
+from protos.verifier.v1 import verifier_pb2, verifier_pb2_grpc
+from speclane.grpc_server import CHANNEL_OPTIONS, serve
+from .conftest import GENERATION_EOS, MAX_CONTEXT, VOCAB
+from verifier_service import server
+from verifier_service.config import VerifierConfig
+from verifier_service.engine import AsyncEngine
+from verifier_service.model_runner import ModelRunner
+from verifier_service.sequence import Draft
+from verifier_service.service import VerifierServicer, add_to_server, params_from_proto
+
+PROMPT = [5, 17, 9, 40, 22, 8, 31]
+SERVICE = "speclane.verifier.v1.Verifier"
+OK_SAMPLING = verifier_pb2.SamplingParams(max_new_tokens=8, ignore_eos=True)
+
+
+@contextlib.asynccontextmanager
+async def running_verifier(model_dir: str, warm: asyncio.Event | None = None):
+    """Serves the verifier on port 0; yields (channel, engine). `warm` holds the warm-up back."""
+    engine = AsyncEngine(lambda: ModelRunner(model_dir, "cpu", torch.float32), threads=1)
+
+    async def warmup():
+        if warm is not None:
+            await warm.wait()
+        await engine.start()
+
+    async def shutdown():
+        engine.shutdown()
+
+    port = asyncio.get_running_loop().create_future()
+    serving = asyncio.ensure_future(serve(
+        address="127.0.0.1:0",
+        add_servicers=lambda s: add_to_server(s, VerifierServicer(engine, "tiny")),
+        warmup=warmup, on_shutdown=shutdown, ready=port.set_result,
+    ))
+    await asyncio.wait([port, serving], return_when=asyncio.FIRST_COMPLETED)
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port.result()}", options=CHANNEL_OPTIONS) as channel:
+            yield channel, engine
+    finally:
+        os.kill(os.getpid(), signal.SIGTERM)  # serve() drains on SIGTERM
+        await serving
+
+
+async def health(channel) -> int:
+    response = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=SERVICE))
+    return response.status
+
+
+async def wait_serving(channel) -> None:
+    for _ in range(200):
+        if await health(channel) == health_pb2.HealthCheckResponse.SERVING:
+            return
+        await asyncio.sleep(0.02)
+    raise AssertionError("never became SERVING")
+
+
+def prefill(prompt=PROMPT, sampling=OK_SAMPLING) -> verifier_pb2.SessionRequest:
+    return verifier_pb2.SessionRequest(prefill=verifier_pb2.Prefill(
+        sequence_id="seq-1", prompt_token_ids=prompt, sampling=sampling))
+
+
+def verify(tokens=(), **draft_fields) -> verifier_pb2.SessionRequest:
+    return verifier_pb2.SessionRequest(verify=verifier_pb2.Verify(
+        draft=common_pb2.Draft(token_ids=tokens, **draft_fields)))
+
+
+async def session_error(channel, *requests) -> grpc.aio.AioRpcError:
+    """Sends `requests` on one session and returns the error that ends it."""
+    call = verifier_pb2_grpc.VerifierStub(channel).Session()
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        for request in requests:
+            await call.write(request)
+            await call.read()
+    return caught.value
+
+
+def test_round_trip_matches_the_engine(tiny_model_dir, engine):
+    seq = engine.open("ref", PROMPT, params_from_proto(OK_SAMPLING))
+    expected = engine.prefill(seq).token_ids
+    while not seq.finished:
+        expected += engine.verify(seq, Draft()).token_ids
+
+    async def main():
+        async with running_verifier(tiny_model_dir) as (channel, async_engine):
+            await wait_serving(channel)
+            call = verifier_pb2_grpc.VerifierStub(channel).Session()
+            await call.write(prefill())
+            first = await call.read()
+            assert list(first.token_ids) == expected[:1]
+            assert first.committed_len == len(PROMPT) + 1
+            assert first.finish_reason == common_pb2.FINISH_REASON_UNSPECIFIED
+            await call.write(verify(expected[1:4] + [wrong(expected[4])], committed_len=len(PROMPT) + 1))
+            step = await call.read()
+            assert list(step.token_ids) == expected[1:5]
+            assert step.num_accepted_draft_tokens == 3
+            assert step.committed_len == len(PROMPT) + 5
+            await call.write(verify(expected[5:]))
+            last = await call.read()
+            assert list(last.token_ids) == expected[5:]
+            assert last.finish_reason == common_pb2.FINISH_REASON_LENGTH
+            await call.write(verify())
+            with pytest.raises(grpc.aio.AioRpcError) as finished:
+                await call.read()
+            assert finished.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+            assert await async_engine.num_live() == 0
+
+    asyncio.run(main())
+
+
+def wrong(token: int) -> int:
+    return (token + 1) % VOCAB
+
+
+BAD_SESSIONS = {
+    "verify first": ([verify([1])], "first message of a session must be prefill"),
+    "empty prompt": ([prefill(prompt=[])], "empty"),
+    "token out of range": ([prefill(prompt=[1, VOCAB])], "outside the vocabulary"),
+    "prompt too long": ([prefill(prompt=[1] * MAX_CONTEXT)], "no room"),
+    "max_new_tokens 0": ([prefill(sampling=verifier_pb2.SamplingParams())], "max_new_tokens"),
+    "negative temperature": ([prefill(sampling=verifier_pb2.SamplingParams(max_new_tokens=4, temperature=-1))],
+                             "temperature"),
+    "top_p 0": ([prefill(sampling=verifier_pb2.SamplingParams(max_new_tokens=4, top_p=0))], "top_p"),
+    "top_p above 1": ([prefill(sampling=verifier_pb2.SamplingParams(max_new_tokens=4, top_p=1.5))], "top_p"),
+    "negative top_k": ([prefill(sampling=verifier_pb2.SamplingParams(max_new_tokens=4, top_k=-1))], "top_k"),
+    "tree draft": ([prefill(), verify([1, 2], parents=[-1, -1])], "tree drafts are not supported yet"),
+    "proposals mismatch": ([prefill(), verify([1, 2], proposals=[common_pb2.TokenDistribution(
+        token_ids=[1], probs=[1.0])])], "proposal distributions"),
+    "second prefill": ([prefill(), prefill()], "every message must be verify"),
+}
+
+
+def test_invalid_sessions_are_refused(tiny_model_dir):
+    async def main():
+        async with running_verifier(tiny_model_dir) as (channel, engine):
+            await wait_serving(channel)
+            for name, (requests, message) in BAD_SESSIONS.items():
+                error = await session_error(channel, *requests)
+                assert error.code() == grpc.StatusCode.INVALID_ARGUMENT, name
+                assert message in error.details(), name
+            assert await engine.num_live() == 0
+
+    asyncio.run(main())
+
+
+def test_health_waits_for_warm_up_and_cancel_frees_the_sequence(tiny_model_dir):
+    async def main():
+        warm = asyncio.Event()
+        async with running_verifier(tiny_model_dir, warm) as (channel, engine):
+            assert await health(channel) == health_pb2.HealthCheckResponse.NOT_SERVING
+            error = await session_error(channel, prefill())
+            assert error.code() == grpc.StatusCode.UNAVAILABLE
+            warm.set()
+            await wait_serving(channel)
+            call = verifier_pb2_grpc.VerifierStub(channel).Session()
+            await call.write(prefill())
+            await call.read()
+            assert await engine.num_live() == 1
+            call.cancel()
+            for _ in range(100):
+                if await engine.num_live() == 0:
+                    break
+                await asyncio.sleep(0.01)
+            assert await engine.num_live() == 0
+
+    asyncio.run(main())
+
+
+def test_server_run_serves_model_info(tiny_model_dir):
+    config = VerifierConfig(model=tiny_model_dir, address="127.0.0.1:0", device="cpu", threads=1)
+
+    async def main():
+        port = asyncio.get_running_loop().create_future()
+        running = asyncio.ensure_future(server.run(config, ready=port.set_result))
+        await asyncio.wait([port, running], return_when=asyncio.FIRST_COMPLETED)
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port.result()}") as channel:
+                await wait_serving(channel)
+                info = await verifier_pb2_grpc.VerifierStub(channel).GetModelInfo(verifier_pb2.GetModelInfoRequest())
+        finally:
+            os.kill(os.getpid(), signal.SIGTERM)
+            await running
+        assert info.model_name == os.path.basename(tiny_model_dir)
+        assert info.vocab_size == VOCAB
+        assert info.max_context_len == MAX_CONTEXT
+        assert list(info.eos_token_ids) == list(GENERATION_EOS)
+        assert (info.device, info.dtype, info.tensor_parallel_size) == ("cpu", "float32", 1)
+
+    asyncio.run(main())

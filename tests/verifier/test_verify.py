@@ -1,0 +1,121 @@
+"""Acceptance rules: greedy equivalence and statistical losslessness of
+speculative sampling (chi-square against the target distribution p)."""
+
+import numpy as np
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+from scipy.stats import chisquare
+
+from verifier_service.sampling import sample
+from verifier_service.verify import dense_proposals, verify_greedy, verify_sampled
+
+TRIALS = 10_000
+P0 = torch.tensor([0.35, 0.25, 0.15, 0.10, 0.10, 0.05])
+P1 = torch.tensor([0.05, 0.10, 0.40, 0.05, 0.30, 0.10])
+P_BONUS = torch.tensor([0.2, 0.2, 0.2, 0.2, 0.1, 0.1])
+Q0 = torch.tensor([0.10, 0.50, 0.10, 0.20, 0.05, 0.05])
+
+
+def one_hot_logits(targets: list[int], vocab: int = 8) -> torch.Tensor:
+    logits = torch.zeros(len(targets), vocab)
+    logits[torch.arange(len(targets)), torch.tensor(targets)] = 5.0
+    return logits
+
+
+def test_greedy_accepts_all_and_adds_bonus():
+    verdict = verify_greedy([4, 5, 6], one_hot_logits([4, 5, 6, 7]))
+    assert verdict.token_ids == [4, 5, 6, 7]
+    assert verdict.num_accepted == 3
+
+
+def test_greedy_emits_argmax_at_first_mismatch():
+    verdict = verify_greedy([4, 1, 6], one_hot_logits([4, 5, 6, 7]))
+    assert verdict.token_ids == [4, 5]
+    assert verdict.num_accepted == 1
+
+
+def test_greedy_empty_draft_decodes_one_token():
+    verdict = verify_greedy([], one_hot_logits([3]))
+    assert verdict.token_ids == [3]
+    assert verdict.num_accepted == 0
+
+
+@given(st.data())
+def test_greedy_output_is_the_argmax_walk(data):
+    k = data.draw(st.integers(0, 6))
+    targets = data.draw(st.lists(st.integers(0, 7), min_size=k + 1, max_size=k + 1))
+    draft = data.draw(st.lists(st.integers(0, 7), min_size=k, max_size=k))
+    verdict = verify_greedy(draft, one_hot_logits(targets))
+    n = verdict.num_accepted
+    assert draft[:n] == targets[:n]
+    assert n == k or draft[n] != targets[n]
+    assert verdict.token_ids == [*targets[:n], targets[n]]
+
+
+def p_value(tokens: list[int], p: torch.Tensor) -> float:
+    counts = np.bincount(tokens, minlength=len(p))
+    expected = p.double().numpy()
+    return chisquare(counts, len(tokens) * expected / expected.sum()).pvalue
+
+
+def run_trials(step, seed: int = 3) -> list[list[int]]:
+    generator = torch.Generator().manual_seed(seed)
+    return [step(generator) for _ in range(TRIALS)]
+
+
+def deterministic_step(generator):
+    return verify_sampled([1, 2], torch.stack([P0, P1, P_BONUS]), generator).token_ids
+
+
+def test_sampling_without_proposals_is_lossless():
+    outputs = run_trials(deterministic_step)
+    assert p_value([out[0] for out in outputs], P0) > 0.001
+    # Given the first draft token was kept, the next token must follow p1.
+    after_accept = [out[1] for out in outputs if out[0] == 1 and len(out) > 1]
+    assert len(after_accept) == sum(out[0] == 1 for out in outputs)
+    assert p_value(after_accept, P1) > 0.001
+
+
+def test_chi_square_detects_wrong_rules_without_proposals():
+    always_accept = run_trials(lambda g: [1])
+    assert p_value([out[0] for out in always_accept], P0) < 1e-6
+
+    def resample_without_removing_draft(generator):
+        accept = torch.rand((), generator=generator) < P0[1]
+        return [1] if accept else [sample(P0, generator)]
+
+    assert p_value([out[0] for out in run_trials(resample_without_removing_draft)], P0) < 1e-6
+
+
+def proposal_step(generator):
+    draft = sample(Q0, generator)  # a sampling drafter draws its token from q
+    return verify_sampled([draft], torch.stack([P0, P_BONUS]), generator, Q0[None]).token_ids
+
+
+def test_sampling_with_proposals_is_lossless():
+    outputs = run_trials(proposal_step)
+    assert p_value([out[0] for out in outputs], P0) > 0.001
+
+
+def test_chi_square_detects_wrong_rule_with_proposals():
+    def reject_to_plain_p(generator):
+        draft = sample(Q0, generator)
+        if torch.rand((), generator=generator) < P0[draft] / Q0[draft]:
+            return [draft]
+        return [sample(P0, generator)]
+
+    assert p_value([out[0] for out in run_trials(reject_to_plain_p)], P0) < 1e-6
+
+
+def test_identical_p_and_q_always_accept():
+    generator = torch.Generator().manual_seed(1)
+    for _ in range(200):
+        draft = sample(P0, generator)
+        verdict = verify_sampled([draft], torch.stack([P0, P_BONUS]), generator, P0[None])
+        assert verdict.num_accepted == 1
+
+
+def test_dense_proposals_sums_duplicates_and_normalises():
+    dense = dense_proposals([((1, 3, 1), (0.2, 0.4, 0.2)), ((0,), (0.5,))], 4, torch.device("cpu"))
+    assert torch.allclose(dense, torch.tensor([[0.0, 0.5, 0.0, 0.5], [1.0, 0.0, 0.0, 0.0]]))

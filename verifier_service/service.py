@@ -1,0 +1,136 @@
+"""gRPC adapter of the verifier: protobuf in and out, domain errors to status
+codes. All model work goes through the AsyncEngine."""
+
+import time
+
+import grpc
+import structlog
+
+from protos.common.v1 import common_pb2
+from protos.verifier.v1 import verifier_pb2, verifier_pb2_grpc
+from speclane.grpc_server import bind_request_id_from
+from verifier_service.engine import AsyncEngine
+from verifier_service.errors import InvalidRequest, SequenceFinished, StaleDraft
+from verifier_service.sampling import SamplingParams
+from verifier_service.sequence import Draft, FinishReason, GenerationParams, Proposal, Sequence, StepResult
+
+log = structlog.get_logger()
+
+FINISH_REASONS = {
+    FinishReason.NONE: common_pb2.FINISH_REASON_UNSPECIFIED,
+    FinishReason.STOP: common_pb2.FINISH_REASON_STOP,
+    FinishReason.LENGTH: common_pb2.FINISH_REASON_LENGTH,
+    FinishReason.ABORT: common_pb2.FINISH_REASON_ABORT,
+}
+
+
+def _optional(message, name: str):
+    return getattr(message, name) if message.HasField(name) else None
+
+
+def params_from_proto(sampling: verifier_pb2.SamplingParams) -> GenerationParams:
+    return GenerationParams(
+        sampling=SamplingParams(
+            temperature=_optional(sampling, "temperature"),
+            top_p=_optional(sampling, "top_p"),
+            top_k=_optional(sampling, "top_k"),
+            seed=_optional(sampling, "seed"),
+        ),
+        max_new_tokens=sampling.max_new_tokens,
+        stop_token_ids=frozenset(sampling.stop_token_ids),
+        ignore_eos=sampling.ignore_eos,
+    )
+
+
+def draft_from_proto(draft: common_pb2.Draft) -> Draft:
+    return Draft(
+        token_ids=tuple(draft.token_ids),
+        parents=tuple(draft.parents),
+        proposals=tuple(Proposal(tuple(q.token_ids), tuple(q.probs)) for q in draft.proposals),
+        committed_len=draft.committed_len,
+    )
+
+
+def response_from(result: StepResult) -> verifier_pb2.SessionResponse:
+    return verifier_pb2.SessionResponse(
+        token_ids=result.token_ids,
+        num_accepted_draft_tokens=result.num_accepted,
+        committed_len=result.committed_len,
+        finish_reason=FINISH_REASONS[result.finish_reason],
+    )
+
+
+def _log_finish(seq: Sequence, reason: FinishReason) -> None:
+    log.info("sequence_finished", sequence_id=seq.sequence_id, finish_reason=reason.value,
+             prompt_tokens=seq.prompt_len, generated_tokens=seq.num_generated, steps=seq.num_steps,
+             draft_tokens=seq.num_draft_tokens, accepted_tokens=seq.num_accepted_tokens,
+             seconds=round(time.perf_counter() - seq.started, 4))
+
+
+class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
+    def __init__(self, engine: AsyncEngine, model_name: str):
+        self.engine = engine
+        self.model_name = model_name
+
+    async def _require_loaded(self, context) -> None:
+        if self.engine.engine is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the model is still loading")
+
+    async def GetModelInfo(self, request, context):
+        bind_request_id_from(context)
+        await self._require_loaded(context)
+        runner = self.engine.engine.runner
+        return verifier_pb2.ModelInfo(
+            model_name=self.model_name,
+            vocab_size=runner.vocab_size,
+            max_context_len=runner.max_context_len,
+            eos_token_ids=runner.eos_token_ids,
+            device=str(runner.device),
+            dtype=str(runner.dtype).removeprefix("torch."),
+            tensor_parallel_size=1,
+        )
+
+    async def Session(self, request_iterator, context):
+        bind_request_id_from(context)
+        await self._require_loaded(context)
+        seq = None
+        try:
+            async for request in request_iterator:
+                kind = request.WhichOneof("kind")
+                if seq is None:
+                    if kind != "prefill":
+                        raise InvalidRequest("the first message of a session must be prefill")
+                    params = params_from_proto(request.prefill.sampling)
+                    # Opened before the await, so `finally` frees it even if the prefill is cancelled.
+                    seq = self.engine.open(request.prefill.sequence_id, list(request.prefill.prompt_token_ids), params)
+                    result = await self._prefill(seq)
+                elif kind == "verify":
+                    result = await self.engine.verify(seq, draft_from_proto(request.verify.draft))
+                else:
+                    raise InvalidRequest("after prefill, every message must be verify")
+                if result.finish_reason is not FinishReason.NONE:
+                    _log_finish(seq, result.finish_reason)
+                yield response_from(result)
+        except InvalidRequest as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except (SequenceFinished, StaleDraft) as exc:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+        finally:
+            if seq is not None:
+                if not seq.finished:
+                    _log_finish(seq, FinishReason.ABORT)
+                self.engine.close(seq)
+
+    async def _prefill(self, seq: Sequence) -> StepResult:
+        started = time.perf_counter()
+        result = await self.engine.prefill(seq)
+        log.info("sequence_prefilled", sequence_id=seq.sequence_id, prompt_tokens=seq.prompt_len,
+                 max_new_tokens=seq.params.max_new_tokens, greedy=seq.params.sampling.greedy,
+                 seconds=round(time.perf_counter() - started, 4))
+        return result
+
+
+def add_to_server(server: grpc.aio.Server, servicer: VerifierServicer) -> list[str]:
+    """Registers the servicer; returns the full service names (for health and reflection)."""
+    verifier_pb2_grpc.add_VerifierServicer_to_server(servicer, server)
+    return [verifier_pb2.DESCRIPTOR.services_by_name["Verifier"].full_name]
