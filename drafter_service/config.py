@@ -4,9 +4,9 @@ from dataclasses import dataclass
 
 from drafter_service.proposer import MAX_TREE_DEPTH
 from speclane.config import option
+from speclane.log import check_log_level
 
 ENV_PREFIX = "SPECLANE_DRAFTER_"
-LOG_LEVELS = ("debug", "info", "warning", "error")
 
 
 @dataclass(frozen=True)
@@ -17,7 +17,7 @@ class DrafterConfig:
     max_cached_requests: int = option(10000, "responses kept per tenant in the global suffix tree, "
                                              "evicted first in first out; 0 disables the global tree")
     max_concurrent_rpcs: int = option(1024, "open sessions beyond which new ones get RESOURCE_EXHAUSTED")
-    log_level: str = option("info", "one of " + ", ".join(LOG_LEVELS))
+    log_level: str = option("info", "debug, info, warning or error")
 
     def __post_init__(self):
         host, _, port = self.address.rpartition(":")
@@ -29,5 +29,4 @@ class DrafterConfig:
             raise ValueError("max_cached_requests must be >= 0")
         if self.max_concurrent_rpcs < 1:
             raise ValueError("max_concurrent_rpcs must be >= 1")
-        if self.log_level not in LOG_LEVELS:
-            raise ValueError(f"log_level must be one of {', '.join(LOG_LEVELS)}")
+        check_log_level(self.log_level)

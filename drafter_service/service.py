@@ -25,28 +25,25 @@ SERVICE_NAME = drafter_pb2.DESCRIPTOR.services_by_name["Drafter"].full_name
 _METHODS = {drafter_pb2.METHOD_SUFFIX: METHOD_SUFFIX, drafter_pb2.METHOD_NGRAM: METHOD_NGRAM}
 # vLLM: with neither prompt-lookup bound set both are 5; with one set, the other copies it.
 _DEFAULT_LOOKUP = 5
+_OPTIONAL_PARAMS = ("prompt_lookup_min", "prompt_lookup_max", "max_spec_factor", "max_spec_offset",
+                    "min_token_prob", "max_tree_depth")
 
 log = structlog.get_logger()
 
 
 def params_from_proto(message: drafter_pb2.ProposerParams, default_tree_depth: int) -> ProposerParams:
-    """Reads proto3 zeros as "unset" where zero would be useless; raises ValueError on bad input."""
+    """Absent optional fields take ProposerParams' defaults; raises ValueError on bad input."""
     method = _METHODS.get(message.method)
     if method is None:
         raise ValueError(f"params.method must be METHOD_SUFFIX or METHOD_NGRAM, got {message.method}")
-    lookup_min = message.prompt_lookup_min or message.prompt_lookup_max or _DEFAULT_LOOKUP
-    lookup_max = message.prompt_lookup_max or message.prompt_lookup_min or _DEFAULT_LOOKUP
-    return ProposerParams(
-        method=method,
-        num_speculative_tokens=message.num_speculative_tokens,
-        prompt_lookup_min=lookup_min,
-        prompt_lookup_max=lookup_max,
-        max_spec_factor=message.max_spec_factor or 1.0,
-        max_spec_offset=message.max_spec_offset,
-        min_token_prob=message.min_token_prob,
-        max_tree_depth=message.max_tree_depth or default_tree_depth,
-        use_tree_spec=message.use_tree_spec,
-    )
+    given = {field.name: value for field, value in message.ListFields()
+             if field.name in _OPTIONAL_PARAMS}
+    # vLLM: when only one lookup bound is given, the other takes its value.
+    given.setdefault("prompt_lookup_min", given.get("prompt_lookup_max", _DEFAULT_LOOKUP))
+    given.setdefault("prompt_lookup_max", given["prompt_lookup_min"])
+    given.setdefault("max_tree_depth", default_tree_depth)
+    return ProposerParams(method=method, num_speculative_tokens=message.num_speculative_tokens,
+                          use_tree_spec=message.use_tree_spec, **given)
 
 
 def draft_to_proto(draft: Draft, committed_len: int) -> common_pb2.Draft:

@@ -5,6 +5,7 @@ from dataclasses import dataclass
 
 from gateway.types import SpeculationSettings
 from speclane.config import option
+from speclane.log import check_log_level
 
 ENV_PREFIX = "SPECLANE_GATEWAY_"
 
@@ -33,4 +34,5 @@ class GatewayConfig:
             raise ValueError("draft_timeout_ms must be positive")
         if self.max_concurrent_requests < 1:
             raise ValueError("max_concurrent_requests must be >= 1")
+        check_log_level(self.log_level)
         object.__setattr__(self, "speculation", SpeculationSettings.from_json(self.speculative_config))

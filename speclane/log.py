@@ -9,6 +9,13 @@ import structlog
 
 REQUEST_ID_METADATA_KEY = "x-request-id"
 TENANT_METADATA_KEY = "x-tenant-id"
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+def check_log_level(level: str) -> None:
+    """Config validation shared by the services."""
+    if level not in LOG_LEVELS:
+        raise ValueError(f"log_level must be one of {', '.join(LOG_LEVELS)}, got {level!r}")
 
 
 def configure_logging(service: str, level: str = "info") -> None:

@@ -4,10 +4,10 @@ import os
 from dataclasses import dataclass
 
 from speclane.config import option
+from speclane.log import check_log_level
 from verifier_service.device import DEVICE_PATTERN, DTYPES
 
 ENV_PREFIX = "SPECLANE_VERIFIER_"
-LOG_LEVELS = ("debug", "info", "warning", "error")
 
 
 @dataclass(frozen=True)
@@ -37,5 +37,4 @@ class VerifierConfig:
             raise ValueError("threads must be >= 0")
         if self.max_concurrent_rpcs < 1:
             raise ValueError("max_concurrent_rpcs must be >= 1")
-        if self.log_level not in LOG_LEVELS:
-            raise ValueError(f"log_level must be one of {', '.join(LOG_LEVELS)}")
+        check_log_level(self.log_level)

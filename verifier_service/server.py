@@ -2,6 +2,8 @@
 
 from collections.abc import Callable
 
+from transformers.utils import logging as transformers_logging
+
 from speclane.grpc_server import serve
 from speclane.log import configure_logging
 from verifier_service.config import VerifierConfig
@@ -14,6 +16,8 @@ from verifier_service.service import VerifierServicer, add_to_server
 async def run(config: VerifierConfig, *, ready: Callable[[int], None] | None = None) -> None:
     """Serves until SIGTERM; health is NOT_SERVING until the model is loaded and warm."""
     configure_logging("verifier", config.log_level)
+    # Progress bars would break the one-JSON-object-per-line log stream.
+    transformers_logging.disable_progress_bar()
     # Before any torch op: threads started later (the model thread) inherit it.
     set_threads(config.threads)
 
