@@ -1,0 +1,111 @@
+"""The OpenAI request schema and its translation into the serving layer's
+terms: what is accepted, what is refused, and how the prompt is read."""
+
+from typing import Any, ClassVar
+
+from pydantic import BaseModel, ConfigDict
+
+from gateway.serving import InvalidRequest
+
+LEGACY_DEFAULT_MAX_TOKENS = 16  # /v1/completions' default in OpenAI's API (and vLLM's)
+# Values of refused fields that ask for nothing, so clients sending defaults still work.
+NEUTRAL_VALUES = {"tool_choice": ("none", "auto"), "response_format": ({"type": "text"},), "best_of": (1,),
+                  "modalities": (["text"],), "service_tier": ("auto", "default")}
+
+
+class StrictModel(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class ContentPart(BaseModel):
+    # Not strict: image/audio parts carry other fields; chat_messages refuses them by type.
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(StrictModel):
+    role: str
+    content: str | list[ContentPart] | None = None
+
+
+class StreamOptions(StrictModel):
+    include_usage: bool = False
+
+
+class CompletionBase(BaseModel):
+    # Other fields are checked by check_extra_fields: refused unless neutral, or unknown.
+    model_config = ConfigDict(extra="allow")
+    refused: ClassVar[tuple[str, ...]] = ("logprobs", "top_logprobs", "logit_bias", "presence_penalty",
+                                          "frequency_penalty", "response_format")
+
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None  # extension (vLLM)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None  # extension (vLLM)
+    ignore_eos: bool = False  # extension (vLLM)
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    speculation: dict[str, Any] | None = None  # extension: vLLM --speculative-config keys
+    user: str | None = None  # an end-user id for the provider's abuse tracking: nothing to do
+
+
+class ChatCompletionRequest(CompletionBase):
+    refused: ClassVar[tuple[str, ...]] = (*CompletionBase.refused, "tools", "tool_choice", "functions",
+                                          "function_call", "prediction", "audio", "modalities", "store",
+                                          "reasoning_effort", "service_tier", "web_search_options")
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = None
+    metadata: dict[str, str] | None = None  # only labels stored completions, which we do not store
+    parallel_tool_calls: bool | None = None  # meaningless without tools, which are refused
+
+
+class CompletionRequest(CompletionBase):
+    refused: ClassVar[tuple[str, ...]] = (*CompletionBase.refused, "echo", "suffix", "best_of")
+    prompt: Any
+
+
+def validation_message(error: dict) -> tuple[str, str | None]:
+    """A readable message and the offending parameter for one pydantic error."""
+    loc = [str(part) for part in error.get("loc", ()) if part != "body"]
+    param = ".".join(loc) or None
+    if error["type"] == "json_invalid":
+        return f"the request body is not valid JSON: {error.get('ctx', {}).get('error', error['msg'])}", None
+    if error["type"] == "extra_forbidden":
+        return f"Unrecognized request argument supplied: {param}", param
+    if error["type"] == "missing":
+        return f"missing required parameter: {param}", param
+    return (f"{param}: {error['msg']}" if param else error["msg"]), param
+
+
+def check_extra_fields(body: CompletionBase) -> None:
+    for name, value in (body.model_extra or {}).items():
+        if name not in body.refused:  # OpenAI's own answer to unknown fields
+            raise InvalidRequest(f"Unrecognized request argument supplied: {name}", name)
+        if value and value not in NEUTRAL_VALUES.get(name, ()):
+            raise InvalidRequest(f"{name} is not supported by this server", name)
+
+
+def chat_messages(messages: list[ChatMessage]) -> list[dict]:
+    rendered = []
+    for index, message in enumerate(messages):
+        content = message.content
+        if isinstance(content, list):
+            if any(part.type != "text" for part in content):
+                raise InvalidRequest("only text content parts are supported", f"messages.{index}.content")
+            content = "\n".join(part.text or "" for part in content)
+        rendered.append({"role": message.role, "content": content})
+    return rendered
+
+
+def completion_prompt(prompt: Any) -> dict:
+    if isinstance(prompt, str):
+        return {"text": prompt}
+    if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        return {"token_ids": prompt}
+    raise InvalidRequest("prompt must be a string or a list of token ids (batched prompts are not supported)",
+                         "prompt")
