@@ -16,6 +16,12 @@ class DrafterConfig:
                                      "unless a session asks for another")
     max_cached_requests: int = option(10000, "responses kept per tenant in the global suffix tree, "
                                              "evicted first in first out; 0 disables the global tree")
+    max_cached_tokens: int = option(0, "response tokens kept in all global suffix trees together, evicting "
+                                       "the oldest responses first; 0 means no token budget")
+    share_tenants: bool = option(False, "one global tree for all tenants instead of one per tenant")
+    snapshot_path: str = option("", "file the global trees are saved to (periodically and at shutdown) and "
+                                    "restored from at start; empty disables persistence")
+    snapshot_interval_seconds: float = option(300.0, "seconds between periodic snapshots")
     max_concurrent_rpcs: int = option(1024, "open sessions beyond which new ones get RESOURCE_EXHAUSTED")
     log_level: str = option("info", "debug, info, warning or error")
 
@@ -27,6 +33,10 @@ class DrafterConfig:
             raise ValueError(f"max_tree_depth must be between 1 and {MAX_TREE_DEPTH}")
         if self.max_cached_requests < 0:
             raise ValueError("max_cached_requests must be >= 0")
+        if self.max_cached_tokens < 0:
+            raise ValueError("max_cached_tokens must be >= 0")
+        if not self.snapshot_interval_seconds > 0:
+            raise ValueError("snapshot_interval_seconds must be > 0")
         if self.max_concurrent_rpcs < 1:
             raise ValueError("max_concurrent_rpcs must be >= 1")
         check_log_level(self.log_level)

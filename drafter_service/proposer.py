@@ -1,13 +1,12 @@
 """One sequence's drafting session, without gRPC: its proposer settings, the
-tokens committed so far, and drafting from them by suffix decoding or n-gram lookup."""
+length committed so far, and drafting by suffix decoding or n-gram lookup on
+the compiled engine."""
 
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from drafter_service.draft import Draft
-from drafter_service.ngram import propose_ngram
-from drafter_service.suffix_decoding import SuffixDecodingCache
 
 METHOD_SUFFIX = "suffix"
 METHOD_NGRAM = "ngram"
@@ -55,43 +54,35 @@ class ProposerParams:
 
 
 class SequenceProposer:
-    """Drafting state of one sequence; `request_key` must be unique among active sessions."""
+    """Drafting state of one sequence on the engine (drafter_service.engine.DraftEngine)."""
 
-    def __init__(self, cache: SuffixDecodingCache, request_key: str, params: ProposerParams, tenant: str = ""):
-        self._cache = cache
-        self._key = request_key
+    def __init__(self, engine, params: ProposerParams, tenant: str = ""):
+        self._engine = engine
         self.params = params
         self.tenant = tenant
-        self.tokens: list[int] = []  # prompt + committed output
-
-    @property
-    def committed_len(self) -> int:
-        return len(self.tokens)
+        self.committed_len = 0  # prompt + committed output
+        self._seq_id: int | None = None
+        self._uncommitted: list[int] = []  # committed here, not yet handed to the engine
 
     def start(self, prompt_token_ids: Sequence[int]) -> None:
-        self.tokens = list(prompt_token_ids)
-        if self.params.method == METHOD_SUFFIX:
-            self._cache.start_request(self._key, self.tokens, self.tenant, self.params.max_tree_depth)
+        self._seq_id = self._engine.start(prompt_token_ids, self.params, self.tenant)
+        self.committed_len = len(prompt_token_ids)
 
     def commit(self, token_ids: Sequence[int], committed_len: int) -> None:
         """Appends committed tokens; `committed_len` is the length the caller expects afterwards."""
-        if len(self.tokens) + len(token_ids) != committed_len:
+        if self.committed_len + len(token_ids) != committed_len:
             raise CommittedLengthMismatch(
-                f"committed_len {committed_len} != {len(self.tokens)} known + {len(token_ids)} committed")
-        self.tokens.extend(token_ids)
-        if self.params.method == METHOD_SUFFIX:
-            self._cache.add_active_response(self._key, token_ids)
+                f"committed_len {committed_len} != {self.committed_len} known + {len(token_ids)} committed")
+        self.committed_len = committed_len
+        self._uncommitted.extend(token_ids)
 
-    def propose(self) -> Draft:
-        params = self.params
-        if params.method == METHOD_NGRAM:
-            return propose_ngram(self.tokens, params.num_speculative_tokens,
-                                 params.prompt_lookup_min, params.prompt_lookup_max)
-        return self._cache.speculate(self._key, self.tokens, params.num_speculative_tokens,
-                                     params.max_spec_factor, params.max_spec_offset,
-                                     params.min_token_prob, params.use_tree_spec)
+    async def propose(self) -> Draft:
+        """Draft from prompt + everything committed (suffix decoding or n-gram lookup, per params)."""
+        token_ids, self._uncommitted = self._uncommitted, []
+        return await self._engine.step(self._seq_id, token_ids)
 
     def end(self) -> None:
         """Ends the sequence: its own tree goes, its output stays in the global tree."""
-        if self.params.method == METHOD_SUFFIX:
-            self._cache.stop_request(self._key)
+        if self._seq_id is not None:
+            self._engine.end(self._seq_id)
+            self._seq_id = None

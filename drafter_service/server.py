@@ -1,13 +1,17 @@
-"""Runs the drafter gRPC server until SIGTERM."""
+"""Runs the drafter gRPC server until SIGTERM, restoring and saving snapshots of the global trees."""
 
+import asyncio
+import contextlib
+import pathlib
 from collections.abc import Callable
 
 import grpc
 import structlog
 
+from drafter_service import snapshot
 from drafter_service.config import DrafterConfig
+from drafter_service.engine import DraftEngine
 from drafter_service.service import SERVICE_NAME, DrafterServicer
-from drafter_service.suffix_decoding import SuffixDecodingCache
 from protos.drafter.v1 import drafter_pb2_grpc
 from speclane.grpc_server import serve
 from speclane.log import configure_logging
@@ -15,19 +19,51 @@ from speclane.log import configure_logging
 log = structlog.get_logger()
 
 
+async def _save(engine: DraftEngine, path: pathlib.Path) -> None:
+    try:
+        # The core snapshots under its own lock without the GIL: sessions go on meanwhile.
+        size = await asyncio.to_thread(snapshot.save, engine, path)
+        log.info("snapshot_saved", path=str(path), bytes=size)
+    except OSError as exc:
+        log.error("snapshot_save_failed", path=str(path), error=str(exc))
+
+
+async def _save_periodically(engine: DraftEngine, path: pathlib.Path, interval: float) -> None:
+    while True:
+        await asyncio.sleep(interval)
+        await _save(engine, path)
+
+
 async def run(config: DrafterConfig, ready: Callable[[int], None] | None = None) -> None:
     """Serves Drafter.Session; `ready` receives the bound port (handy with port 0)."""
     configure_logging("drafter", config.log_level)
-    cache = SuffixDecodingCache(config.max_tree_depth, config.max_cached_requests)
+    engine = DraftEngine(config.max_tree_depth, config.max_cached_requests, config.max_cached_tokens,
+                         config.share_tenants)
+    path = pathlib.Path(config.snapshot_path) if config.snapshot_path else None
+    tasks: list[asyncio.Task] = []
 
     def add_servicers(server: grpc.aio.Server) -> list[str]:
-        drafter_pb2_grpc.add_DrafterServicer_to_server(DrafterServicer(cache, config.max_tree_depth), server)
+        drafter_pb2_grpc.add_DrafterServicer_to_server(DrafterServicer(engine, config.max_tree_depth), server)
         return [SERVICE_NAME]
 
+    async def warmup() -> None:
+        # Health says NOT_SERVING until the snapshot is loaded.
+        if path is not None:
+            await asyncio.to_thread(snapshot.load, engine, path)
+            tasks.append(asyncio.create_task(_save_periodically(engine, path, config.snapshot_interval_seconds)))
+
     async def on_shutdown() -> None:
-        log.info("drafter_stopped", cached_requests=len(cache.cached_requests))
+        for task in tasks:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        if path is not None:
+            await _save(engine, path)
+        log.info("drafter_stopped", cached_requests=len(engine.core.cached_requests()),
+                 memory_bytes=engine.core.memory_bytes())
 
     log.info("drafter_starting", max_tree_depth=config.max_tree_depth,
-             max_cached_requests=config.max_cached_requests)
-    await serve(address=config.address, add_servicers=add_servicers, on_shutdown=on_shutdown,
+             max_cached_requests=config.max_cached_requests, max_cached_tokens=config.max_cached_tokens,
+             snapshot_path=config.snapshot_path or None)
+    await serve(address=config.address, add_servicers=add_servicers, warmup=warmup, on_shutdown=on_shutdown,
                 max_concurrent_rpcs=config.max_concurrent_rpcs, ready=ready)

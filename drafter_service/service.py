@@ -2,7 +2,6 @@
 from SequenceProposer calls at the boundary."""
 
 import asyncio
-import itertools
 
 import grpc
 import structlog
@@ -15,7 +14,7 @@ from drafter_service.proposer import (
     ProposerParams,
     SequenceProposer,
 )
-from drafter_service.suffix_decoding import SuffixDecodingCache
+from drafter_service.engine import DraftEngine
 from protos.common.v1 import common_pb2
 from protos.drafter.v1 import drafter_pb2, drafter_pb2_grpc
 from speclane.grpc_server import bind_request_id_from
@@ -62,12 +61,11 @@ def _has_negative(token_ids) -> bool:
 
 
 class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
-    def __init__(self, cache: SuffixDecodingCache, default_tree_depth: int):
-        self._cache = cache
+    def __init__(self, engine: DraftEngine, default_tree_depth: int):
+        # The engine keys sessions by its own numbers, not the client's sequence
+        # ids, so a retried or reused sequence id never collides with a session still winding down.
+        self._engine = engine
         self._default_tree_depth = default_tree_depth
-        # Cache keys are ours, not the client's sequence ids, so a retried or
-        # reused sequence id never collides with a session still winding down.
-        self._session_numbers = itertools.count()
 
     async def Session(self, request_iterator, context: grpc.aio.ServicerContext):
         bind_request_id_from(context)
@@ -83,8 +81,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         if _has_negative(start.prompt_token_ids):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "start.prompt_token_ids must not be negative")
         tenant = start.tenant or metadata_value(context.invocation_metadata(), TENANT_METADATA_KEY) or ""
-        key = f"{start.sequence_id}#{next(self._session_numbers)}"
-        proposer = SequenceProposer(self._cache, key, params, tenant)
+        proposer = SequenceProposer(self._engine, params, tenant)
         proposer.start(start.prompt_token_ids)
         log.info("session_start", sequence_id=start.sequence_id, tenant=tenant, method=params.method,
                  prompt_tokens=len(start.prompt_token_ids), num_speculative_tokens=params.num_speculative_tokens)
@@ -103,7 +100,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
                     proposer.commit(step.committed_token_ids, step.committed_len)
                 except CommittedLengthMismatch as exc:
                     await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
-                draft = proposer.propose()
+                draft = await proposer.propose()
                 steps += 1
                 drafted += len(draft)
                 yield drafter_pb2.SessionResponse(draft=draft_to_proto(draft, proposer.committed_len))

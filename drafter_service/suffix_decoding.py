@@ -3,8 +3,11 @@ a global tree over earlier responses (not prompts), one per tenant.
 
 Responses enter the global tree token by token while their requests run, so
 concurrent requests benefit at once; each tenant's tree keeps at most
-`max_cached_requests` responses, evicting whole responses first in, first out.
-The API follows Arctic Inference's SuffixDecodingCache.
+`max_cached_requests` responses, and all trees together at most
+`max_cached_tokens` response tokens (0: no limit), evicting whole responses
+first in, first out. The API follows Arctic Inference's SuffixDecodingCache.
+This is the pure-Python reference; the service runs the compiled twin
+(drafter_service/csrc), which is tested against it.
 """
 
 from collections import OrderedDict
@@ -32,16 +35,20 @@ class _ActiveRequest:
 
 
 class SuffixDecodingCache:
-    def __init__(self, max_tree_depth: int = 24, max_cached_requests: int = 10000):
+    def __init__(self, max_tree_depth: int = 24, max_cached_requests: int = 10000, max_cached_tokens: int = 0):
         if max_tree_depth < 1:
             raise ValueError("max_tree_depth must be >= 1")
         if max_cached_requests < 0:
             raise ValueError("max_cached_requests must be >= 0")
+        if max_cached_tokens < 0:
+            raise ValueError("max_cached_tokens must be >= 0")
         self.max_tree_depth = max_tree_depth
         self.max_cached_requests = max_cached_requests
+        self.max_cached_tokens = max_cached_tokens
+        self.cached_tokens = 0
         self._active: dict[str, _ActiveRequest] = {}
         self._tenants: dict[str, _TenantResponses] = {}
-        self._tenant_of_cached: dict[str, str] = {}  # request id -> tenant, for eviction
+        self._tenant_of_cached: dict[str, str] = {}  # request id -> tenant, oldest first
 
     @property
     def active_requests(self) -> frozenset[str]:
@@ -82,6 +89,9 @@ class SuffixDecodingCache:
         # The response may already be evicted when more requests run than the cache holds.
         if responses is not None and req_id in responses.tree:
             responses.tree.append(req_id, token_ids)
+            self.cached_tokens += len(token_ids)
+            while self.max_cached_tokens and self.cached_tokens > self.max_cached_tokens:
+                self.evict_cached_response(next(iter(self._tenant_of_cached)))
 
     def stop_request(self, req_id: str) -> None:
         """Drops the per-request tree; a non-empty response stays in the global tree."""
@@ -95,6 +105,7 @@ class SuffixDecodingCache:
         if tenant is None:
             raise ValueError(f"request {req_id!r} has no cached response")
         responses = self._tenants[tenant]
+        self.cached_tokens -= responses.tree.sequence_length(req_id)
         responses.tree.remove_sequence(req_id)
         del responses.fifo[req_id]
         if not responses.fifo:
@@ -109,11 +120,12 @@ class SuffixDecodingCache:
         max_spec_offset: float = 0.0,
         min_token_prob: float = 0.1,
         use_tree_spec: bool = False,
+        reanchor: bool = True,
     ) -> Draft:
         """Drafts from the request's own tree and its tenant's global tree; the
         higher score wins whole (ties keep the request's own draft)."""
         request = self._active[req_id]
-        args = (context, max_spec_tokens, max_spec_factor, max_spec_offset, min_token_prob, use_tree_spec)
+        args = (context, max_spec_tokens, max_spec_factor, max_spec_offset, min_token_prob, use_tree_spec, reanchor)
         draft = replace(request.tree.speculate(*args), source=SOURCE_REQUEST)
         responses = self._tenants.get(request.tenant)
         if responses is not None:

@@ -5,13 +5,21 @@ taken with probability c.count / n.count.
 """
 
 import heapq
+from collections.abc import Sequence
 
 from drafter_service.draft import Draft, chain_parents
 
 
-def draft_path(node, offset: int, budget: int, min_token_prob: float, match_len: int) -> Draft:
-    """Follows the most frequent continuation while the path probability stays >= min_token_prob."""
+def draft_path(node, offset: int, budget: int, min_token_prob: float, match_len: int,
+               reanchor=None, pattern: Sequence[int] = ()) -> Draft:
+    """Follows the most frequent continuation while the path probability stays >= min_token_prob.
+
+    `pattern` is the matched context; where the walk runs out of tree,
+    `reanchor(node, path)` may give a position to go on from (path = pattern +
+    draft so far), or None to stop.
+    """
     token_ids, probs, prob = [], [], 1.0
+    path = list(pattern)
     while len(token_ids) < budget:
         if offset < node.length:
             token = node.tokens[node.start + offset]
@@ -22,10 +30,14 @@ def draft_path(node, offset: int, budget: int, min_token_prob: float, match_len:
             if prob < min_token_prob:
                 break
             node, offset, token = child, 1, child.tokens[child.start]
+        elif reanchor is not None and (position := reanchor(node, path)) is not None:
+            node, offset = position
+            continue
         else:
             break
         token_ids.append(token)
         probs.append(prob)
+        path.append(token)
     return Draft(tuple(token_ids), chain_parents(len(token_ids)), tuple(probs), sum(probs), match_len)
 
 

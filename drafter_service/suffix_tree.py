@@ -137,12 +137,16 @@ class SuffixTree:
         max_spec_offset: float = 0.0,
         min_token_prob: float = 0.1,
         use_tree: bool = False,
+        reanchor: bool = True,
     ) -> Draft:
         """Best draft over all match lengths m of the context's tail.
 
         For each m = 1..min(len(context), max_depth) whose last-m tokens are in
         the trie, drafts up to min(max_spec_tokens, floor(factor * m + offset))
         tokens from there; returns the highest score, ties to the longer match.
+        With `reanchor`, a path draft reaching max_depth goes on from the last
+        max_depth // 2 tokens of pattern + draft instead of stopping there, so
+        its length is not capped at max_depth - m (tree drafts stop).
         """
         if max_spec_factor < 0:
             raise ValueError("max_spec_factor must be >= 0")
@@ -157,15 +161,27 @@ class SuffixTree:
             else:
                 longest = middle
         best = Draft()
-        draft_from = draft_tree if use_tree else draft_path
         for match_len in range(longest, 0, -1):
             budget = min(max_spec_tokens, math.floor(max_spec_factor * match_len + max_spec_offset))
             if match_len < longest and budget <= best.score:
                 break  # a score never exceeds its budget, which only shrinks from here: at best a tie
-            draft = draft_from(*self._match(context, end - match_len, end), budget, min_token_prob, match_len)
+            node, offset = self._match(context, end - match_len, end)
+            if use_tree:
+                draft = draft_tree(node, offset, budget, min_token_prob, match_len)
+            else:
+                draft = draft_path(node, offset, budget, min_token_prob, match_len,
+                                   self._reanchor if reanchor else None, context[end - match_len:end])
             if match_len == longest or draft.score > best.score:
                 best = draft
         return best
+
+    def _reanchor(self, node: _Node, path: list[int]) -> tuple[_Node, int] | None:
+        """Where the trie's depth, not the stored text, ends a walk: the position of the
+        last max_depth // 2 tokens, a suffix of a stored pattern, so always present."""
+        anchor = self.max_depth // 2
+        if node.depth < self.max_depth or anchor == 0:
+            return None
+        return self._match(path, len(path) - anchor, len(path))
 
     def _match(self, tokens: Sequence[int], start: int, end: int) -> tuple[_Node, int] | None:
         """Position (node, tokens of its edge matched) of tokens[start:end], or None."""

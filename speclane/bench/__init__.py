@@ -4,7 +4,9 @@
 import importlib
 
 # name -> (module, one-line help)
-BENCHMARKS: dict[str, tuple[str, str]] = {}
+BENCHMARKS: dict[str, tuple[str, str]] = {
+    "drafter": ("speclane.bench.drafter", "suffix/n-gram drafter microbenchmark vs Arctic Inference"),
+}
 
 
 def add_bench_parsers(bench_parser) -> None:

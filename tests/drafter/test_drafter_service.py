@@ -11,7 +11,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from drafter_service import server
 from drafter_service.config import DrafterConfig
 from drafter_service.service import DrafterServicer
-from drafter_service.suffix_decoding import SuffixDecodingCache
+from drafter_service.engine import DraftEngine
 from protos.drafter.v1 import drafter_pb2, drafter_pb2_grpc
 from speclane.grpc_server import CHANNEL_OPTIONS
 
@@ -20,10 +20,10 @@ RESPONSE = list(range(100, 116))
 
 
 @contextlib.asynccontextmanager
-async def drafter(cache: SuffixDecodingCache | None = None):
-    cache = cache or SuffixDecodingCache(max_tree_depth=24, max_cached_requests=100)
+async def drafter(engine: DraftEngine | None = None):
+    engine = engine or DraftEngine(max_tree_depth=24, max_cached_requests=100)
     grpc_server = grpc.aio.server()
-    drafter_pb2_grpc.add_DrafterServicer_to_server(DrafterServicer(cache, default_tree_depth=24), grpc_server)
+    drafter_pb2_grpc.add_DrafterServicer_to_server(DrafterServicer(engine, default_tree_depth=24), grpc_server)
     port = grpc_server.add_insecure_port("127.0.0.1:0")
     await grpc_server.start()
     try:
@@ -129,14 +129,14 @@ def test_bad_input_is_invalid_argument(messages):
 
 def test_committed_len_mismatch_is_failed_precondition():
     async def main():
-        cache = SuffixDecodingCache()
-        async with drafter(cache) as stub:
+        engine = DraftEngine(max_tree_depth=24, max_cached_requests=100)
+        async with drafter(engine) as stub:
             code = await expect_error(stub, [start([1, 2, 3]), step([4, 5], 4)])
-            return code, cache.active_requests
+            return code, engine.core.active_requests()
 
     code, active = asyncio.run(main())
     assert code == grpc.StatusCode.FAILED_PRECONDITION
-    assert active == frozenset()
+    assert not active
 
 
 def test_finished_session_teaches_later_sessions():
@@ -152,14 +152,14 @@ def test_finished_session_teaches_later_sessions():
 
 def test_cancelled_session_ends_and_keeps_its_response():
     async def main():
-        cache = SuffixDecodingCache()
-        async with drafter(cache) as stub:
+        engine = DraftEngine(max_tree_depth=24, max_cached_requests=100)
+        async with drafter(engine) as stub:
             call = stub.Session()
             await call.write(start([1, 2, 3]))
             await call.write(step(RESPONSE, 3 + len(RESPONSE)))
             await call.read()
             call.cancel()
-            while cache.active_requests:
+            while engine.core.active_requests():
                 await asyncio.sleep(0.01)
             (draft,) = await run_session(stub, start([7], max_spec_factor=2), [RESPONSE[:4]])
             return draft

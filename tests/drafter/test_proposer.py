@@ -1,34 +1,65 @@
-"""SequenceProposer and ProposerParams, without gRPC."""
+"""SequenceProposer on the compiled engine, and ProposerParams, without gRPC."""
+
+import asyncio
 
 import pytest
 
+from drafter_service.engine import DraftEngine
 from drafter_service.proposer import CommittedLengthMismatch, ProposerParams, SequenceProposer
-from drafter_service.suffix_decoding import SuffixDecodingCache
+from drafter_service.suffix_decoding import SOURCE_REQUEST
 
 
 def make_proposer(method="suffix", **params):
-    cache = SuffixDecodingCache(max_tree_depth=16, max_cached_requests=10)
-    return cache, SequenceProposer(cache, "seq-0", ProposerParams(method, 4, **params))
+    engine = DraftEngine(max_tree_depth=16, max_cached_requests=10)
+    return engine, SequenceProposer(engine, ProposerParams(method, 4, **params))
 
 
 def test_suffix_session_commits_and_drafts():
-    cache, proposer = make_proposer()
-    proposer.start([1, 2, 3, 4, 1, 2])
-    proposer.commit([3], committed_len=7)
-    draft = proposer.propose()
+    async def main():
+        engine, proposer = make_proposer()
+        proposer.start([1, 2, 3, 4, 1, 2])
+        proposer.commit([3], committed_len=7)
+        draft = await proposer.propose()
+        proposer.end()
+        return engine, draft
+
+    engine, draft = asyncio.run(main())
     assert draft.token_ids == (4, 1, 2)  # matched "1 2 3": budget 3
-    proposer.end()
-    assert cache.active_requests == frozenset()
-    assert cache.cached_requests == {"seq-0"}
+    assert draft.source == SOURCE_REQUEST
+    assert engine.core.active_requests() == []
+    assert len(engine.core.cached_requests()) == 1
 
 
 def test_ngram_session_leaves_the_suffix_cache_alone():
-    cache, proposer = make_proposer("ngram", prompt_lookup_min=2, prompt_lookup_max=3)
-    proposer.start([5, 6, 7, 8, 5, 6])
-    assert proposer.propose().token_ids == (7, 8, 5, 6)
-    proposer.commit([7], committed_len=7)
-    proposer.end()
-    assert cache.cached_requests == frozenset()
+    async def main():
+        engine, proposer = make_proposer("ngram", prompt_lookup_min=2, prompt_lookup_max=3)
+        proposer.start([5, 6, 7, 8, 5, 6])
+        draft = await proposer.propose()
+        proposer.commit([7], committed_len=7)
+        await proposer.propose()
+        proposer.end()
+        return engine, draft
+
+    engine, draft = asyncio.run(main())
+    assert draft.token_ids == (7, 8, 5, 6)
+    assert engine.core.cached_requests() == []
+
+
+def test_steps_of_one_loop_turn_share_one_batch():
+    async def main():
+        engine = DraftEngine(max_tree_depth=16, max_cached_requests=10)
+        proposers = [SequenceProposer(engine, ProposerParams("suffix", 4)) for _ in range(3)]
+        for offset, proposer in enumerate(proposers):
+            proposer.start([offset, 1, 2, 3, 1, 2])
+        calls = []
+        step = engine.core.step
+        engine.core = type("Counting", (), {"step": lambda self, ids, tokens: calls.append(ids) or step(ids, tokens)})()
+        drafts = await asyncio.gather(*(proposer.propose() for proposer in proposers))
+        return calls, drafts
+
+    calls, drafts = asyncio.run(main())
+    assert len(calls) == 1 and len(calls[0]) == 3
+    assert all(draft.token_ids == (3, 1) for draft in drafts)
 
 
 def test_length_mismatch_is_refused_and_changes_nothing():
@@ -38,7 +69,7 @@ def test_length_mismatch_is_refused_and_changes_nothing():
         proposer.commit([4, 5], committed_len=6)
     assert proposer.committed_len == 3
     proposer.commit([4, 5], committed_len=5)
-    assert proposer.tokens == [1, 2, 3, 4, 5]
+    assert proposer.committed_len == 5
 
 
 @pytest.mark.parametrize("kwargs", [

@@ -53,9 +53,13 @@ def followers(counts: Counter, pattern: tuple) -> list[tuple[int, int]]:
     return [(key[-1], count) for key, count in counts.items() if len(key) == len(pattern) + 1 and key[:-1] == pattern]
 
 
-def oracle_path(counts, pattern, budget, min_token_prob):
+def oracle_path(counts, pattern, budget, min_token_prob, max_depth, reanchor):
     token_ids, probs, prob = [], [], 1.0
-    while len(token_ids) < budget and followers(counts, pattern):
+    while len(token_ids) < budget:
+        if reanchor and len(pattern) == max_depth and max_depth // 2:
+            pattern = pattern[-(max_depth // 2):]  # the trie ends, not the text: condition on a shorter tail
+        if not followers(counts, pattern):
+            break
         token, count = min(followers(counts, pattern), key=lambda f: (-f[1], f[0]))  # ties: smaller token
         prob = prob * (count / counts[pattern])
         if prob < min_token_prob:
@@ -66,7 +70,7 @@ def oracle_path(counts, pattern, budget, min_token_prob):
     return token_ids, list(range(-1, len(token_ids) - 1)), probs
 
 
-def oracle_tree(counts, pattern, budget, min_token_prob):
+def oracle_tree(counts, pattern, budget, min_token_prob, max_depth, reanchor):
     """All continuations with path prob >= min, ordered by (prob desc, path asc), first `budget`."""
     nodes, stack = [], [((), 1.0)]
     while stack:
@@ -82,14 +86,14 @@ def oracle_tree(counts, pattern, budget, min_token_prob):
             [-neg for neg, _ in chosen])
 
 
-def oracle_speculate(counts, max_depth, context, k, factor, offset, min_token_prob, use_tree) -> Draft:
+def oracle_speculate(counts, max_depth, context, k, factor, offset, min_token_prob, use_tree, reanchor) -> Draft:
     candidates = []
     for match_len in range(1, min(len(context), max_depth) + 1):
         pattern = tuple(context[len(context) - match_len:])
         if counts[pattern] == 0:
             continue
         budget = min(k, math.floor(factor * match_len + offset))
-        draft = (oracle_tree if use_tree else oracle_path)(counts, pattern, budget, min_token_prob)
+        draft = (oracle_tree if use_tree else oracle_path)(counts, pattern, budget, min_token_prob, max_depth, reanchor)
         score = sum(draft[2])
         candidates.append(((score, match_len), Draft(*map(tuple, draft), score, match_len)))
     return max(candidates, key=lambda c: c[0])[1] if candidates else Draft()
@@ -115,12 +119,13 @@ def test_node_counts_equal_occurrence_counts(max_depth, ops):
     offset=st.sampled_from([-1.0, 0.0, 1.0, 2.5]),
     min_token_prob=st.sampled_from([0.0, 0.1, 0.25, 0.5, 1.0]),
     use_tree=st.booleans(),
+    reanchor=st.booleans(),
 )
-def test_speculate_matches_oracle(max_depth, ops, context, k, factor, offset, min_token_prob, use_tree):
+def test_speculate_matches_oracle(max_depth, ops, context, k, factor, offset, min_token_prob, use_tree, reanchor):
     tree, model = build(max_depth, ops)
     counts = occurrence_counts(model.values(), max_depth)
-    got = tree.speculate(context, k, factor, offset, min_token_prob, use_tree)
-    assert got == oracle_speculate(counts, max_depth, context, k, factor, offset, min_token_prob, use_tree)
+    got = tree.speculate(context, k, factor, offset, min_token_prob, use_tree, reanchor)
+    assert got == oracle_speculate(counts, max_depth, context, k, factor, offset, min_token_prob, use_tree, reanchor)
 
 
 def test_most_frequent_child_ties_go_to_smaller_token():

@@ -1,0 +1,177 @@
+// Python bindings of the compiled drafter core: `drafter_service._core`.
+// Arguments are converted with the GIL held; the work itself runs without it.
+// Drafts come back as tuples (token_ids, parents, probs, score, match_len, source).
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <climits>
+#include <tuple>
+
+#include "cache.h"
+#include "ngram_index.h"
+#include "suffix_tree.h"
+
+// Token lists cross the boundary on every call: convert them directly
+// (PySequence_Fast + PyLong) instead of element by element through generic casters.
+namespace pybind11 {
+namespace detail {
+template <>
+struct type_caster<std::vector<int32_t>> {
+  PYBIND11_TYPE_CASTER(std::vector<int32_t>, const_name("list[int]"));
+
+  bool load(handle src, bool) {
+    if (!src || PyUnicode_Check(src.ptr()) || PyBytes_Check(src.ptr())) return false;
+    PyObject* items = PySequence_Fast(src.ptr(), "expected a sequence of token ids");
+    if (items == nullptr) {
+      PyErr_Clear();
+      return false;
+    }
+    Py_ssize_t size = PySequence_Fast_GET_SIZE(items);
+    PyObject** item = PySequence_Fast_ITEMS(items);
+    value.resize(static_cast<size_t>(size));
+    bool ok = true;
+    for (Py_ssize_t i = 0; i < size && ok; ++i) {
+      long token = PyLong_AsLong(item[i]);
+      ok = !(token == -1 && PyErr_Occurred()) && token >= INT32_MIN && token <= INT32_MAX;
+      value[static_cast<size_t>(i)] = static_cast<int32_t>(token);
+    }
+    if (!ok) PyErr_Clear();
+    Py_DECREF(items);
+    return ok;
+  }
+
+  static handle cast(const std::vector<int32_t>& tokens, return_value_policy, handle) {
+    PyObject* list = PyList_New(static_cast<Py_ssize_t>(tokens.size()));
+    for (size_t i = 0; i < tokens.size(); ++i) PyList_SET_ITEM(list, static_cast<Py_ssize_t>(i), PyLong_FromLong(tokens[i]));
+    return list;
+  }
+};
+}  // namespace detail
+}  // namespace pybind11
+
+namespace py = pybind11;
+using namespace speclane;
+
+namespace {
+
+using Tokens = std::vector<int32_t>;
+using DraftTuple = std::tuple<Tokens, Tokens, std::vector<double>, double, int, int>;
+using Released = py::call_guard<py::gil_scoped_release>;
+
+DraftTuple as_tuple(Draft draft) {
+  return {std::move(draft.token_ids), std::move(draft.parents), std::move(draft.probs), draft.score, draft.match_len,
+          draft.source};
+}
+
+SpecParams spec(int k, double factor, double offset, double min_token_prob, bool use_tree, bool reanchor) {
+  SpecParams params;
+  params.max_spec_tokens = k;
+  params.max_spec_factor = factor;
+  params.max_spec_offset = offset;
+  params.min_token_prob = min_token_prob;
+  params.use_tree = use_tree;
+  params.reanchor = reanchor;
+  return params;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_core, m) {
+  m.doc() = "Compiled suffix-tree and n-gram drafter core";
+  m.attr("SOURCE_REQUEST") = static_cast<int>(kSourceRequest);
+  m.attr("SOURCE_GLOBAL") = static_cast<int>(kSourceGlobal);
+  m.attr("SOURCE_NGRAM") = static_cast<int>(kSourceNgram);
+  m.attr("METHOD_SUFFIX") = static_cast<int>(kMethodSuffix);
+  m.attr("METHOD_NGRAM") = static_cast<int>(kMethodNgram);
+
+  py::class_<SuffixTree>(m, "SuffixTree")
+      .def(py::init<int>(), py::arg("max_depth"))
+      .def_property_readonly("max_depth", &SuffixTree::max_depth)
+      .def("__contains__", &SuffixTree::contains)
+      .def("add_sequence", &SuffixTree::add_sequence, Released())
+      .def("append", [](SuffixTree& tree, int64_t seq, const Tokens& tokens) { tree.append(seq, tokens.data(), tokens.size()); },
+           Released())
+      .def("seal", &SuffixTree::seal, Released())
+      .def("remove_sequence", &SuffixTree::remove_sequence, Released())
+      .def("sequence_length", &SuffixTree::sequence_length)
+      .def("count", [](const SuffixTree& tree, const Tokens& pattern) { return tree.count(pattern.data(), pattern.size()); },
+           Released())
+      .def("speculate",
+           [](const SuffixTree& tree, const Tokens& context, int k, double factor, double offset, double min_token_prob,
+              bool use_tree, bool reanchor) {
+             return as_tuple(tree.speculate(context.data(), context.size(),
+                                            spec(k, factor, offset, min_token_prob, use_tree, reanchor)));
+           },
+           py::arg("context"), py::arg("max_spec_tokens"), py::arg("max_spec_factor") = 1.0,
+           py::arg("max_spec_offset") = 0.0, py::arg("min_token_prob") = 0.1, py::arg("use_tree") = false,
+           py::arg("reanchor") = true, Released())
+      .def_property_readonly("num_nodes", &SuffixTree::num_nodes)
+      .def("memory_bytes", &SuffixTree::memory_bytes, Released());
+
+  py::class_<NgramIndex>(m, "NgramIndex")
+      .def(py::init<int, int, bool>(), py::arg("min_n"), py::arg("max_n"), py::arg("latest") = false)
+      .def("append", [](NgramIndex& index, const Tokens& tokens) { index.append(tokens.data(), tokens.size()); },
+           Released())
+      .def("propose", [](const NgramIndex& index, int k) { return as_tuple(index.propose(k)); }, Released())
+      .def("propose_rescan", [](const NgramIndex& index, int k) { return as_tuple(index.propose_rescan(k)); },
+           Released())
+      .def("__len__", [](const NgramIndex& index) { return index.tokens().size(); })
+      .def("memory_bytes", &NgramIndex::memory_bytes);
+
+  py::class_<Cache>(m, "Cache")
+      .def(py::init<int, int64_t, int64_t>(), py::arg("max_tree_depth"), py::arg("max_cached_requests"),
+           py::arg("max_cached_tokens") = 0)
+      .def_property_readonly("max_tree_depth", &Cache::max_depth)
+      .def("start_request",
+           [](Cache& cache, int64_t id, const Tokens& prompt, const std::string& tenant, int method, int k,
+              double factor, double offset, double min_token_prob, bool use_tree, bool reanchor, int local_depth,
+              int ngram_min, int ngram_max, bool ngram_latest) {
+             SessionParams params;
+             params.method = method;
+             params.spec = spec(k, factor, offset, min_token_prob, use_tree, reanchor);
+             params.local_depth = local_depth;
+             params.ngram_min = ngram_min;
+             params.ngram_max = ngram_max;
+             params.ngram_latest = ngram_latest;
+             cache.start_request(id, prompt, tenant, params);
+           },
+           py::arg("req_id"), py::arg("prompt_token_ids"), py::arg("tenant") = "", py::arg("method") = 1,
+           py::arg("max_spec_tokens") = 16, py::arg("max_spec_factor") = 1.0, py::arg("max_spec_offset") = 0.0,
+           py::arg("min_token_prob") = 0.1, py::arg("use_tree_spec") = false, py::arg("reanchor") = true,
+           py::arg("max_tree_depth") = 0, py::arg("prompt_lookup_min") = 5, py::arg("prompt_lookup_max") = 5,
+           py::arg("ngram_latest") = false, Released())
+      .def("add_active_response", &Cache::add_active_response, Released())
+      .def("stop_request", &Cache::stop_request, Released())
+      .def("evict_cached_response", &Cache::evict_cached_response, Released())
+      .def("speculate",
+           [](Cache& cache, int64_t id, const Tokens& context, int k, double factor, double offset,
+              double min_token_prob, bool use_tree, bool reanchor) {
+             return as_tuple(cache.speculate(id, context, spec(k, factor, offset, min_token_prob, use_tree, reanchor)));
+           },
+           py::arg("req_id"), py::arg("context"), py::arg("max_spec_tokens"), py::arg("max_spec_factor") = 1.0,
+           py::arg("max_spec_offset") = 0.0, py::arg("min_token_prob") = 0.1, py::arg("use_tree_spec") = false,
+           py::arg("reanchor") = true, Released())
+      .def("step",
+           [](Cache& cache, const std::vector<int64_t>& ids, const std::vector<Tokens>& tokens) {
+             std::vector<Draft> drafts = cache.step(ids, tokens);
+             std::vector<DraftTuple> out;
+             out.reserve(drafts.size());
+             for (Draft& draft : drafts) out.push_back(as_tuple(std::move(draft)));
+             return out;
+           },
+           Released())
+      .def("active_requests", &Cache::active_requests, Released())
+      .def("cached_requests", &Cache::cached_requests, Released())
+      .def("cached_tokens", &Cache::cached_tokens)
+      .def("memory_bytes", &Cache::memory_bytes, Released())
+      .def("snapshot",
+           [](const Cache& cache) {
+             std::string data;
+             {
+               py::gil_scoped_release released;
+               data = cache.snapshot();
+             }
+             return py::bytes(data);
+           })
+      .def("restore", [](Cache& cache, const std::string& data) { cache.restore(data); }, Released());
+}

@@ -1,0 +1,143 @@
+// Speculation over a SuffixTree (mirrors drafter_service/suffix_draft.py and SuffixTree.speculate).
+#include <algorithm>
+#include <cmath>
+#include <stdexcept>
+
+#include "suffix_tree.h"
+
+namespace speclane {
+
+Draft SuffixTree::speculate(const int32_t* context, size_t n, const SpecParams& params) const {
+  if (params.max_spec_factor < 0) throw std::invalid_argument("max_spec_factor must be >= 0");
+  // The trie holds every substring of a stored pattern, so the matching tail
+  // lengths are 1..longest: a binary search finds the longest in O(depth log depth),
+  // not the O(depth^2) of re-matching every length from the root.
+  size_t longest = 0, too_long = std::min(n, static_cast<size_t>(max_depth_)) + 1;
+  Position at;
+  while (too_long - longest > 1) {
+    size_t middle = (longest + too_long) / 2;
+    if (match(context, n - middle, n, &at)) {
+      longest = middle;
+    } else {
+      too_long = middle;
+    }
+  }
+  Draft best;
+  for (size_t match_len = longest; match_len > 0; --match_len) {
+    double limit = std::floor(params.max_spec_factor * static_cast<double>(match_len) + params.max_spec_offset);
+    int budget = limit < params.max_spec_tokens ? static_cast<int>(std::max(limit, -1.0)) : params.max_spec_tokens;
+    // A score never exceeds its budget, which only shrinks from here: at best a tie.
+    if (match_len < longest && budget <= best.score) break;
+    match(context, n - match_len, n, &at);
+    Draft draft = params.use_tree ? draft_tree(at, budget, params.min_token_prob)
+                                  : draft_path(at, budget, params, std::vector<int32_t>(context + n - match_len, context + n));
+    draft.match_len = static_cast<int>(match_len);
+    if (match_len == longest || draft.score > best.score) best = std::move(draft);
+  }
+  return best;
+}
+
+Draft SuffixTree::draft_path(Position at, int budget, const SpecParams& params, std::vector<int32_t> path) const {
+  // Follows the most frequent continuation while the path probability stays >= min_token_prob.
+  // `path` holds the pattern of the current position as its last tokens.
+  Draft draft;
+  double prob = 1.0;
+  const size_t anchor = static_cast<size_t>(max_depth_ / 2);
+  while (static_cast<int>(draft.token_ids.size()) < budget) {
+    const Node& node = nodes_[at.node];
+    int32_t token;
+    if (at.offset < node.length) {
+      token = token_at(node, at.offset);
+      ++at.offset;
+    } else if (node.nkids > 0) {
+      uint32_t child = kid_arena_[node.kids];
+      prob = prob * (static_cast<double>(nodes_[child].count) / static_cast<double>(node.count));
+      if (prob < params.min_token_prob) break;
+      at = Position{child, 1};
+      token = first_token(child);
+    } else if (params.reanchor && node.depth == max_depth_ && anchor > 0) {
+      // The trie ends here, not the stored text: go on from the last `anchor`
+      // tokens, a suffix of a stored pattern and so always in the trie.
+      match(path.data(), path.size() - anchor, path.size(), &at);
+      continue;
+    } else {
+      break;
+    }
+    draft.token_ids.push_back(token);
+    draft.probs.push_back(prob);
+    path.push_back(token);
+  }
+  for (size_t i = 0; i < draft.token_ids.size(); ++i) {
+    draft.parents.push_back(static_cast<int32_t>(i) - 1);
+    draft.score += draft.probs[i];
+  }
+  return draft;
+}
+
+namespace {
+
+struct Candidate {
+  double prob;
+  std::vector<int32_t> path;  // tokens from the match position, the candidate's last
+  uint32_t node;
+  uint32_t offset;
+  uint32_t sibling_parent;  // kNone inside an edge
+  uint32_t index;           // among sibling_parent's children
+  double parent_prob;
+  int parent_out;
+};
+
+// Heap order: highest probability first, then the smaller token path.
+bool worse(const Candidate& a, const Candidate& b) {
+  if (a.prob != b.prob) return a.prob < b.prob;
+  return b.path < a.path;
+}
+
+}  // namespace
+
+Draft SuffixTree::draft_tree(Position at, int budget, double min_token_prob) const {
+  // Best-first expansion: a candidate enters the heap only once its predecessor
+  // in (prob desc, path asc) order, its parent or previous sibling, was taken.
+  Draft draft;
+  std::vector<Candidate> heap;
+  auto push = [&heap](Candidate candidate) {
+    heap.push_back(std::move(candidate));
+    std::push_heap(heap.begin(), heap.end(), worse);
+  };
+  auto push_child = [&](uint32_t parent, uint32_t index, double parent_prob, std::vector<int32_t> path, int parent_out) {
+    uint32_t child = kid_arena_[nodes_[parent].kids + index];
+    double prob = parent_prob * (static_cast<double>(nodes_[child].count) / static_cast<double>(nodes_[parent].count));
+    path.push_back(first_token(child));
+    push(Candidate{prob, std::move(path), child, 1, parent, index, parent_prob, parent_out});
+  };
+  auto push_next = [&](uint32_t node, uint32_t offset, double prob, const std::vector<int32_t>& path, int out) {
+    const Node& record = nodes_[node];
+    if (offset < record.length) {  // inside an edge: one way on, no siblings
+      std::vector<int32_t> next = path;
+      next.push_back(token_at(record, offset));
+      push(Candidate{prob, std::move(next), node, offset + 1, kNone, 0, prob, out});
+    } else if (record.nkids > 0) {
+      push_child(node, 0, prob, path, out);
+    }
+  };
+  if (budget > 0) push_next(at.node, at.offset, 1.0, {}, -1);
+  while (!heap.empty() && static_cast<int>(draft.token_ids.size()) < budget) {
+    std::pop_heap(heap.begin(), heap.end(), worse);
+    Candidate taken = std::move(heap.back());
+    heap.pop_back();
+    if (taken.prob < min_token_prob) break;
+    int out = static_cast<int>(draft.token_ids.size());
+    draft.token_ids.push_back(taken.path.back());
+    draft.parents.push_back(taken.parent_out);
+    draft.probs.push_back(taken.prob);
+    if (taken.sibling_parent != kNone && taken.index + 1 < nodes_[taken.sibling_parent].nkids) {
+      std::vector<int32_t> parent_path(taken.path.begin(), taken.path.end() - 1);
+      push_child(taken.sibling_parent, taken.index + 1, taken.parent_prob, std::move(parent_path), taken.parent_out);
+    }
+    push_next(taken.node, taken.offset, taken.prob, taken.path, out);
+  }
+  for (double prob : draft.probs) draft.score += prob;
+  return draft;
+}
+
+}  // namespace speclane

@@ -1,0 +1,429 @@
+#include "suffix_tree.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <stdexcept>
+#include <string>
+
+namespace speclane {
+namespace {
+
+constexpr uint32_t kRoot = 0;
+// Children beyond this many are also found through the EdgeMap, not a scan.
+constexpr uint32_t kSmall = 8;
+
+uint32_t capacity_of(uint32_t size) {
+  uint32_t capacity = 1;
+  while (capacity < size) capacity <<= 1;
+  return capacity;
+}
+
+uint32_t log2_of(uint32_t capacity) {
+  uint32_t log = 0;
+  while ((1u << log) < capacity) ++log;
+  return log;
+}
+
+}  // namespace
+
+SuffixTree::SuffixTree(int max_depth) : max_depth_(max_depth) {
+  if (max_depth < 1 || max_depth > 65535) throw std::invalid_argument("max_depth must be between 1 and 65535");
+  nodes_.push_back(Node{0, kNone, 0, 0, 0, kNone, 0});  // the root: count 0, never a leaf to grow
+}
+
+size_t SuffixTree::sequence_length(int64_t seq) const { return sequence_tokens(seq).size(); }
+
+const std::vector<int32_t>& SuffixTree::sequence_tokens(int64_t seq) const {
+  auto it = seqs_.find(seq);
+  if (it == seqs_.end()) throw std::out_of_range("unknown sequence " + std::to_string(seq));
+  return stores_[it->second.store].tokens;
+}
+
+void SuffixTree::add_sequence(int64_t seq) {
+  if (seqs_.count(seq)) throw std::invalid_argument("sequence " + std::to_string(seq) + " already exists");
+  uint32_t store = new_store({});
+  stores_[store].refs = 1;  // held by the sequence itself
+  seqs_.emplace(seq, Sequence{store, {kRoot}});
+}
+
+void SuffixTree::append(int64_t seq, const int32_t* tokens, size_t n) {
+  auto it = seqs_.find(seq);
+  if (it == seqs_.end()) throw std::out_of_range("unknown sequence " + std::to_string(seq));
+  Sequence& sequence = it->second;
+  if (sequence.frontier.empty() && n > 0) throw std::invalid_argument("sequence is sealed");
+  std::vector<uint32_t> grown;
+  grown.reserve(sequence.frontier.size() + 1);
+  for (size_t i = 0; i < n; ++i) {
+    int32_t token = tokens[i];
+    std::vector<int32_t>& storage = stores_[sequence.store].tokens;
+    storage.push_back(token);
+    uint32_t pos = static_cast<uint32_t>(storage.size() - 1);
+    grown.clear();
+    grown.push_back(kRoot);
+    for (uint32_t node : sequence.frontier) {
+      Node& record = nodes_[node];
+      if (record.nkids == 0 && record.count == 1) {
+        // A leaf only this suffix reaches: grow its edge, read from our own storage.
+        set_label(node, sequence.store, pos - record.length);
+        nodes_[node].length += 1;
+        nodes_[node].depth += 1;
+      } else {
+        node = extend(node, sequence.store, pos, token);
+      }
+      if (nodes_[node].depth < max_depth_) grown.push_back(node);
+    }
+    sequence.frontier.swap(grown);
+  }
+}
+
+void SuffixTree::seal(int64_t seq) {
+  auto it = seqs_.find(seq);
+  if (it == seqs_.end()) throw std::out_of_range("unknown sequence " + std::to_string(seq));
+  std::vector<uint32_t>().swap(it->second.frontier);
+}
+
+void SuffixTree::remove_sequence(int64_t seq) {
+  auto it = seqs_.find(seq);
+  if (it == seqs_.end()) throw std::out_of_range("unknown sequence " + std::to_string(seq));
+  uint32_t store = it->second.store;
+  seqs_.erase(it);
+  const size_t len = stores_[store].tokens.size();
+  std::vector<uint32_t> path;
+  for (size_t start = 0; start < len; ++start) {
+    size_t end = std::min(len, start + static_cast<size_t>(max_depth_));
+    uint32_t parent = kRoot;
+    size_t position = start;
+    path.clear();
+    while (position < end) {
+      uint32_t node = find_child(parent, stores_[store].tokens[position]);
+      position += nodes_[node].length;
+      if (recount(parent, node, -1)) {
+        free_chain(node);
+        break;
+      }
+      path.push_back(node);
+      parent = node;
+    }
+    relabel(path, store);
+    merge_path(path);
+  }
+  unref(store);  // the sequence's own reference; relabelling moved every node off it
+}
+
+int32_t SuffixTree::count(const int32_t* pattern, size_t n) const {
+  Position at;
+  return match(pattern, 0, n, &at) ? nodes_[at.node].count : 0;
+}
+
+bool SuffixTree::before(uint32_t a, uint32_t b) const {
+  const Node& x = nodes_[a];
+  const Node& y = nodes_[b];
+  if (x.count != y.count) return x.count > y.count;
+  return first_token(a) < first_token(b);
+}
+
+bool SuffixTree::indexed(uint32_t node) const { return node == kRoot || nodes_[node].nkids > kSmall; }
+
+uint32_t SuffixTree::new_node(uint32_t store, uint32_t start, uint32_t length, uint32_t depth, int32_t count) {
+  stores_[store].refs += 1;
+  Node record{count, store, start, static_cast<uint16_t>(length), static_cast<uint16_t>(depth), kNone, 0};
+  if (!free_nodes_.empty()) {
+    uint32_t node = free_nodes_.back();
+    free_nodes_.pop_back();
+    nodes_[node] = record;
+    return node;
+  }
+  nodes_.push_back(record);
+  return static_cast<uint32_t>(nodes_.size() - 1);
+}
+
+void SuffixTree::free_node(uint32_t node) {
+  Node& record = nodes_[node];
+  if (record.kids != kNone) free_kids(record.kids, capacity_of(record.nkids));
+  unref(record.store);
+  record = Node{0, kNone, 0, 0, 0, kNone, 0};
+  free_nodes_.push_back(node);
+}
+
+void SuffixTree::free_chain(uint32_t node) {
+  // A dropped node had count 1, so below it hangs a single chain.
+  while (node != kNone) {
+    uint32_t next = nodes_[node].nkids ? kid_arena_[nodes_[node].kids] : kNone;
+    free_node(node);
+    node = next;
+  }
+}
+
+void SuffixTree::set_label(uint32_t node, uint32_t store, uint32_t start) {
+  Node& record = nodes_[node];
+  if (record.store != store) {
+    stores_[store].refs += 1;
+    unref(record.store);
+    record.store = store;
+  }
+  record.start = start;
+}
+
+uint32_t SuffixTree::new_store(std::vector<int32_t> tokens) {
+  if (!free_stores_.empty()) {
+    uint32_t store = free_stores_.back();
+    free_stores_.pop_back();
+    stores_[store].tokens = std::move(tokens);
+    stores_[store].refs = 0;
+    return store;
+  }
+  stores_.push_back(Store{std::move(tokens), 0});
+  return static_cast<uint32_t>(stores_.size() - 1);
+}
+
+void SuffixTree::unref(uint32_t store) {
+  if (--stores_[store].refs == 0) {
+    std::vector<int32_t>().swap(stores_[store].tokens);
+    free_stores_.push_back(store);
+  }
+}
+
+uint32_t SuffixTree::alloc_kids(uint32_t capacity) {
+  uint32_t log = log2_of(capacity);
+  if (log < free_kids_.size() && !free_kids_[log].empty()) {
+    uint32_t offset = free_kids_[log].back();
+    free_kids_[log].pop_back();
+    return offset;
+  }
+  uint32_t offset = static_cast<uint32_t>(kid_arena_.size());
+  kid_arena_.resize(kid_arena_.size() + capacity);
+  return offset;
+}
+
+void SuffixTree::free_kids(uint32_t offset, uint32_t capacity) {
+  uint32_t log = log2_of(capacity);
+  if (free_kids_.size() <= log) free_kids_.resize(log + 1);
+  free_kids_[log].push_back(offset);
+}
+
+void SuffixTree::resize_kids(uint32_t node, uint32_t new_size) {
+  Node& record = nodes_[node];
+  uint32_t old_capacity = record.nkids ? capacity_of(record.nkids) : 0;
+  uint32_t new_capacity = new_size ? capacity_of(new_size) : 0;
+  if (old_capacity != new_capacity) {
+    uint32_t offset = new_capacity ? alloc_kids(new_capacity) : kNone;
+    if (offset != kNone && record.kids != kNone)
+      std::memmove(&kid_arena_[offset], &kid_arena_[record.kids], std::min(record.nkids, new_size) * sizeof(uint32_t));
+    if (record.kids != kNone) free_kids(record.kids, old_capacity);
+    record.kids = offset;
+  }
+  record.nkids = new_size;
+}
+
+uint32_t SuffixTree::kid_index(uint32_t parent, uint32_t child) const {
+  const uint32_t* kids = &kid_arena_[nodes_[parent].kids];
+  const uint32_t* hit =
+      std::lower_bound(kids, kids + nodes_[parent].nkids, child, [this](uint32_t a, uint32_t b) { return before(a, b); });
+  return static_cast<uint32_t>(hit - kids);
+}
+
+uint32_t SuffixTree::find_child(uint32_t parent, int32_t token) const {
+  if (indexed(parent)) return edges_.find(EdgeMap::key(parent, token));
+  const Node& record = nodes_[parent];
+  for (uint32_t i = 0; i < record.nkids; ++i) {
+    uint32_t kid = kid_arena_[record.kids + i];
+    if (first_token(kid) == token) return kid;
+  }
+  return kNone;
+}
+
+void SuffixTree::index_kids(uint32_t node, bool add) {
+  const Node& record = nodes_[node];
+  for (uint32_t i = 0; i < record.nkids; ++i) {
+    uint32_t kid = kid_arena_[record.kids + i];
+    if (add) {
+      edges_.set(EdgeMap::key(node, first_token(kid)), kid);
+    } else {
+      edges_.erase(EdgeMap::key(node, first_token(kid)));
+    }
+  }
+}
+
+void SuffixTree::attach(uint32_t parent, uint32_t child) {
+  if (parent == kRoot) {  // the root keeps no order: speculation never starts there
+    edges_.set(EdgeMap::key(kRoot, first_token(child)), child);
+    nodes_[kRoot].nkids += 1;
+    return;
+  }
+  uint32_t size = nodes_[parent].nkids;
+  resize_kids(parent, size + 1);
+  uint32_t* kids = &kid_arena_[nodes_[parent].kids];
+  uint32_t at = static_cast<uint32_t>(
+      std::lower_bound(kids, kids + size, child, [this](uint32_t a, uint32_t b) { return before(a, b); }) - kids);
+  std::memmove(kids + at + 1, kids + at, (size - at) * sizeof(uint32_t));
+  kids[at] = child;
+  if (size + 1 == kSmall + 1) {
+    index_kids(parent, true);
+  } else if (size + 1 > kSmall) {
+    edges_.set(EdgeMap::key(parent, first_token(child)), child);
+  }
+}
+
+void SuffixTree::replace(uint32_t parent, uint32_t old_child, uint32_t new_child) {
+  // Same count and first token: the same place in the order.
+  if (indexed(parent)) edges_.set(EdgeMap::key(parent, first_token(old_child)), new_child);
+  if (parent != kRoot) kid_arena_[nodes_[parent].kids + kid_index(parent, old_child)] = new_child;
+}
+
+bool SuffixTree::recount(uint32_t parent, uint32_t child, int delta) {
+  if (parent == kRoot) {
+    nodes_[child].count += delta;
+    if (nodes_[child].count > 0) return false;
+    edges_.erase(EdgeMap::key(kRoot, first_token(child)));
+    nodes_[kRoot].nkids -= 1;
+    return true;
+  }
+  uint32_t size = nodes_[parent].nkids;
+  uint32_t at = kid_index(parent, child);
+  uint32_t* kids = &kid_arena_[nodes_[parent].kids];
+  std::memmove(kids + at, kids + at + 1, (size - at - 1) * sizeof(uint32_t));
+  nodes_[child].count += delta;
+  if (nodes_[child].count == 0) {
+    if (size > kSmall) {
+      edges_.erase(EdgeMap::key(parent, first_token(child)));
+      nodes_[parent].nkids = size - 1;
+      if (size - 1 == kSmall) index_kids(parent, false);
+    }
+    nodes_[parent].nkids = size;
+    resize_kids(parent, size - 1);
+    return true;
+  }
+  uint32_t to = static_cast<uint32_t>(
+      std::lower_bound(kids, kids + size - 1, child, [this](uint32_t a, uint32_t b) { return before(a, b); }) - kids);
+  std::memmove(kids + to + 1, kids + to, (size - 1 - to) * sizeof(uint32_t));
+  kids[to] = child;
+  return false;
+}
+
+uint32_t SuffixTree::extend(uint32_t node, uint32_t store, uint32_t pos, int32_t token) {
+  uint32_t child = find_child(node, token);
+  if (child == kNone) {
+    child = new_node(store, pos, 1, nodes_[node].depth + 1u, 1);
+    attach(node, child);
+    return child;
+  }
+  if (nodes_[node].nkids == 1 && nodes_[child].count == nodes_[node].count - 1 &&
+      (nodes_[child].length > 1 || unpointed(child))) {
+    // Only this suffix ends at `node`, all others go on into `child`:
+    // move node's end one token down instead of adding a boundary.
+    lower_end(node, child);
+    return node;
+  }
+  if (nodes_[child].length > 1) child = split(node, child);
+  recount(node, child, +1);
+  return child;
+}
+
+uint32_t SuffixTree::split(uint32_t parent, uint32_t child) {
+  Node copy = nodes_[child];
+  uint32_t upper = new_node(copy.store, copy.start, 1, nodes_[parent].depth + 1u, copy.count);
+  replace(parent, child, upper);
+  nodes_[child].start += 1;
+  nodes_[child].length -= 1;
+  resize_kids(upper, 1);
+  kid_arena_[nodes_[upper].kids] = child;
+  return upper;
+}
+
+bool SuffixTree::unpointed(uint32_t node) const {
+  // Frontiers stop short of max_depth, and below it a node nobody's suffix ends at has no pointer either.
+  const Node& record = nodes_[node];
+  if (record.depth >= max_depth_) return true;
+  if (record.nkids == 0) return false;
+  int64_t below = 0;
+  for (uint32_t i = 0; i < record.nkids; ++i) below += nodes_[kid_arena_[record.kids + i]].count;
+  return below == record.count;
+}
+
+void SuffixTree::lower_end(uint32_t node, uint32_t child) {
+  Node below = nodes_[child];
+  set_label(node, below.store, below.start - nodes_[node].length);
+  nodes_[node].length += 1;
+  nodes_[node].depth += 1;
+  if (below.length > 1) {
+    nodes_[child].start += 1;
+    nodes_[child].length -= 1;
+    return;
+  }
+  // A one-token child goes whole: node takes over its children.
+  resize_kids(node, 0);
+  if (below.nkids > kSmall) index_kids(child, false);
+  nodes_[node].kids = below.kids;
+  nodes_[node].nkids = below.nkids;
+  nodes_[child].kids = kNone;
+  nodes_[child].nkids = 0;
+  if (below.nkids > kSmall) index_kids(node, true);
+  free_node(child);
+}
+
+void SuffixTree::merge_path(const std::vector<uint32_t>& path) {
+  // Joins each node with its only child once their counts are equal: no suffix
+  // ends there, so no frontier points at it, and the child takes its place.
+  uint32_t parent = kRoot;
+  for (uint32_t node : path) {
+    if (nodes_[node].nkids == 1) {
+      uint32_t below = kid_arena_[nodes_[node].kids];
+      if (nodes_[below].count == nodes_[node].count) {
+        replace(parent, node, below);
+        nodes_[below].start -= nodes_[node].length;
+        nodes_[below].length += nodes_[node].length;
+        free_node(node);
+        continue;
+      }
+    }
+    parent = node;
+  }
+}
+
+void SuffixTree::relabel(const std::vector<uint32_t>& path, uint32_t store) {
+  // Path nodes that read from a removed sequence read from one copy of the path instead.
+  uint32_t copy = kNone;
+  for (auto it = path.rbegin(); it != path.rend(); ++it) {
+    const Node& record = nodes_[*it];
+    if (record.store != store) continue;
+    if (copy == kNone) {  // the deepest such node's root path covers its ancestors' too
+      uint32_t end = record.start + record.length;
+      const std::vector<int32_t>& tokens = stores_[store].tokens;
+      copy = new_store(std::vector<int32_t>(tokens.begin() + (end - record.depth), tokens.begin() + end));
+    }
+    set_label(*it, copy, nodes_[*it].depth - nodes_[*it].length);
+  }
+}
+
+bool SuffixTree::match(const int32_t* tokens, size_t start, size_t end, Position* out) const {
+  uint32_t node = kRoot, offset = 0;
+  for (size_t i = start; i < end; ++i) {
+    int32_t token = tokens[i];
+    const Node& record = nodes_[node];
+    if (offset < record.length) {
+      if (token_at(record, offset) != token) return false;
+      ++offset;
+    } else {
+      node = find_child(node, token);
+      if (node == kNone) return false;
+      offset = 1;
+    }
+  }
+  *out = Position{node, offset};
+  return true;
+}
+
+size_t SuffixTree::memory_bytes() const {
+  size_t bytes = sizeof(*this) + nodes_.capacity() * sizeof(Node) + free_nodes_.capacity() * sizeof(uint32_t) +
+                 kid_arena_.capacity() * sizeof(uint32_t) + edges_.memory_bytes() +
+                 stores_.capacity() * sizeof(Store) + free_stores_.capacity() * sizeof(uint32_t);
+  for (const auto& free_list : free_kids_) bytes += sizeof(free_list) + free_list.capacity() * sizeof(uint32_t);
+  for (const Store& store : stores_) bytes += store.tokens.capacity() * sizeof(int32_t);
+  // unordered_map: a heap node per entry plus the bucket array.
+  bytes += seqs_.bucket_count() * sizeof(void*);
+  for (const auto& entry : seqs_) bytes += sizeof(entry) + 2 * sizeof(void*) + entry.second.frontier.capacity() * sizeof(uint32_t);
+  return bytes;
+}
+
+}  // namespace speclane

@@ -1,0 +1,121 @@
+// Path-compressed suffix trie truncated at max_depth (SuffixDecoding), the
+// compiled twin of drafter_service/suffix_tree.py: same invariants, same node
+// boundaries, same drafts. See that file for the algorithm.
+//
+// Layout: nodes are 24-byte records in one pool addressed by uint32 index
+// (freed records are reused). An edge is `length` tokens of a token store
+// (a sequence's tokens, or a private copy of a path of an evicted one).
+// Children of a non-root node sit in a contiguous array from a pooled arena
+// sorted by (count desc, first token asc), so the top child is kids[0];
+// the root and nodes with many children are also indexed by an EdgeMap.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <unordered_map>
+#include <vector>
+
+#include "draft.h"
+#include "edge_map.h"
+
+namespace speclane {
+
+struct Node {
+  int32_t count;
+  uint32_t store;   // token store the edge reads from
+  uint32_t start;   // edge = store[start, start + length); store[start + length - depth, ...) is the root path
+  uint16_t length;
+  uint16_t depth;   // pattern length at the end of the edge
+  uint32_t kids;    // offset of the children array in the kid arena, kNone when a leaf
+  uint32_t nkids;
+};
+static_assert(sizeof(Node) == 24, "node records stay compact");
+
+struct SpecParams {
+  int max_spec_tokens = 16;
+  double max_spec_factor = 1.0;
+  double max_spec_offset = 0.0;
+  double min_token_prob = 0.1;
+  bool use_tree = false;
+  bool reanchor = true;  // path drafts go on past max_depth by re-matching the last max_depth/2 tokens
+};
+
+class SuffixTree {
+ public:
+  explicit SuffixTree(int max_depth);
+
+  int max_depth() const { return max_depth_; }
+  bool contains(int64_t seq) const { return seqs_.count(seq) != 0; }
+  size_t sequence_length(int64_t seq) const;
+  const std::vector<int32_t>& sequence_tokens(int64_t seq) const;
+  void add_sequence(int64_t seq);
+  void append(int64_t seq, const int32_t* tokens, size_t n);
+  // No more appends to `seq`: frees its frontier (drafts are unaffected).
+  void seal(int64_t seq);
+  void remove_sequence(int64_t seq);
+  int32_t count(const int32_t* pattern, size_t n) const;
+  Draft speculate(const int32_t* context, size_t n, const SpecParams& params) const;
+  size_t num_nodes() const { return nodes_.size() - 1 - free_nodes_.size(); }
+  size_t memory_bytes() const;
+
+ private:
+  struct Store {
+    std::vector<int32_t> tokens;
+    uint32_t refs = 0;
+  };
+  struct Sequence {
+    uint32_t store;
+    std::vector<uint32_t> frontier;  // nodes where suffixes shorter than max_depth end, root first
+  };
+  struct Position {
+    uint32_t node;
+    uint32_t offset;
+  };
+
+  int32_t token_at(const Node& n, uint32_t i) const { return stores_[n.store].tokens[n.start + i]; }
+  int32_t first_token(uint32_t node) const { return token_at(nodes_[node], 0); }
+  bool before(uint32_t a, uint32_t b) const;
+  bool indexed(uint32_t node) const;
+
+  uint32_t new_node(uint32_t store, uint32_t start, uint32_t length, uint32_t depth, int32_t count);
+  void free_node(uint32_t node);
+  void free_chain(uint32_t node);
+  void set_label(uint32_t node, uint32_t store, uint32_t start);
+  uint32_t new_store(std::vector<int32_t> tokens);
+  void unref(uint32_t store);
+
+  uint32_t alloc_kids(uint32_t capacity);
+  void free_kids(uint32_t offset, uint32_t capacity);
+  void resize_kids(uint32_t node, uint32_t new_size);
+  uint32_t kid_index(uint32_t parent, uint32_t child) const;
+
+  uint32_t find_child(uint32_t parent, int32_t token) const;
+  void attach(uint32_t parent, uint32_t child);
+  void detach(uint32_t parent, uint32_t child);
+  void replace(uint32_t parent, uint32_t old_child, uint32_t new_child);
+  bool recount(uint32_t parent, uint32_t child, int delta);
+  void index_kids(uint32_t node, bool add);
+
+  uint32_t extend(uint32_t node, uint32_t store, uint32_t pos, int32_t token);
+  uint32_t split(uint32_t parent, uint32_t child);
+  bool unpointed(uint32_t node) const;
+  void lower_end(uint32_t node, uint32_t child);
+  void merge_path(const std::vector<uint32_t>& path);
+  void relabel(const std::vector<uint32_t>& path, uint32_t store);
+
+  bool match(const int32_t* tokens, size_t start, size_t end, Position* out) const;
+  Draft draft_path(Position at, int budget, const SpecParams& params, std::vector<int32_t> path) const;
+  Draft draft_tree(Position at, int budget, double min_token_prob) const;
+
+  int max_depth_;
+  std::vector<Node> nodes_;
+  std::vector<uint32_t> free_nodes_;
+  std::vector<uint32_t> kid_arena_;
+  std::vector<std::vector<uint32_t>> free_kids_;  // by log2 capacity
+  EdgeMap edges_;
+  std::vector<Store> stores_;
+  std::vector<uint32_t> free_stores_;
+  std::unordered_map<int64_t, Sequence> seqs_;
+};
+
+}  // namespace speclane

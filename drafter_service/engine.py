@@ -1,0 +1,72 @@
+"""The compiled drafter core as the service uses it: sessions keyed by ints,
+and the steps of all sessions that arrive in one event-loop turn sent to the
+core in one batch call (which runs without the GIL)."""
+
+import asyncio
+import itertools
+from collections.abc import Sequence
+
+from drafter_service import _core
+from drafter_service.draft import Draft
+from drafter_service.ngram import SOURCE_NGRAM
+from drafter_service.proposer import METHOD_NGRAM, ProposerParams
+from drafter_service.suffix_decoding import SOURCE_GLOBAL, SOURCE_REQUEST
+
+_SOURCES = {_core.SOURCE_REQUEST: SOURCE_REQUEST, _core.SOURCE_GLOBAL: SOURCE_GLOBAL, _core.SOURCE_NGRAM: SOURCE_NGRAM}
+_CORE_METHODS = {METHOD_NGRAM: _core.METHOD_NGRAM}
+
+
+def draft_from_core(result: tuple) -> Draft:
+    token_ids, parents, probs, score, match_len, source = result
+    return Draft(tuple(token_ids), tuple(parents), tuple(probs), score, match_len, _SOURCES.get(source, ""))
+
+
+class DraftEngine:
+    def __init__(self, max_tree_depth: int, max_cached_requests: int, max_cached_tokens: int = 0,
+                 share_tenants: bool = False):
+        self.core = _core.Cache(max_tree_depth, max_cached_requests, max_cached_tokens)
+        self._share_tenants = share_tenants
+        self._ids = itertools.count()
+        self._pending: list[tuple[int, list[int], asyncio.Future]] = []
+
+    def restore(self, data: bytes) -> None:
+        """Loads a snapshot into this (empty) engine; raises ValueError if it is malformed."""
+        self.core.restore(data)
+        self._ids = itertools.count(max(self.core.cached_requests(), default=-1) + 1)
+
+    def start(self, prompt_token_ids: Sequence[int], params: ProposerParams, tenant: str) -> int:
+        seq_id = next(self._ids)
+        self.core.start_request(
+            seq_id, list(prompt_token_ids), "" if self._share_tenants else tenant,
+            method=_CORE_METHODS.get(params.method, _core.METHOD_SUFFIX),
+            max_spec_tokens=params.num_speculative_tokens, max_spec_factor=params.max_spec_factor,
+            max_spec_offset=params.max_spec_offset, min_token_prob=params.min_token_prob,
+            use_tree_spec=params.use_tree_spec, max_tree_depth=params.max_tree_depth,
+            prompt_lookup_min=params.prompt_lookup_min, prompt_lookup_max=params.prompt_lookup_max)
+        return seq_id
+
+    async def step(self, seq_id: int, token_ids: Sequence[int]) -> Draft:
+        """Commits tokens and drafts, batched with every other step of this loop turn."""
+        future = asyncio.get_running_loop().create_future()
+        self._pending.append((seq_id, list(token_ids), future))
+        if len(self._pending) == 1:
+            asyncio.get_running_loop().call_soon(self._flush)
+        return await future
+
+    def end(self, seq_id: int) -> None:
+        self.core.stop_request(seq_id)
+
+    def _flush(self) -> None:
+        # A cancelled session may already have ended its sequence: leave it out.
+        batch = [entry for entry in self._pending if not entry[2].cancelled()]
+        self._pending = []
+        if not batch:
+            return
+        try:
+            results = self.core.step([seq_id for seq_id, _, _ in batch], [tokens for _, tokens, _ in batch])
+        except (ValueError, IndexError) as exc:
+            for _, _, future in batch:
+                future.set_exception(exc)
+            return
+        for (_, _, future), result in zip(batch, results):
+            future.set_result(draft_from_core(result))

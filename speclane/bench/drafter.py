@@ -1,0 +1,238 @@
+"""`speclane bench drafter`: the suffix / n-gram drafter core against Arctic
+Inference's SuffixDecodingCache (when `arctic_inference` is importable), side
+by side in one run on the same token streams:
+
+- corpus: HumanEval prompts + solutions and ShareGPT first turns, tokenized;
+- agent: an agent loop re-emitting files with small edits (prompt = the file,
+  response = the file with a few tokens changed), as in SuffixDecoding's agentic workloads.
+
+Each response is replayed greedily: the drafter drafts, the draft is accepted
+up to the first token that differs from the real response, accepted + 1 tokens
+are committed. Both implementations are driven through the same Arctic API.
+"""
+
+import json
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+from drafter_service import SuffixDecodingCache, _core
+
+PATH_ARGS = dict(max_spec_factor=1.0, max_spec_offset=0.0, min_token_prob=0.1)
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--sharegpt", type=int, default=150, help="ShareGPT conversations in the corpus")
+    parser.add_argument("--max-response", type=int, default=512, help="tokens kept of each response")
+    parser.add_argument("--agent-files", type=int, default=20, help="files the agent loop keeps re-emitting")
+    parser.add_argument("--agent-rounds", type=int, default=6, help="edit rounds per file")
+    parser.add_argument("--k", type=int, default=32, help="max draft tokens (num_speculative_tokens)")
+    parser.add_argument("--arctic-path", default="", help="directory to import arctic_inference from")
+    parser.add_argument("--seed", type=int, default=0)
+
+
+def _arctic_cache():
+    try:
+        from arctic_inference.suffix_decoding import SuffixDecodingCache as ArcticCache
+    except ImportError:
+        return None
+    return ArcticCache
+
+
+def _streams(args) -> tuple[list, list]:
+    from transformers import AutoTokenizer
+
+    from speclane.datasets import humaneval_problems, sharegpt_conversations
+    from speclane.models import resolve_model
+
+    tokenizer = AutoTokenizer.from_pretrained(str(resolve_model("smollm2-135m-instruct")))
+    encode = lambda text: tokenizer.encode(text, add_special_tokens=False)[:args.max_response]  # noqa: E731
+    problems = humaneval_problems()
+    corpus = [(encode(p["prompt"]), encode(p["canonical_solution"])) for p in problems]
+    for conversation in sharegpt_conversations():
+        if len(corpus) >= len(problems) + args.sharegpt:
+            break
+        if len(conversation) >= 2 and conversation[0]["role"] == "user":
+            corpus.append((encode(conversation[0]["content"]), encode(conversation[1]["content"])))
+    corpus = [(prompt, response) for prompt, response in corpus if response]
+    rng = random.Random(args.seed)
+    agent = []
+    for problem in problems[:args.agent_files]:
+        version = tokenizer.encode(problem["prompt"] + problem["canonical_solution"], add_special_tokens=False)
+        for _ in range(args.agent_rounds):
+            edited = list(version)
+            for _ in range(3):  # a few small edits per re-emission
+                at = rng.randrange(len(edited))
+                edited[at:at + rng.randint(0, 2)] = [rng.randrange(tokenizer.vocab_size) for _ in range(rng.randint(1, 3))]
+            agent.append((version, edited))
+            version = edited
+    return corpus, agent
+
+
+def replay(cache, requests, k: int) -> dict:
+    """Greedy replay through the Arctic API; returns timings and acceptance."""
+    hits, misses, appends = [], [], []
+    steps = drafted = accepted = 0
+    clock = time.perf_counter
+    for number, (prompt, response) in enumerate(requests):
+        cache.start_request(number, prompt)
+        full, position = prompt + response, 0
+        while position < len(response):
+            end = len(prompt) + position
+            context = full[max(0, end - 64):end]
+            began = clock()
+            draft = cache.speculate(number, context, k, **PATH_ARGS)
+            took = clock() - began
+            (hits if draft.token_ids else misses).append(took)
+            good = 0
+            for token, actual in zip(draft.token_ids, response[position:]):
+                if token != actual:
+                    break
+                good += 1
+            committed = response[position:position + good + 1]
+            began = clock()
+            cache.add_active_response(number, committed)
+            appends.append((clock() - began) / len(committed))
+            position += len(committed)
+            steps += 1
+            drafted += len(draft.token_ids)
+            accepted += good
+        cache.stop_request(number)
+    tokens = sum(len(response) for _, response in requests)
+    return dict(hits=hits, misses=misses, append=statistics.mean(appends), tokens_per_step=tokens / steps,
+                acceptance=accepted / max(drafted, 1))
+
+
+def batch_cpu(make, requests, batch: int, k: int, depth: int, steps: int = 40) -> float:
+    """CPU seconds per decode step with `batch` running requests, one token committed each."""
+    chosen = [requests[i % len(requests)] for i in range(batch)]
+    if make is None:  # ours: one batch call per step
+        core = _core.Cache(depth, 100000)
+        for number, (prompt, _) in enumerate(chosen):
+            core.start_request(number, prompt, max_spec_tokens=k, **PATH_ARGS)
+        ids = list(range(batch))
+        began = time.process_time()
+        for step in range(steps):
+            core.step(ids, [[response[step % len(response)]] for _, response in chosen])
+        return (time.process_time() - began) / steps
+    cache = make(depth, 100000)
+    contexts = []
+    for number, (prompt, _) in enumerate(chosen):
+        cache.start_request(number, prompt)
+        contexts.append(list(prompt))
+    began = time.process_time()
+    for step in range(steps):
+        for number, (_, response) in enumerate(chosen):
+            token = response[step % len(response)]
+            contexts[number].append(token)
+            cache.add_active_response(number, [token])
+            cache.speculate(number, contexts[number][-64:], k, **PATH_ARGS)
+    return (time.process_time() - began) / steps
+
+
+_MEMORY_PROBE = """
+import json, os, sys
+impl, depth, path, arctic_path = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
+sys.path.insert(0, arctic_path)
+if impl == "arctic":
+    from arctic_inference.suffix_decoding import SuffixDecodingCache
+else:
+    from drafter_service import SuffixDecodingCache
+responses = json.load(open(path))
+rss = lambda: int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+before = rss()
+cache = SuffixDecodingCache(depth, 100000)
+for number, response in enumerate(responses):
+    cache.start_request(number, [])
+    cache.add_active_response(number, response)
+    cache.stop_request(number)
+print(rss() - before)
+"""
+
+
+def bytes_per_token(impl: str, requests, depth: int, arctic_path: str) -> float:
+    """Resident memory growth per cached response token, in a fresh process (no reused heap)."""
+    responses = [response for _, response in requests]
+    with tempfile.NamedTemporaryFile("w", suffix=".json") as file:
+        json.dump(responses, file)
+        file.flush()
+        out = subprocess.run([sys.executable, "-c", _MEMORY_PROBE, impl, str(depth), file.name, arctic_path],
+                             capture_output=True, text=True, check=True).stdout
+    return int(out) / sum(len(response) for response in responses)
+
+
+def ngram_costs(tokens: list[int], steps: int = 200) -> tuple[float, float]:
+    """Seconds per step of the incremental index (append a token + look up) and of a full rescan."""
+    index = _core.NgramIndex(2, 5)
+    index.append(tokens[:-steps])
+    began = time.perf_counter()
+    for token in tokens[-steps:]:
+        index.append([token])
+        index.propose(8)
+    incremental = (time.perf_counter() - began) / steps
+    began = time.perf_counter()
+    for _ in range(50):
+        index.propose_rescan(8)
+    return incremental, (time.perf_counter() - began) / 50
+
+
+def _quantiles(values: list[float]) -> str:
+    if not values:
+        return "-"
+    ordered = sorted(values)
+    return f"{statistics.median(ordered) * 1e6:7.2f} / {ordered[int(0.99 * (len(ordered) - 1))] * 1e6:7.2f}"
+
+
+def run(args) -> int:
+    if args.arctic_path:
+        sys.path.insert(0, args.arctic_path)
+    arctic = _arctic_cache()
+    corpus, agent = _streams(args)
+    print(f"corpus: {len(corpus)} requests, {sum(len(r) for _, r in corpus)} response tokens; "
+          f"agent loop: {len(agent)} re-emissions, {sum(len(r) for _, r in agent)} tokens; k={args.k}")
+    print("arctic_inference:", "present" if arctic else "not importable (ours only)")
+    impls = [("speclane", SuffixDecodingCache)] + ([("arctic", arctic)] if arctic else [])
+    rows = []
+    for depth in (24, 64):
+        for name, make in impls:
+            result = replay(make(depth, 100000), corpus + agent, args.k)
+            rows.append((f"{name} d{depth}", result))
+    print("\nreplay of corpus + agent loop (same stream, same depth, Arctic API from Python)")
+    print(f"{'':16} {'us/append':>10} {'speculate hit med/p99 us':>26} {'miss med/p99 us':>20}")
+    for label, result in rows:
+        print(f"{label:16} {result['append'] * 1e6:10.2f} {_quantiles(result['hits']):>26} "
+              f"{_quantiles(result['misses']):>20}")
+
+    print("\nCPU per decode step (one token committed + a draft per request), depth 24")
+    for batch in (64, 256):
+        ours = batch_cpu(None, corpus, batch, args.k, 24)
+        line = f"batch {batch:3}: speclane {ours * 1e3:7.3f} ms"
+        if arctic:
+            theirs = batch_cpu(arctic, corpus, batch, args.k, 24)
+            line += f"   arctic {theirs * 1e3:7.3f} ms   ratio {ours / theirs:5.2f}"
+        print(line)
+
+    print("\nbytes per cached response token (RSS growth of a fresh process), depth 24 and 64")
+    for name, _ in impls:
+        print(f"{name:10} " + "  ".join(f"d{depth}: {bytes_per_token(name, corpus, depth, args.arctic_path):7.1f}"
+                                        for depth in (24, 64)))
+
+    print("\ngreedy replay: tokens per step / acceptance")
+    settings = [("speclane", SuffixDecodingCache, 24), ("speclane", SuffixDecodingCache, 32)]
+    settings += [("arctic", arctic, 24), ("arctic", arctic, 64)] if arctic else []
+    for name, make, depth in settings:
+        on_agent = replay(make(depth, 100000), agent, args.k)
+        on_corpus = replay(make(depth, 100000), corpus, args.k)
+        print(f"{name:9} d{depth:<3} agent {on_agent['tokens_per_step']:6.2f} / {on_agent['acceptance']:5.1%}"
+              f"   corpus {on_corpus['tokens_per_step']:6.2f} / {on_corpus['acceptance']:5.1%}")
+
+    stream = [token for prompt, response in corpus for token in prompt + response]
+    while len(stream) < 32768 + 200:
+        stream += stream
+    index_cost, rescan_cost = ngram_costs(stream[:32768 + 200])
+    print(f"\nn-gram at a 32k context, per step: incremental index {index_cost * 1e6:.2f} us, "
+          f"full rescan {rescan_cost * 1e6:.2f} us, ratio {index_cost / rescan_cost:.4f}")
+    return 0
