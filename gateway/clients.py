@@ -118,6 +118,7 @@ class DrafterSession:
             max_spec_factor=settings.suffix_decoding_max_spec_factor,
             min_token_prob=settings.suffix_decoding_min_token_prob,
             max_tree_depth=settings.suffix_decoding_max_tree_depth,
+            use_tree_spec=settings.suffix_decoding_use_tree_spec,
         )
         start = drafter_pb2.Start(
             sequence_id=request.request_id, prompt_token_ids=request.prompt_token_ids,

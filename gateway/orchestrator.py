@@ -74,9 +74,10 @@ async def _next_draft(drafter: DrafterSession | None, last, remaining_tokens: in
     draft = await drafter.propose(list(last.token_ids), last.committed_len)
     if draft is None:
         return _NO_DRAFT
-    # A verify step emits the accepted tokens plus one of the target's own.
+    # A verify step emits the accepted tokens plus one of the target's own. A
+    # tree may hold more nodes than that: the verifier cuts it by depth.
     budget = max(remaining_tokens - 1, 0)
-    if len(draft.token_ids) > budget:
+    if not draft.parents and len(draft.token_ids) > budget:
         del draft.token_ids[budget:]
         del draft.parents[budget:]
         del draft.confidences[budget:]

@@ -23,6 +23,8 @@ class SpeculationSettings:
     suffix_decoding_max_cached_requests: int = 10000
     suffix_decoding_max_spec_factor: float = 1.0
     suffix_decoding_min_token_prob: float = 0.1
+    # Ask the drafter for a token tree (several continuations verified in one pass).
+    suffix_decoding_use_tree_spec: bool = False
 
     def __post_init__(self):
         if self.method not in SPECULATION_METHODS:
@@ -77,7 +79,7 @@ class SpeculationSettings:
             expected = type(getattr(self, key))
             if expected is float and isinstance(value, int) and not isinstance(value, bool):
                 value = float(value)
-            if not isinstance(value, expected) or isinstance(value, bool):
+            if not isinstance(value, expected) or (isinstance(value, bool) and expected is not bool):
                 raise ValueError(f"speculation.{key} must be of type {expected.__name__}")
             if not allow_server_wide and key in SERVER_WIDE_SPECULATION_KEYS and value != getattr(self, key):
                 raise ValueError(f"speculation.{key} is fixed by the server ({getattr(self, key)}); "

@@ -17,9 +17,24 @@ class VerifierConfig:
     address: str = option("127.0.0.1:50062", "gRPC listen address host:port")
     device: str = option("auto", "auto, cpu, cuda[:N] or npu[:N] (npu needs torch_npu)")
     dtype: str = option("auto", "auto (fp32 on CPU, bf16 on NPU, bf16/fp16 on CUDA), float32, bfloat16 or float16")
-    threads: int = option(0, "torch intra-op CPU threads; 0 means 1 (decode is memory-bound)")
+    threads: int = option(0, "torch intra-op CPU threads per rank; 0 means 1 (decode is memory-bound)")
+    tensor_parallel_size: int = option(1, "ranks the model is split over (gloo on CPU, nccl on CUDA, hccl on "
+                                          "Ascend); rank 0 serves gRPC")
+    max_kv_tokens: int = option(0, "KV cache budget in tokens; 0 derives it from --kv-memory-fraction")
+    kv_memory_fraction: float = option(0.4, "share of the memory free after loading the model given to the KV "
+                                            "cache, when --max-kv-tokens is 0")
+    kv_block_size: int = option(64, "KV allocation unit in tokens")
+    enable_prefix_caching: bool = option(True, "keep finished sequences' KV so a prompt extending them "
+                                               "(multi-turn) skips their prefill")
+    max_batch_tokens: int = option(512, "tokens in one forward pass (long prompts are prefilled in chunks)")
+    max_batch_sequences: int = option(64, "sequences in one forward pass")
+    batch_wait_ms: float = option(10.0, "how long a pass waits for running sequences whose next step is on its "
+                                        "way, to batch them together; 0 starts each pass at once")
+    max_queue_wait: float = option(30.0, "seconds a new sequence may wait for KV space before "
+                                         "RESOURCE_EXHAUSTED; 0 refuses at once")
+    metrics_port: int = option(0, "port of the Prometheus /metrics endpoint (per-pass metrics); 0 disables it")
     max_concurrent_rpcs: int = option(256, "concurrent RPCs before RESOURCE_EXHAUSTED")
-    log_level: str = option("info", "debug, info, warning or error")
+    log_level: str = option("info", "debug, info, warning or error (debug logs every forward pass)")
 
     def __post_init__(self):
         if not self.model:
@@ -35,6 +50,24 @@ class VerifierConfig:
             raise ValueError(f"dtype must be auto, {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.threads < 0:
             raise ValueError("threads must be >= 0")
+        if self.tensor_parallel_size < 1:
+            raise ValueError("tensor_parallel_size must be >= 1")
+        if self.max_kv_tokens < 0:
+            raise ValueError("max_kv_tokens must be >= 0")
+        if not 0 < self.kv_memory_fraction <= 1:
+            raise ValueError("kv_memory_fraction must be in (0, 1]")
+        if self.kv_block_size < 1:
+            raise ValueError("kv_block_size must be >= 1")
+        if self.max_kv_tokens and self.max_kv_tokens < self.kv_block_size:
+            raise ValueError("max_kv_tokens must be at least one block (kv_block_size)")
+        if self.max_batch_tokens < 1 or self.max_batch_sequences < 1:
+            raise ValueError("max_batch_tokens and max_batch_sequences must be >= 1")
+        if self.batch_wait_ms < 0:
+            raise ValueError("batch_wait_ms must be >= 0")
+        if self.max_queue_wait < 0:
+            raise ValueError("max_queue_wait must be >= 0")
+        if not 0 <= self.metrics_port <= 65535:
+            raise ValueError("metrics_port must be a port number (0 disables metrics)")
         if self.max_concurrent_rpcs < 1:
             raise ValueError("max_concurrent_rpcs must be >= 1")
         check_log_level(self.log_level)

@@ -91,3 +91,23 @@ def resolve_threads(threads: int) -> int:
 def set_threads(threads: int) -> None:
     """Sets torch's intra-op threads; call before the first torch op of the process."""
     torch.set_num_threads(resolve_threads(threads))
+
+
+def free_memory_bytes(device: str, *, meminfo_path: str = "/proc/meminfo") -> int:
+    """Memory still available on the device (host RAM for the CPU)."""
+    kind = device.split(":", 1)[0]
+    if kind == "cpu":
+        with open(meminfo_path) as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+        raise RuntimeError(f"no MemAvailable in {meminfo_path}")
+    backend = getattr(torch, kind)  # torch.cuda, or torch.npu once torch_npu is imported
+    return backend.mem_get_info(torch.device(device))[0]
+
+
+def kv_budget_tokens(max_kv_tokens: int, memory_fraction: float, free_bytes: int, bytes_per_token: int) -> int:
+    """The KV budget: `max_kv_tokens` if set, else that share of the free memory."""
+    if max_kv_tokens:
+        return max_kv_tokens
+    return int(free_bytes * memory_fraction) // bytes_per_token

@@ -1,35 +1,74 @@
-"""Prefill and verify steps of sequences on the target model.
+"""Continuous batching of prefill and verify steps on the target model.
 
-`Engine` is the synchronous core. `AsyncEngine` runs it on one dedicated
-worker thread, so the event loop stays responsive and the forward passes of
-concurrent sequences never interleave on the model.
+`Engine` is the synchronous core: steps are submitted as work, and each
+`step()` runs one forward pass over whatever the scheduler picked, verifies
+every finished segment and reports the results through the work's callback.
+`AsyncEngine` (async_engine.py) runs it on one dedicated model thread.
 """
 
-import asyncio
+import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
-from verifier_service.device import set_threads
+import structlog
+import torch
+
+from verifier_service.batch import StepPlan
 from verifier_service.errors import InvalidRequest, SequenceFinished, StaleDraft
-from verifier_service.model_runner import ModelRunner, crop_cache
-from verifier_service.sampling import make_generator, pick, target_probs
+from verifier_service.kv_cache import Keep
+from verifier_service.kv_pool import KVPool
+from verifier_service.model_runner import ModelRunner
+from verifier_service.sampling import make_generator, target_probs
+from verifier_service.scheduler import BatchLimits, Scheduled, Scheduler, Work
 from verifier_service.sequence import Draft, GenerationParams, Sequence, StepResult
-from verifier_service.verify import dense_proposals, verify_greedy, verify_sampled
+from verifier_service.verify import Verdict, dense_proposals, verify_greedy, verify_sampled
+
+log = structlog.get_logger()
+
+
+@dataclass(frozen=True)
+class StepStats:
+    """One forward pass, for metrics and logs."""
+
+    num_sequences: int
+    num_tokens: int
+    num_prefill_tokens: int
+    num_draft_tokens: int
+    forward_seconds: float
+    queue_wait_seconds: tuple[float, ...]  # of the work that joined a pass for the first time
+    kv_used_tokens: int
+    kv_cached_tokens: int
+    kv_max_tokens: int
+    num_waiting: int
 
 
 class Engine:
-    """Sequences of one model; not thread-safe, AsyncEngine serialises the calls."""
+    """Not thread-safe: AsyncEngine calls it from its model thread only."""
 
-    def __init__(self, runner: ModelRunner):
+    def __init__(self, runner: ModelRunner, pool: KVPool, limits: BatchLimits = BatchLimits(),
+                 on_step: Callable[[StepStats], None] | None = None):
         self.runner = runner
+        self.pool = pool
+        self.scheduler = Scheduler(pool, limits)
+        self.on_step = on_step
         self._live: set[Sequence] = set()
 
     @property
     def num_live(self) -> int:
         return len(self._live)
 
+    @property
+    def has_work(self) -> bool:
+        return bool(self.scheduler.ready or self.scheduler.waiting)
+
+    @property
+    def num_between_steps(self) -> int:
+        """Running sequences with no step queued: their clients are preparing the next one."""
+        queued = {w.seq for w in self.scheduler.ready} | {w.seq for w in self.scheduler.waiting}
+        return sum(1 for seq in self._live if not seq.finished and seq not in queued)
+
     def open(self, sequence_id: str, prompt: list[int], params: GenerationParams) -> Sequence:
-        """Validates the prompt and registers a new sequence (no model work yet)."""
+        """Validates the prompt and makes a sequence (registered by its first step)."""
         runner = self.runner
         if not prompt:
             raise InvalidRequest("prompt_token_ids is empty")
@@ -40,94 +79,121 @@ class Engine:
             raise InvalidRequest(f"prompt has {len(prompt)} tokens; the model's context is "
                                  f"{runner.max_context_len}, leaving no room to generate")
         stop = params.stop_token_ids if params.ignore_eos else params.stop_token_ids | set(runner.eos_token_ids)
-        seq = Sequence(sequence_id, list(prompt), params, frozenset(stop), runner.max_context_len,
-                       make_generator(params.sampling.seed, runner.device))
+        return Sequence(sequence_id, list(prompt), params, frozenset(stop), runner.max_context_len,
+                        make_generator(params.sampling.seed, runner.device))
+
+    def submit(self, seq: Sequence, draft: Draft, done: Callable[[object], None]) -> None:
+        """Queues the sequence's next step (the first token when it has none yet);
+        `done` gets the StepResult, or the exception that refused the step."""
+        try:
+            if seq.finished:
+                raise SequenceFinished(f"sequence already finished ({seq.finish_reason.value})")
+            draft.check(self.runner.vocab_size)
+            if draft.committed_len and draft.committed_len != len(seq.tokens):
+                raise StaleDraft(f"draft continues length {draft.committed_len} "
+                                 f"but the sequence has {len(seq.tokens)} tokens")
+        except (InvalidRequest, SequenceFinished, StaleDraft) as exc:
+            done(exc)
+            return
         self._live.add(seq)
-        return seq
-
-    def prefill(self, seq: Sequence) -> StepResult:
-        """Runs the prompt; returns the first generated token."""
-        seq.cache = self.runner.new_cache()
-        logits = self.runner.forward(seq.tokens, seq.cache, last_only=True)
-        result = seq.commit([pick(logits[-1], seq.params.sampling, seq.generator)], 0)
-        self._settle(seq)
-        return result
-
-    def verify(self, seq: Sequence, draft: Draft) -> StepResult:
-        """One forward over [last committed, d1..dk], then acceptance; an empty
-        draft decodes one token."""
-        if seq.finished:
-            raise SequenceFinished(f"sequence already finished ({seq.finish_reason.value})")
-        draft.check(self.runner.vocab_size)
-        if draft.committed_len and draft.committed_len != len(seq.tokens):
-            raise StaleDraft(f"draft continues length {draft.committed_len} "
-                             f"but the sequence has {len(seq.tokens)} tokens")
-        # Drafts past the budget could never be committed (and might not fit the context).
-        tokens = list(draft.token_ids[: seq.budget()])
-        logits = self.runner.forward([seq.tokens[-1], *tokens], seq.cache)
-        sampling = seq.params.sampling
-        if sampling.greedy:
-            verdict = verify_greedy(tokens, logits)
-        else:
-            proposals = None
-            if draft.proposals:
-                sparse = [(p.token_ids, p.probs) for p in draft.proposals[: len(tokens)]]
-                proposals = dense_proposals(sparse, logits.shape[-1], logits.device)
-            verdict = verify_sampled(tokens, target_probs(logits, sampling), seq.generator, proposals)
-        result = seq.commit(verdict.token_ids, verdict.num_accepted, len(tokens))
-        self._settle(seq)
-        return result
+        # Drafts deeper than the budget could never be committed (nor fit the context).
+        self.scheduler.add(Work(seq, draft.trimmed(len(draft.token_ids), seq.budget()), done))
 
     def close(self, seq: Sequence) -> None:
-        """Forgets the sequence and frees its KV cache."""
-        seq.cache = None
+        """Forgets the sequence: queued work dropped, KV back to the pool."""
+        self.scheduler.remove(seq)
         self._live.discard(seq)
 
-    def _settle(self, seq: Sequence) -> None:
+    def step(self) -> bool:
+        """One forward pass over what is ready; False when nothing could run."""
+        scheduler = self.scheduler
+        scheduler.admit()
+        picked = scheduler.pick()
+        ops = tuple(self.pool.take_ops())
+        if not picked:
+            if ops:  # frees still reach every rank's store while idle
+                self.runner.execute(StepPlan(ops, (), ()))
+            return False
+        plan = StepPlan(ops, tuple(t for e in picked for t in _fed_tokens(e)), tuple(e.segment for e in picked))
+        started = time.perf_counter()
+        try:
+            logits = self.runner.execute(plan)
+        except Exception as exc:  # noqa: BLE001 - fail these steps, keep serving the rest
+            log.exception("forward_failed", sequences=len(picked), tokens=plan.num_tokens)
+            for entry in picked:
+                self.close(entry.work.seq)
+                entry.work.done(exc)
+            return True
+        forward_seconds = time.perf_counter() - started
+        row = 0
+        for entry in picked:
+            rows = logits[row: row + entry.segment.num_logit_rows]
+            row += entry.segment.num_logit_rows
+            self._settle(entry, rows)
+        if self.on_step is not None:
+            self.on_step(self._stats(picked, plan, forward_seconds))
+        return True
+
+    # Synchronous conveniences (tests, benchmarks): submit, then step until answered.
+    def run(self, seq: Sequence, draft: Draft = Draft()) -> StepResult:
+        box: list = []
+        self.submit(seq, draft, box.append)
+        while not box:
+            if not self.step() and not box:
+                raise RuntimeError("the engine cannot make progress (KV budget full)")
+        if isinstance(box[0], Exception):
+            raise box[0]
+        return box[0]
+
+    def prefill(self, seq: Sequence) -> StepResult:
+        return self.run(seq)
+
+    def verify(self, seq: Sequence, draft: Draft) -> StepResult:
+        return self.run(seq, draft)
+
+    def _settle(self, entry: Scheduled, rows: torch.Tensor) -> None:
+        seq, segment, draft = entry.work.seq, entry.segment, entry.draft
+        if not segment.wants_logits:  # a prompt chunk: more to come
+            seq.num_cached += segment.num_pending
+            return
+        verdict = self._judge(seq, draft, rows)
+        base = seq.num_cached + segment.num_pending  # KV row of draft node 0
+        if verdict.path != list(range(len(verdict.path))):
+            self.pool.ops.append(Keep(seq.slot, base, tuple(verdict.path)))
+        result = seq.commit(verdict.token_ids, verdict.num_accepted, len(draft.token_ids))
+        seq.num_cached = min(len(seq.tokens) - 1, base + len(verdict.path))
+        self.scheduler.ready.remove(entry.work)
         if seq.finished:
-            seq.cache = None
-        else:
-            crop_cache(seq.cache, len(seq.tokens) - 1)
+            self.scheduler.release(seq)
+        entry.work.done(result)
+
+    def _judge(self, seq: Sequence, draft: Draft, rows: torch.Tensor) -> Verdict:
+        tokens, parents = list(draft.token_ids), draft.tree_parents
+        sampling = seq.params.sampling
+        if sampling.greedy:
+            return verify_greedy(tokens, rows, parents)
+        proposals = None
+        if draft.proposals:
+            sparse = [(p.token_ids, p.probs) for p in draft.proposals]
+            proposals = dense_proposals(sparse, rows.shape[-1], rows.device)
+        return verify_sampled(tokens, target_probs(rows, sampling), seq.generator, proposals, parents)
+
+    def _stats(self, picked: list[Scheduled], plan: StepPlan, forward_seconds: float) -> StepStats:
+        block = self.pool.block_size
+        return StepStats(
+            num_sequences=len(picked),
+            num_tokens=plan.num_tokens,
+            num_prefill_tokens=sum(e.segment.num_pending for e in picked if e.segment.num_pending > 1),
+            num_draft_tokens=sum(len(e.segment.parents) for e in picked),
+            forward_seconds=forward_seconds,
+            queue_wait_seconds=tuple(e.queue_wait for e in picked if e.queue_wait is not None),
+            kv_used_tokens=self.pool.used_blocks * block,
+            kv_cached_tokens=self.pool.cached_blocks * block,
+            kv_max_tokens=self.pool.max_tokens,
+            num_waiting=len(self.scheduler.waiting),
+        )
 
 
-class AsyncEngine:
-    """The engine behind a single model thread. `load` builds the ModelRunner
-    on that thread; `start` also runs a warm-up forward."""
-
-    def __init__(self, load: Callable[[], ModelRunner], threads: int = 0):
-        self._load = load
-        # The initializer runs on the model thread before its first torch op.
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="verifier-model",
-                                            initializer=set_threads, initargs=(threads,))
-        self.engine: Engine | None = None
-
-    async def _run(self, fn, *args):
-        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
-
-    async def start(self) -> None:
-        def load_and_warm_up() -> Engine:
-            runner = self._load()
-            runner.warm_up()
-            return Engine(runner)
-
-        self.engine = await self._run(load_and_warm_up)
-
-    def open(self, sequence_id: str, prompt: list[int], params: GenerationParams) -> Sequence:
-        return self.engine.open(sequence_id, prompt, params)
-
-    async def prefill(self, seq: Sequence) -> StepResult:
-        return await self._run(self.engine.prefill, seq)
-
-    async def verify(self, seq: Sequence, draft: Draft) -> StepResult:
-        return await self._run(self.engine.verify, seq, draft)
-
-    def close(self, seq: Sequence) -> None:
-        """Queued behind any step of this sequence still running on the model thread."""
-        self._executor.submit(self.engine.close, seq)
-
-    async def num_live(self) -> int:
-        """Live sequences, counted after every queued close has run."""
-        return await self._run(lambda: self.engine.num_live)
-
-    def shutdown(self) -> None:
-        self._executor.shutdown(wait=False, cancel_futures=True)
+def _fed_tokens(entry: Scheduled) -> list[int]:
+    seq, segment = entry.work.seq, entry.segment
+    return [*seq.tokens[seq.num_cached: seq.num_cached + segment.num_pending], *entry.draft.token_ids]

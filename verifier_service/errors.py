@@ -11,3 +11,7 @@ class SequenceFinished(RuntimeError):
 
 class StaleDraft(RuntimeError):
     """A draft tagged with a different sequence length (FAILED_PRECONDITION)."""
+
+
+class ResourceExhausted(RuntimeError):
+    """The KV budget cannot take the sequence, now or within the wait limit (RESOURCE_EXHAUSTED)."""

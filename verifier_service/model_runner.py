@@ -1,12 +1,17 @@
-"""The target model: a Hugging Face causal LM run one sequence at a time over
-its own DynamicCache."""
+"""The target model: Hugging Face weights and layers, run over ragged batches
+with our attention (attention.py) and KV store (kv_cache.py). Under tensor
+parallelism every rank holds one; rank 0's broadcasts each plan first."""
 
 import os
-from collections.abc import Sequence
 
 import structlog
 import torch
-from transformers import AutoModelForCausalLM, DynamicCache
+from transformers import AutoModelForCausalLM
+
+from verifier_service.attention import register as register_attention
+from verifier_service.batch import StepPlan, prepare
+from verifier_service.distributed import TensorParallel
+from verifier_service.kv_cache import KVStore
 
 log = structlog.get_logger()
 
@@ -17,45 +22,58 @@ def _as_ids(value) -> list[int]:
     return [value] if isinstance(value, int) else list(value)
 
 
-def crop_cache(cache: DynamicCache, keep: int) -> None:
-    """Drops the cached positions from `keep` on (rejected draft tokens).
-
-    transformers 5 `crop` takes a negative count of tokens to remove and
-    raises on a positive one.
-    """
-    extra = cache.get_seq_length() - keep
-    if extra > 0:
-        cache.crop(-extra)
+def kv_geometry(text_config, tp_size: int = 1) -> tuple[int, int, int]:
+    """(layers, kv heads on one rank, head dim) of a decoder config."""
+    heads = text_config.num_attention_heads
+    kv_heads = getattr(text_config, "num_key_value_heads", None) or heads
+    head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // heads
+    return text_config.num_hidden_layers, kv_heads // tp_size, head_dim
 
 
 class ModelRunner:
-    """Loads the model once and runs single-sequence forward passes."""
+    """Loads the model once and runs StepPlans."""
 
-    def __init__(self, model_dir: str, device: str, dtype: torch.dtype):
+    def __init__(self, model_dir: str, device: str, dtype: torch.dtype, *, block_size: int = 64,
+                 tp: TensorParallel | None = None):
         self.model_dir = model_dir
         self.device = torch.device(device)
         self.dtype = dtype
-        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(self.device).eval()
+        self.tp = tp
+        kwargs = {"dtype": dtype, "attn_implementation": register_attention()}
+        if tp is not None:
+            kwargs["tp_plan"] = "auto"
+        model = AutoModelForCausalLM.from_pretrained(model_dir, **kwargs)
+        self.model = (model if tp is not None else model.to(self.device)).eval()
         text_config = self.model.config.get_text_config()
-        self.vocab_size: int = self.model.get_output_embeddings().weight.shape[0]
+        self.tp_size = tp.world_size if tp is not None else 1
+        layers, kv_heads, head_dim = kv_geometry(text_config, self.tp_size)
+        self.kv_bytes_per_token = 2 * layers * kv_heads * head_dim * torch.finfo(dtype).bits // 8
+        self.store = KVStore(layers, block_size)
+        # The output layer's width (it may pad the tokenizer's vocabulary); sharded under TP, gathered in logits.
+        self.vocab_size: int = (text_config.vocab_size if tp is not None
+                                else self.model.get_output_embeddings().weight.shape[0])
         self.max_context_len: int = text_config.max_position_embeddings
         eos = _as_ids(self.model.generation_config.eos_token_id) + _as_ids(text_config.eos_token_id)
         self.eos_token_ids: tuple[int, ...] = tuple(dict.fromkeys(eos))
         log.info("model_loaded", model=os.path.basename(os.path.normpath(model_dir)), device=str(self.device),
                  dtype=str(dtype).removeprefix("torch."), vocab_size=self.vocab_size,
-                 max_context_len=self.max_context_len, eos_token_ids=list(self.eos_token_ids))
+                 max_context_len=self.max_context_len, eos_token_ids=list(self.eos_token_ids),
+                 tensor_parallel_size=self.tp_size, rank=tp.rank if tp else 0)
 
-    def new_cache(self) -> DynamicCache:
-        return DynamicCache(config=self.model.config)
+    def execute(self, plan: StepPlan) -> torch.Tensor:
+        """Runs a plan (on every rank); returns fp32 logits [rows, vocab] in
+        segment order (Segment.num_logit_rows each)."""
+        if self.tp is not None:
+            self.tp.broadcast(plan)
+        return self.run(plan)
 
     @torch.inference_mode()
-    def forward(self, input_ids: Sequence[int], cache: DynamicCache, *, last_only: bool = False) -> torch.Tensor:
-        """Appends `input_ids` to the sequence in `cache`; returns fp32 logits,
-        one row per input token ([1, vocab] with `last_only`)."""
-        ids = torch.tensor([list(input_ids)], dtype=torch.long, device=self.device)
-        out = self.model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1 if last_only else 0)
+    def run(self, plan: StepPlan) -> torch.Tensor:
+        for op in plan.ops:
+            self.store.apply(op)
+        if not plan.segments:
+            return torch.empty(0, self.vocab_size)
+        ids, positions, rows, batch = prepare(plan, self.store, self.device)
+        out = self.model(input_ids=ids, position_ids=positions, use_cache=False, logits_to_keep=rows,
+                         speclane_batch=batch)
         return out.logits[0].float()
-
-    def warm_up(self) -> None:
-        """One throwaway forward so the first request pays no lazy-init cost."""
-        self.forward([0], self.new_cache())

@@ -59,10 +59,3 @@ def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
 def sample(probs: torch.Tensor, generator: torch.Generator) -> int:
     """One token id drawn from a 1-D distribution (need not be normalised)."""
     return int(torch.multinomial(probs, 1, generator=generator))
-
-
-def pick(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:
-    """The next token from one row of logits: argmax when greedy, else a draw from p."""
-    if params.greedy:
-        return int(torch.argmax(logits))
-    return sample(target_probs(logits[None], params)[0], generator)

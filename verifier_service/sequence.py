@@ -7,10 +7,10 @@ import time
 from dataclasses import dataclass, field
 
 import torch
-from transformers import DynamicCache
 
 from verifier_service.errors import InvalidRequest
 from verifier_service.sampling import SamplingParams
+from verifier_service.tree import chain_parents, check_parents, depths, keep_nodes
 
 
 class FinishReason(enum.Enum):
@@ -43,22 +43,38 @@ class Proposal:
 @dataclass(frozen=True)
 class Draft:
     token_ids: tuple[int, ...] = ()
-    parents: tuple[int, ...] = ()  # empty or [-1, 0, 1, ...]: a chain
+    parents: tuple[int, ...] = ()  # empty: a chain; else a tree (see tree.py)
     proposals: tuple[Proposal, ...] = ()  # empty: deterministic draft
     committed_len: int = 0  # 0: not tagged
 
+    @property
+    def tree_parents(self) -> tuple[int, ...]:
+        return self.parents or chain_parents(len(self.token_ids))
+
     def check(self, vocab_size: int) -> None:
-        """Raises InvalidRequest unless this is a well-formed chain draft."""
+        """Raises InvalidRequest unless this is a well-formed chain or tree draft."""
         k = len(self.token_ids)
-        if self.parents and len(self.parents) != k:
-            raise InvalidRequest(f"draft has {k} tokens but {len(self.parents)} parents")
-        if self.parents and list(self.parents) != list(range(-1, k - 1)):
-            raise InvalidRequest("tree drafts are not supported yet; send a chain (parents empty or -1, 0, 1, ...)")
+        if self.parents and (problem := check_parents(self.parents, k)):
+            raise InvalidRequest(problem)
         _check_token_ids(self.token_ids, vocab_size, "draft token id")
         if self.proposals and len(self.proposals) != k:
             raise InvalidRequest(f"draft has {k} tokens but {len(self.proposals)} proposal distributions")
         for i, (token, proposal) in enumerate(zip(self.token_ids, self.proposals)):
             _check_proposal(i, token, proposal, vocab_size)
+
+    def trimmed(self, max_nodes: int, max_depth: int) -> "Draft":
+        """The sub-tree of the first `max_nodes` nodes no deeper than `max_depth`
+        (still a tree: parents precede children and are never deeper)."""
+        parents = self.tree_parents
+        keep = [i for i, depth in enumerate(depths(parents)[:max(max_nodes, 0)]) if depth <= max_depth]
+        if len(keep) == len(parents):
+            return self
+        return Draft(
+            token_ids=tuple(self.token_ids[i] for i in keep),
+            parents=keep_nodes(parents, keep),
+            proposals=tuple(self.proposals[i] for i in keep) if self.proposals else (),
+            committed_len=self.committed_len,
+        )
 
 
 def _check_token_ids(token_ids, vocab_size: int, what: str) -> None:
@@ -87,8 +103,9 @@ class StepResult:
 
 
 class Sequence:
-    """Invariant between steps: `cache` holds every token but the last one
-    (None before prefill and once finished)."""
+    """Between steps the KV slot holds `num_cached` tokens: every token but the
+    last one once prefilled, fewer while a prefill is chunked, none before
+    admission or after preemption (the tokens stay, so it is prefilled again)."""
 
     def __init__(self, sequence_id: str, prompt: list[int], params: GenerationParams,
                  stop_token_ids: frozenset[int], max_len: int, generator: torch.Generator):
@@ -99,7 +116,8 @@ class Sequence:
         self.stop_token_ids = stop_token_ids
         self.max_len = max_len  # the model's context length
         self.generator = generator
-        self.cache: DynamicCache | None = None
+        self.slot: int | None = None  # KV slot while admitted
+        self.num_cached = 0
         self.finish_reason = FinishReason.NONE
         self.num_steps = 0
         self.num_draft_tokens = 0

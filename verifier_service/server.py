@@ -1,4 +1,5 @@
-"""Verifier process: load the model on the model thread, then serve gRPC."""
+"""Verifier process: load the model on the model thread (with its follower
+ranks under tensor parallelism), then serve gRPC."""
 
 from collections.abc import Callable
 
@@ -6,11 +7,12 @@ from transformers.utils import logging as transformers_logging
 
 from speclane.grpc_server import serve
 from speclane.log import configure_logging
+from verifier_service.async_engine import AsyncEngine
 from verifier_service.config import VerifierConfig
-from verifier_service.device import resolve_device, resolve_dtype, set_threads
-from verifier_service.engine import AsyncEngine
-from verifier_service.model_runner import ModelRunner
+from verifier_service.device import set_threads
+from verifier_service.metrics import VerifierMetrics
 from verifier_service.service import VerifierServicer, add_to_server
+from verifier_service.workers import Rank0
 
 
 async def run(config: VerifierConfig, *, ready: Callable[[int], None] | None = None) -> None:
@@ -20,16 +22,16 @@ async def run(config: VerifierConfig, *, ready: Callable[[int], None] | None = N
     transformers_logging.disable_progress_bar()
     # Before any torch op: threads started later (the model thread) inherit it.
     set_threads(config.threads)
-
-    def load_runner() -> ModelRunner:
-        device = resolve_device(config.device)
-        return ModelRunner(config.model, device, resolve_dtype(config.dtype, device))
-
-    engine = AsyncEngine(load_runner, threads=config.threads)
+    metrics = VerifierMetrics(config.model_name)
+    if config.metrics_port:
+        metrics.serve(config.metrics_port, config.address.rsplit(":", 1)[0])
+    rank0 = Rank0(config, on_step=metrics.observe)
+    engine = AsyncEngine(rank0.load, threads=config.threads, on_stop=rank0.stop,
+                         batch_wait_seconds=config.batch_wait_ms / 1000)
     servicer = VerifierServicer(engine, config.model_name)
 
     async def shutdown() -> None:
-        engine.shutdown()
+        await engine.stop()
 
     await serve(
         address=config.address,

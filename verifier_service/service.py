@@ -9,8 +9,8 @@ import structlog
 from protos.common.v1 import common_pb2
 from protos.verifier.v1 import verifier_pb2, verifier_pb2_grpc
 from speclane.grpc_server import bind_request_id_from
-from verifier_service.engine import AsyncEngine
-from verifier_service.errors import InvalidRequest, SequenceFinished, StaleDraft
+from verifier_service.async_engine import AsyncEngine
+from verifier_service.errors import InvalidRequest, ResourceExhausted, SequenceFinished, StaleDraft
 from verifier_service.sampling import SamplingParams
 from verifier_service.sequence import Draft, FinishReason, GenerationParams, Proposal, Sequence, StepResult
 
@@ -87,7 +87,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             eos_token_ids=runner.eos_token_ids,
             device=str(runner.device),
             dtype=str(runner.dtype).removeprefix("torch."),
-            tensor_parallel_size=1,
+            tensor_parallel_size=runner.tp_size,
         )
 
     async def Session(self, request_iterator, context):
@@ -115,6 +115,8 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except (SequenceFinished, StaleDraft) as exc:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+        except ResourceExhausted as exc:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
         finally:
             if seq is not None:
                 if not seq.finished:

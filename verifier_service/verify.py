@@ -1,30 +1,44 @@
-"""Turning a chain draft into committed tokens without changing the output
-distribution (Leviathan et al. 2023; Chen et al. 2023). Pure functions over
-the target's logits or probabilities for the k+1 positions [last, d1..dk]:
-row i judges draft token i, row k gives the bonus token."""
+"""Turning a draft tree into committed tokens without changing the output
+distribution (Leviathan et al. 2023; Chen et al. 2023; SpecInfer's multi-draft
+rejection sampling for trees). Pure functions over the target's logits or
+probabilities: row 0 is the last committed token (it judges the root's
+children), row i + 1 is draft node i (it judges node i's children, or gives
+the bonus token when node i is a leaf). A chain is the one-child tree."""
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from verifier_service.sampling import sample
+from verifier_service.tree import chain_parents, children
 
 
 @dataclass(frozen=True)
 class Verdict:
-    token_ids: list[int]  # the accepted draft tokens, then the target's own token
+    token_ids: list[int]  # the accepted path's draft tokens, then the target's own token
     num_accepted: int
+    path: list[int] = field(default_factory=list)  # accepted node indices, root to leaf
 
 
-def verify_greedy(draft: Sequence[int], logits: torch.Tensor) -> Verdict:
-    """Accepts while the draft equals the argmax; emits the argmax at the first
-    mismatch, or a bonus argmax when everything matched."""
+def _children(draft: Sequence[int], parents) -> list[list[int]]:
+    return children(chain_parents(len(draft)) if parents is None else parents)
+
+
+def verify_greedy(draft: Sequence[int], logits: torch.Tensor, parents=None) -> Verdict:
+    """Walks down from the root while some child equals the target's argmax;
+    emits the argmax where no child does (a correction, or a bonus at a leaf)."""
+    kids = _children(draft, parents)
     targets = torch.argmax(logits, dim=-1).tolist()
-    for i, token in enumerate(draft):
-        if token != targets[i]:
-            return Verdict([*draft[:i], targets[i]], i)
-    return Verdict([*draft, targets[len(draft)]], len(draft))
+    path: list[int] = []
+    row = 0
+    while True:
+        target = targets[row]
+        match = next((child for child in kids[row] if draft[child] == target), None)
+        if match is None:
+            return Verdict([draft[i] for i in path] + [target], len(path), path)
+        path.append(match)
+        row = match + 1
 
 
 def verify_sampled(
@@ -32,29 +46,41 @@ def verify_sampled(
     probs: torch.Tensor,
     generator: torch.Generator,
     proposals: torch.Tensor | None = None,
+    parents=None,
 ) -> Verdict:
     """Speculative sampling against target rows `probs` [k+1, vocab].
 
-    With `proposals` q [k, vocab] (the distributions the draft was sampled
-    from; q(x) > 0 for each draft token x): accept x with min(1, p(x)/q(x)),
-    on rejection draw from normalize(max(0, p - q)). Without, the draft is
-    deterministic (one-hot q): accept with p(x), on rejection draw from p with
-    x removed. Either way every emitted token is distributed exactly as p.
+    At each node the children are tried in order against the current target
+    p: child x with proposal q (row of `proposals`, or one-hot on x for a
+    deterministic draft) is accepted with min(1, p(x)/q(x)); on rejection p
+    becomes normalize(max(0, p - q)) and the next sibling is tried. When every
+    child is rejected, the token is drawn from the remaining p. Each stage is
+    an exact rejection-sampling step, so every emitted token is distributed
+    as the target's (for one-hot q: accept with p(x), else draw from p without
+    the rejected tokens).
     """
-    for i, token in enumerate(draft):
-        p = probs[i]
-        accept = p[token] if proposals is None else p[token] / proposals[i, token]
-        if torch.rand((), generator=generator, device=p.device) < accept:
-            continue
-        if proposals is None:
-            residual = p.clone()
-            residual[token] = 0.0
+    kids = _children(draft, parents)
+    path: list[int] = []
+    row = 0
+    while True:
+        p = probs[row]
+        for child in kids[row]:
+            token = draft[child]
+            accept = p[token] if proposals is None else p[token] / proposals[child, token]
+            if torch.rand((), generator=generator, device=p.device) < accept:
+                path.append(child)
+                break
+            if proposals is None:
+                residual = p.clone()
+                residual[token] = 0.0
+            else:
+                residual = (p - proposals[child]).clamp_min(0.0)
+            if not residual.sum() > 0:
+                residual = p  # only reachable when p == q up to rounding
+            p = residual / residual.sum()
         else:
-            residual = (p - proposals[i]).clamp_min(0.0)
-        if not residual.sum() > 0:
-            residual = p  # only reachable when p == q up to rounding
-        return Verdict([*draft[:i], sample(residual, generator)], i)
-    return Verdict([*draft, sample(probs[len(draft)], generator)], len(draft))
+            return Verdict([draft[i] for i in path] + [sample(p, generator)], len(path), path)
+        row = path[-1] + 1
 
 
 def dense_proposals(

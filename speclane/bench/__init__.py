@@ -7,6 +7,7 @@ import importlib
 BENCHMARKS: dict[str, tuple[str, str]] = {
     "serve": ("speclane.bench.serve", "seeds-style benchmark table against an OpenAI-compatible endpoint"),
     "drafter": ("speclane.bench.drafter", "suffix/n-gram drafter microbenchmark vs Arctic Inference"),
+    "verifier": ("speclane.bench.verifier", "verifier engine: batching throughput, verify overhead, KV budget"),
 }
 
 

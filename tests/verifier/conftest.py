@@ -6,7 +6,10 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from verifier_service.engine import Engine
+from verifier_service.kv_cache import KVStore
+from verifier_service.kv_pool import KVPool
 from verifier_service.model_runner import ModelRunner
+from verifier_service.scheduler import BatchLimits
 
 torch.set_num_threads(1)
 
@@ -14,33 +17,44 @@ VOCAB = 64
 MAX_CONTEXT = 128
 CONFIG_EOS = 2
 GENERATION_EOS = (2, 3)
+BLOCK = 16
 
 
-@pytest.fixture(scope="session")
-def tiny_model_dir(tmp_path_factory) -> str:
+def save_tiny_llama(path, max_context: int = MAX_CONTEXT) -> str:
     torch.manual_seed(0)
     config = LlamaConfig(
         vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=MAX_CONTEXT,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_context,
         # Wider weights than the default 0.02 make next-token distributions peaked,
         # like a trained model's, so drafts are sometimes accepted when sampling.
         initializer_range=0.5, bos_token_id=1, eos_token_id=CONFIG_EOS,
     )
     model = AutoModelForCausalLM.from_config(config)
     model.generation_config.eos_token_id = list(GENERATION_EOS)
-    path = tmp_path_factory.mktemp("tiny-llama")
     model.save_pretrained(path, safe_serialization=True)
     return str(path)
 
 
 @pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> str:
+    return save_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture(scope="session")
 def runner(tiny_model_dir) -> ModelRunner:
-    return ModelRunner(tiny_model_dir, "cpu", torch.float32)
+    return ModelRunner(tiny_model_dir, "cpu", torch.float32, block_size=BLOCK)
+
+
+def make_engine(runner, max_kv_tokens: int = 4096, limits: BatchLimits = BatchLimits(),
+                prefix_caching: bool = False, on_step=None) -> Engine:
+    """An engine with a fresh KV store (the runner and its weights are shared)."""
+    runner.store = KVStore(runner.store.num_layers, BLOCK)
+    return Engine(runner, KVPool(max_kv_tokens, BLOCK, prefix_caching), limits, on_step=on_step)
 
 
 @pytest.fixture
 def engine(runner) -> Engine:
-    return Engine(runner)
+    return make_engine(runner)
 
 
 @pytest.fixture(scope="session")

@@ -23,6 +23,13 @@ def test_defaults(tiny_model_dir):
     ({"dtype": "fp8"}, "dtype"),
     ({"threads": -1}, "threads"),
     ({"max_concurrent_rpcs": 0}, "max_concurrent_rpcs"),
+    ({"tensor_parallel_size": 0}, "tensor_parallel_size"),
+    ({"max_kv_tokens": -1}, "max_kv_tokens"),
+    ({"max_kv_tokens": 8, "kv_block_size": 16}, "at least one block"),
+    ({"kv_memory_fraction": 0}, "kv_memory_fraction"),
+    ({"max_batch_tokens": 0}, "max_batch_tokens"),
+    ({"max_queue_wait": -1}, "max_queue_wait"),
+    ({"metrics_port": 70000}, "metrics_port"),
     ({"log_level": "loud"}, "log_level"),
 ])
 def test_invalid_values_are_refused(tiny_model_dir, overrides, message):

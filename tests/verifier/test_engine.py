@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 from scipy.stats import chisquare
-from transformers import GenerationConfig
+from transformers import DynamicCache, GenerationConfig
 
 from .conftest import MAX_CONTEXT, VOCAB
 from verifier_service import engine as engine_module
@@ -41,9 +41,9 @@ DRAFTERS = {
 
 def check_cache(seq) -> None:
     if seq.finished:
-        assert seq.cache is None
+        assert seq.slot is None
     else:
-        assert seq.cache.get_seq_length() == len(seq.tokens) - 1
+        assert seq.num_cached == len(seq.tokens) - 1
 
 
 def decode(engine, params: GenerationParams, drafter, ref: list[int], prompt=PROMPT):
@@ -78,18 +78,24 @@ def test_greedy_speculation_equals_generate(engine, hf_model, drafter):
     assert engine.num_live == 0
 
 
-def test_rollback_then_continue_matches_a_fresh_forward(engine, runner):
+def assert_kv_matches_a_fresh_forward(runner, hf_model, seq) -> None:
+    """The slot's keys/values equal those of one clean pass over the committed tokens."""
+    cache = DynamicCache(config=hf_model.config)
+    with torch.no_grad():
+        hf_model(torch.tensor([seq.tokens[:-1]]), past_key_values=cache, use_cache=True)
+    for layer, clean in enumerate(cache.layers):
+        keys, values = runner.store.rows(seq.slot, layer, seq.num_cached)
+        assert torch.allclose(keys, clean.keys[0], atol=1e-5)
+        assert torch.allclose(values, clean.values[0], atol=1e-5)
+
+
+def test_rollback_then_continue_matches_a_fresh_forward(engine, runner, hf_model):
     seq = engine.open("s", PROMPT, GenerationParams(GREEDY, max_new_tokens=50, ignore_eos=True))
     engine.prefill(seq)
     for draft in ([1, 2, 3, 4, 5, 6], [7], [], [9, 9, 9]):
         engine.verify(seq, Draft(tuple(draft)))
         check_cache(seq)
-    # The cached keys/values after rollbacks equal those of one clean pass.
-    fresh = runner.new_cache()
-    runner.forward(seq.tokens[:-1], fresh)
-    for kept, clean in zip(seq.cache.layers, fresh.layers):
-        assert torch.allclose(kept.keys, clean.keys, atol=1e-5)
-        assert torch.allclose(kept.values, clean.values, atol=1e-5)
+    assert_kv_matches_a_fresh_forward(runner, hf_model, seq)
 
 
 def test_stop_token_inside_accepted_drafts_truncates(engine, hf_model):
@@ -123,7 +129,7 @@ def test_max_new_tokens_cuts_an_accepted_draft(engine, hf_model):
     assert step.token_ids == ref[1:]
     assert step.num_accepted == 4
     assert step.finish_reason is FinishReason.LENGTH
-    assert seq.cache is None
+    assert seq.slot is None
 
 
 def test_context_length_finishes_with_length(engine, hf_model):
@@ -150,7 +156,7 @@ def test_bad_prompts_are_refused(engine, prompt, message):
 
 
 @pytest.mark.parametrize("draft, message", [
-    (Draft((1, 2), parents=(-1, -1)), "tree drafts are not supported"),
+    (Draft((1, 2), parents=(-1, 1)), "must be -1 or the index of an earlier token"),
     (Draft((1, 2), parents=(-1,)), "parents"),
     (Draft((1, VOCAB)), "outside the vocabulary"),
     (Draft((1, 2), proposals=(Proposal((1,), (1.0,)),)), "proposal distributions"),
@@ -240,8 +246,10 @@ def test_speculative_sampling_matches_plain_sampling(engine, hf_model):
 
 
 def test_the_chi_square_catches_a_lossy_rejection_rule(engine, hf_model, monkeypatch):
-    def resample_from_full_p(draft, probs, generator, proposals=None):
+    def resample_from_full_p(draft, probs, generator, proposals=None, parents=None):
         """Wrong: a rejected draft token can be drawn again."""
+        if not draft:
+            return Verdict([sample(probs[0], generator)], 0)
         if torch.rand((), generator=generator) < probs[0, draft[0]]:
             return Verdict([draft[0]], 1)
         return Verdict([sample(probs[0], generator)], 0)

@@ -14,10 +14,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from protos.common.v1 import common_pb2
 from protos.verifier.v1 import verifier_pb2, verifier_pb2_grpc
 from speclane.grpc_server import CHANNEL_OPTIONS, serve
-from .conftest import GENERATION_EOS, MAX_CONTEXT, VOCAB
+from .conftest import BLOCK, GENERATION_EOS, MAX_CONTEXT, VOCAB, make_engine
 from verifier_service import server
 from verifier_service.config import VerifierConfig
-from verifier_service.engine import AsyncEngine
+from verifier_service.async_engine import AsyncEngine
 from verifier_service.model_runner import ModelRunner
 from verifier_service.sequence import Draft
 from verifier_service.service import VerifierServicer, add_to_server, params_from_proto
@@ -28,9 +28,10 @@ OK_SAMPLING = verifier_pb2.SamplingParams(max_new_tokens=8, ignore_eos=True)
 
 
 @contextlib.asynccontextmanager
-async def running_verifier(model_dir: str, warm: asyncio.Event | None = None):
+async def running_verifier(model_dir: str, warm: asyncio.Event | None = None, **engine_args):
     """Serves the verifier on port 0; yields (channel, engine). `warm` holds the warm-up back."""
-    engine = AsyncEngine(lambda: ModelRunner(model_dir, "cpu", torch.float32), threads=1)
+    engine = AsyncEngine(lambda: make_engine(ModelRunner(model_dir, "cpu", torch.float32, block_size=BLOCK), **engine_args),
+                         threads=1)
 
     async def warmup():
         if warm is not None:
@@ -38,7 +39,7 @@ async def running_verifier(model_dir: str, warm: asyncio.Event | None = None):
         await engine.start()
 
     async def shutdown():
-        engine.shutdown()
+        await engine.stop()
 
     port = asyncio.get_running_loop().create_future()
     serving = asyncio.ensure_future(serve(
@@ -136,7 +137,7 @@ BAD_SESSIONS = {
     "top_p 0": ([prefill(sampling=verifier_pb2.SamplingParams(max_new_tokens=4, top_p=0))], "top_p"),
     "top_p above 1": ([prefill(sampling=verifier_pb2.SamplingParams(max_new_tokens=4, top_p=1.5))], "top_p"),
     "negative top_k": ([prefill(sampling=verifier_pb2.SamplingParams(max_new_tokens=4, top_k=-1))], "top_k"),
-    "tree draft": ([prefill(), verify([1, 2], parents=[-1, -1])], "tree drafts are not supported yet"),
+    "tree draft out of order": ([prefill(), verify([1, 2], parents=[-1, 1])], "index of an earlier token"),
     "proposals mismatch": ([prefill(), verify([1, 2], proposals=[common_pb2.TokenDistribution(
         token_ids=[1], probs=[1.0])])], "proposal distributions"),
     "second prefill": ([prefill(), prefill()], "every message must be verify"),

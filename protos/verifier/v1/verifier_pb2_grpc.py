@@ -53,7 +53,11 @@ class VerifierServicer:
         """One bidirectional stream per sequence. The first message must be
         `prefill`; it is answered with the first generated token. Each `verify`
         is answered with the tokens it commits (at least one unless finished).
-        Closing or cancelling the stream frees the sequence's KV cache.
+        A draft may be a chain or a tree (Draft.parents): the longest accepted
+        root-to-leaf path is committed. Steps of concurrent sessions share
+        forward passes. Closing or cancelling the stream frees the sequence's KV
+        cache. RESOURCE_EXHAUSTED: the KV budget could not take the sequence
+        within the server's wait limit.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

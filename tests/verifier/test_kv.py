@@ -1,0 +1,153 @@
+"""The KV budget: 64 sequences of 1k tokens fill a 64k-token pool exactly,
+the 65th waits (or is refused), running sequences are never disturbed, and
+the pool is empty again at the end. Preemption and prefix reuse are lossless."""
+
+import pytest
+import torch
+
+from .conftest import make_engine, save_tiny_llama
+from .test_engine import GREEDY, reference
+from verifier_service.errors import ResourceExhausted
+from verifier_service.model_runner import ModelRunner
+from verifier_service.scheduler import BatchLimits
+from verifier_service.sequence import Draft, GenerationParams
+
+SEQ_TOKENS = 1024
+PROMPT_LEN = 1000
+NUM_SEQS = 64
+
+
+@pytest.fixture(scope="module")
+def long_runner(tmp_path_factory):
+    path = save_tiny_llama(tmp_path_factory.mktemp("tiny-llama-2k"), max_context=2048)
+    return ModelRunner(path, "cpu", torch.float32, block_size=16)
+
+
+def prompt(i: int, length: int = PROMPT_LEN) -> list[int]:
+    return [(i * 13 + j * 7) % 60 + 4 for j in range(length)]
+
+
+def fill(engine, count: int):
+    """Opens `count` sequences of PROMPT_LEN + 24 = 1024 tokens and submits their prefills."""
+    params = GenerationParams(GREEDY, max_new_tokens=SEQ_TOKENS - PROMPT_LEN, ignore_eos=True)
+    seqs = [engine.open(f"s{i}", prompt(i), params) for i in range(count)]
+    answers = [[] for _ in seqs]
+    for seq, box in zip(seqs, answers):
+        engine.submit(seq, Draft(), box.append)
+    return seqs, answers
+
+
+def drive(engine, seqs, answers) -> None:
+    """Steps every sequence to its end, resubmitting after each answer."""
+    handled = [0] * len(seqs)
+    while not all(s.finished for s in seqs):
+        engine.step()
+        for i, (seq, box) in enumerate(zip(seqs, answers)):
+            if len(box) > handled[i]:
+                handled[i] = len(box)
+                assert not isinstance(box[-1], Exception), box[-1]
+                if not seq.finished:
+                    engine.submit(seq, Draft(), box.append)
+
+
+def test_64_sequences_of_1k_fill_a_64k_pool_and_the_65th_waits(long_runner):
+    passes = []
+    engine = make_engine(long_runner, max_kv_tokens=NUM_SEQS * SEQ_TOKENS, on_step=passes.append,
+                         limits=BatchLimits(max_tokens=2048, max_sequences=128, max_queue_wait=3600))
+    seqs, answers = fill(engine, NUM_SEQS + 1)
+    while not all(answers[:NUM_SEQS]):
+        engine.step()
+    extra = seqs[-1]
+    assert extra.slot is None and not answers[-1]  # waiting, not refused
+    drive(engine, seqs, answers)
+    # All 64 reached 1024 tokens together, filling the budget to the last block, without preemption.
+    assert max(p.kv_used_tokens for p in passes) == NUM_SEQS * SEQ_TOKENS
+    assert sum(s.num_steps for s in seqs) == len(seqs) * (SEQ_TOKENS - PROMPT_LEN)
+    assert all(s.num_generated == SEQ_TOKENS - PROMPT_LEN for s in seqs)
+    engine.step()
+    assert engine.pool.used_blocks == 0 and engine.pool.cached_blocks == 0
+    assert engine.pool.free_blocks == engine.pool.num_blocks
+    assert long_runner.store.num_slots == 0
+    for seq in seqs[:3] + seqs[-1:]:
+        assert seq.tokens[PROMPT_LEN:PROMPT_LEN + 4] == reference_start(long_runner, seq)
+
+
+def reference_start(runner, seq) -> list[int]:
+    """First tokens of the same prompt decoded alone on an empty engine (replaces the runner's store)."""
+    alone = make_engine(runner)
+    other = alone.open("alone", seq.tokens[:PROMPT_LEN], GenerationParams(GREEDY, max_new_tokens=4, ignore_eos=True))
+    tokens = alone.prefill(other).token_ids
+    while not other.finished:
+        tokens += alone.verify(other, Draft()).token_ids
+    return tokens
+
+
+def test_one_more_is_refused_when_waiting_is_off(long_runner):
+    engine = make_engine(long_runner, max_kv_tokens=4 * SEQ_TOKENS,
+                         limits=BatchLimits(max_tokens=4096, max_sequences=128, max_queue_wait=0))
+    seqs, answers = fill(engine, 4)
+    while not all(answers):
+        engine.step()
+    held = engine.pool.used_blocks
+    late = engine.open("late", prompt(99), GenerationParams(GREEDY, max_new_tokens=4))
+    refused = []
+    engine.submit(late, Draft(), refused.append)
+    engine.step()
+    assert isinstance(refused[0], ResourceExhausted)
+    assert engine.pool.used_blocks == held and all(s.slot is not None for s in seqs)
+    for seq in seqs:
+        engine.close(seq)
+    engine.step()
+    assert engine.pool.used_blocks == 0 and long_runner.store.num_slots == 0
+
+
+def test_a_prompt_larger_than_the_budget_is_refused(runner):
+    engine = make_engine(runner, max_kv_tokens=32)
+    seq = engine.open("big", list(range(4, 44)), GenerationParams(GREEDY, max_new_tokens=4))
+    with pytest.raises(ResourceExhausted, match="budget"):
+        engine.prefill(seq)
+
+
+def test_preemption_under_a_tight_budget_is_lossless(runner, hf_model):
+    """Two sequences whose growth overflows the pool: one is preempted and prefilled again."""
+    engine = make_engine(runner, max_kv_tokens=64)
+    prompts = [[5, 17, 9, 40, 22, 8, 31] * 3, [60, 2, 7, 11, 3] * 4]
+    refs = [reference(hf_model, p, 30) for p in prompts]
+    params = GenerationParams(GREEDY, max_new_tokens=30, ignore_eos=True)
+    seqs = [engine.open(f"s{i}", p, params) for i, p in enumerate(prompts)]
+    boxes = [[], []]
+    for seq, box in zip(seqs, boxes):
+        engine.submit(seq, Draft(), box.append)
+    preempted = False
+    while not all(s.finished for s in seqs):
+        engine.step()
+        preempted |= any(s.slot is None and not s.finished for s in seqs)
+        for i, (seq, box) in enumerate(zip(seqs, boxes)):
+            if box:
+                assert not isinstance(box[0], Exception)
+                box.clear()
+                if not seq.finished:
+                    future = refs[i][seq.num_generated:]
+                    engine.submit(seq, Draft(tuple(future[:3])), box.append)
+    assert preempted
+    for seq, ref, p in zip(seqs, refs, prompts):
+        assert seq.tokens[len(p):] == ref
+
+
+def test_a_follow_up_turn_reuses_the_conversation_kv(runner, hf_model):
+    passes = []
+    engine = make_engine(runner, prefix_caching=True, on_step=passes.append)
+    first_prompt = [(3 * i) % 60 + 4 for i in range(40)]
+    params = GenerationParams(GREEDY, max_new_tokens=6, ignore_eos=True)
+    turn1 = engine.open("t1", first_prompt, params)
+    engine.prefill(turn1)
+    while not turn1.finished:
+        engine.verify(turn1, Draft())
+    assert engine.pool.cached_blocks > 0
+    second_prompt = turn1.tokens + [9, 10, 11]
+    turn2 = engine.open("t2", second_prompt, params)
+    passes.clear()
+    first = engine.prefill(turn2)
+    # Only the tokens after the cached conversation ran through the model.
+    assert passes[0].num_tokens == len(second_prompt) - (len(turn1.tokens) - 1)
+    assert first.token_ids == reference(hf_model, second_prompt, 1)

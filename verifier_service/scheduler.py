@@ -1,0 +1,169 @@
+"""Which sequences run in the next forward pass, and how much of each.
+
+Sequences wait for admission (a KV slot holding their whole prompt, with a
+block of headroom left for each running sequence) in arrival order; one that waits longer than `max_queue_wait` or could never fit
+is refused. Among admitted sequences with work, decode/verify steps go first
+and prompt prefills fill the rest of the token budget in chunks, so a long
+prompt never holds decoding up. When a step's KV cannot grow, its draft is
+cut (drafts are optional); failing that the most recently admitted other
+sequence is preempted: its KV goes back to the pool and it is prefilled again
+later from its tokens, so nothing it committed is lost.
+"""
+
+import time
+from collections import deque
+from dataclasses import dataclass, field, replace
+from collections.abc import Callable
+
+from verifier_service.batch import Segment
+from verifier_service.errors import ResourceExhausted
+from verifier_service.kv_pool import KVPool
+from verifier_service.sequence import Draft, Sequence
+
+
+@dataclass(frozen=True)
+class BatchLimits:
+    max_tokens: int = 512  # tokens in one forward pass
+    max_sequences: int = 64
+    max_queue_wait: float = 30.0  # seconds a sequence may wait for KV before RESOURCE_EXHAUSTED
+
+
+@dataclass(eq=False)
+class Work:
+    """One requested step of a sequence: its first token (empty draft) or a verify."""
+
+    seq: Sequence
+    draft: Draft
+    done: Callable[[object], None]  # called once with a StepResult or an exception
+    submitted: float = field(default_factory=time.monotonic)
+    started: float | None = None  # when it first joined a pass
+
+
+@dataclass(frozen=True)
+class Scheduled:
+    work: Work
+    segment: Segment
+    draft: Draft  # the part of the draft in the pass
+    queue_wait: float | None = None  # submit to first pass, set on the work's first pass
+
+
+class Scheduler:
+    def __init__(self, pool: KVPool, limits: BatchLimits, clock: Callable[[], float] = time.monotonic):
+        self.pool = pool
+        self.limits = limits
+        self.clock = clock
+        self.waiting: deque[Work] = deque()  # not admitted, arrival order
+        self.ready: list[Work] = []  # admitted, with a step to run
+        self.admitted: dict[Sequence, None] = {}  # holding KV, in admission order
+
+    def add(self, work: Work) -> None:
+        (self.ready if work.seq.slot is not None else self.waiting).append(work)
+
+    def remove(self, seq: Sequence) -> None:
+        """Drops the sequence's queued work and gives its KV back (to the prefix cache)."""
+        self.waiting = deque(w for w in self.waiting if w.seq is not seq)
+        self.ready = [w for w in self.ready if w.seq is not seq]
+        self.release(seq)
+
+    def release(self, seq: Sequence) -> None:
+        if seq.slot is not None:
+            self.pool.release(seq.slot, seq.tokens[: seq.num_cached])
+            seq.slot = None
+            seq.num_cached = 0
+            self.admitted.pop(seq, None)
+
+    def admit(self) -> None:
+        now = self.clock()
+        while self.waiting:
+            work = self.waiting[0]
+            seq = work.seq
+            if not self.pool.fits_ever(len(seq.tokens)):
+                self._refuse(work, f"the prompt needs {len(seq.tokens)} KV tokens but the budget is "
+                                   f"{self.pool.max_tokens}")
+                continue
+            if not self._allocate(seq):
+                break
+            self.admitted[seq] = None
+            self.ready.append(self.waiting.popleft())
+        for work in [w for w in self.waiting if now - w.submitted > self.limits.max_queue_wait]:
+            self._refuse(work, f"no KV space within {self.limits.max_queue_wait:g} s "
+                               f"({self.pool.max_tokens}-token budget in use)")
+
+    def pick(self) -> list[Scheduled]:
+        """The next pass: decode/verify steps first, then prefill chunks."""
+        tokens_left, seqs_left = self.limits.max_tokens, self.limits.max_sequences
+        picked: list[Scheduled] = []
+        decodes = [w for w in self.ready if _pending(w.seq) == 1]
+        prefills = [w for w in self.ready if _pending(w.seq) > 1]
+        for work in decodes + prefills:
+            if tokens_left <= 0 or seqs_left <= 0:
+                break
+            if work.seq.slot is None:  # preempted for an earlier pick of this round
+                continue
+            entry = self._fit(work, tokens_left, picked)
+            if entry is not None:
+                picked.append(entry)
+                tokens_left -= entry.segment.num_tokens
+                seqs_left -= 1
+        now = self.clock()
+        for i, entry in enumerate(picked):
+            if entry.work.started is None:
+                entry.work.started = now
+                picked[i] = replace(entry, queue_wait=now - entry.work.submitted)
+        return picked
+
+    def _fit(self, work: Work, tokens_left: int, picked: list[Scheduled]) -> Scheduled | None:
+        seq = work.seq
+        pending = _pending(seq)
+        chunk = min(pending, tokens_left)
+        final = chunk == pending
+        draft = work.draft.trimmed(tokens_left - chunk, seq.budget()) if final else Draft()
+        base = seq.num_cached + chunk
+        while not self.pool.grow(seq.slot, base + len(draft.token_ids)):
+            room = self.pool.reachable(seq.slot) - base
+            if room >= 0:
+                draft = draft.trimmed(room, seq.budget())
+                continue
+            if not self._preempt_one(spare={seq, *(e.work.seq for e in picked)}):
+                if not picked and len(self.admitted) == 1:
+                    self.ready.remove(work)
+                    self.release(seq)
+                    work.done(ResourceExhausted(f"the sequence needs {base} KV tokens but the budget "
+                                                f"is {self.pool.max_tokens}"))
+                return None
+        segment = Segment(seq.slot, seq.num_cached, chunk, draft.tree_parents if draft.token_ids else (),
+                          wants_logits=final)
+        return Scheduled(work, segment, draft)
+
+    def _preempt_one(self, spare: set[Sequence]) -> bool:
+        for victim in reversed(list(self.admitted)):
+            if victim not in spare:
+                self.release(victim)
+                for i, w in enumerate(self.ready):
+                    if w.seq is victim:
+                        self.waiting.appendleft(self.ready.pop(i))
+                        break
+                return True
+        return False
+
+    def _allocate(self, seq: Sequence) -> bool:
+        reuse = self.pool.adopt(seq.tokens) if self.pool.prefix_caching else None
+        if reuse is None:
+            # Leave every admitted sequence a free block to grow into, so admitting
+            # one more does not force the next decode steps into preemption.
+            seq.slot = self.pool.allocate(len(seq.tokens), headroom_blocks=len(self.admitted))
+            return seq.slot is not None
+        if not self.pool.grow(reuse.slot, len(seq.tokens)):
+            self.pool.release(reuse.slot, seq.tokens[: reuse.num_tokens])
+            return False
+        seq.slot, seq.num_cached = reuse.slot, reuse.num_tokens
+        return True
+
+    def _refuse(self, work: Work, message: str) -> None:
+        self.waiting.remove(work)
+        work.done(ResourceExhausted(message))
+
+
+def _pending(seq: Sequence) -> int:
+    """Committed tokens not yet in the KV store (1 between decode steps)."""
+    return len(seq.tokens) - seq.num_cached

@@ -1,0 +1,129 @@
+"""Rank processes. Rank 0 (the gRPC server) builds its engine here and spawns
+ranks 1..N-1 as `python -m verifier_service.workers`; those join the process
+group, load their shard and run every plan rank 0 broadcasts, until it
+broadcasts None (or dies)."""
+
+import argparse
+import dataclasses
+import json
+import socket
+import subprocess
+import sys
+
+import structlog
+import torch.distributed as dist
+from transformers import AutoConfig
+from transformers.utils import logging as transformers_logging
+
+from speclane.log import configure_logging
+from verifier_service.config import VerifierConfig
+from verifier_service.device import (free_memory_bytes, kv_budget_tokens, resolve_device, resolve_dtype,
+                                     set_threads)
+from verifier_service.distributed import (TensorParallel, check_shardable, exit_with_parent,
+                                          init_tensor_parallel, rank_device)
+from verifier_service.engine import Engine
+from verifier_service.kv_pool import KVPool
+from verifier_service.model_runner import ModelRunner
+from verifier_service.scheduler import BatchLimits
+from verifier_service.sequence import GenerationParams
+
+log = structlog.get_logger()
+_FOLLOWER_STOP_SECONDS = 30
+
+
+def build_runner(config: VerifierConfig, device: str, tp: TensorParallel | None) -> ModelRunner:
+    if tp is not None:
+        check_shardable(AutoConfig.from_pretrained(config.model).get_text_config(), tp.world_size)
+        device = rank_device(device, tp.rank)
+    return ModelRunner(config.model, device, resolve_dtype(config.dtype, device),
+                       block_size=config.kv_block_size, tp=tp)
+
+
+def warm_up(engine: Engine) -> None:
+    """One throwaway step, so the first request pays no lazy-init cost."""
+    seq = engine.open("warm-up", [0], GenerationParams(max_new_tokens=1, ignore_eos=True))
+    engine.prefill(seq)
+    engine.close(seq)
+    engine.step()  # hands the free to every rank
+
+
+class Rank0:
+    """Builds the serving engine (on the model thread) and owns the follower processes."""
+
+    def __init__(self, config: VerifierConfig, on_step=None):
+        self.config = config
+        self.on_step = on_step
+        self.tp: TensorParallel | None = None
+        self.followers: list[subprocess.Popen] = []
+
+    def load(self) -> Engine:
+        config = self.config
+        device = resolve_device(config.device)
+        if config.tensor_parallel_size > 1:
+            check_shardable(AutoConfig.from_pretrained(config.model).get_text_config(), config.tensor_parallel_size)
+            port = _free_port()
+            self.followers = [_spawn(config, rank, port) for rank in range(1, config.tensor_parallel_size)]
+            self.tp = init_tensor_parallel(device, 0, config.tensor_parallel_size, port)
+        runner = build_runner(config, device, self.tp)
+        free = free_memory_bytes(str(runner.device))
+        # Ranks on one host share its RAM; accelerators each have their own memory.
+        per_token = runner.kv_bytes_per_token * (runner.tp_size if runner.device.type == "cpu" else 1)
+        budget = kv_budget_tokens(config.max_kv_tokens, config.kv_memory_fraction, free, per_token)
+        pool = KVPool(budget, config.kv_block_size, config.enable_prefix_caching)
+        limits = BatchLimits(config.max_batch_tokens, config.max_batch_sequences, config.max_queue_wait)
+        engine = Engine(runner, pool, limits, on_step=self.on_step)
+        log.info("kv_pool_ready", max_kv_tokens=pool.max_tokens, block_size=pool.block_size,
+                 bytes_per_token=per_token, prefix_caching=pool.prefix_caching)
+        warm_up(engine)
+        return engine
+
+    def stop(self) -> None:
+        """Ends the followers (called on the model thread when the engine stops)."""
+        if self.tp is not None:
+            self.tp.broadcast(None)
+        for process in self.followers:
+            try:
+                process.wait(_FOLLOWER_STOP_SECONDS)
+            except subprocess.TimeoutExpired:
+                process.kill()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _spawn(config: VerifierConfig, rank: int, port: int) -> subprocess.Popen:
+    config_json = json.dumps(dataclasses.asdict(config))
+    return subprocess.Popen([sys.executable, "-m", "verifier_service.workers", "--rank", str(rank),
+                             "--port", str(port), "--config-json", config_json])
+
+
+def follow(config: VerifierConfig, rank: int, port: int) -> None:
+    """A follower rank: runs rank 0's plans until it broadcasts None."""
+    set_threads(config.threads)
+    exit_with_parent()
+    tp = init_tensor_parallel(resolve_device(config.device), rank, config.tensor_parallel_size, port)
+    runner = build_runner(config, resolve_device(config.device), tp)
+    while (plan := tp.receive()) is not None:
+        runner.run(plan)
+    dist.destroy_process_group()
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="a follower rank of a tensor-parallel verifier")
+    parser.add_argument("--rank", type=int, required=True)
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--config-json", required=True)
+    args = parser.parse_args(argv)
+    config = VerifierConfig(**json.loads(args.config_json))
+    configure_logging(f"verifier-rank{args.rank}", config.log_level)
+    transformers_logging.disable_progress_bar()
+    follow(config, args.rank, args.port)
+
+
+if __name__ == "__main__":
+    main()
