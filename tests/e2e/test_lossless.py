@@ -9,6 +9,12 @@ from tests.e2e.prompts import code_edit_messages, humaneval_messages, sharegpt_m
 pytestmark = pytest.mark.e2e
 MAX_TOKENS = 40
 PROMPTS = [("humaneval", i) for i in range(10)] + [("sharegpt", i) for i in range(10)]
+SPECULATION = {
+    "suffix": {"method": "suffix"},
+    "suffix-tree": {"method": "suffix", "suffix_decoding_use_tree_spec": True},
+    "ngram": {"method": "ngram"},
+    "none": {"method": "none"},
+}
 
 
 @pytest.fixture(scope="module")
@@ -26,22 +32,22 @@ def client(stack):
 def test_speculative_greedy_output_equals_plain(client, prompts, source, index):
     messages = prompts[source][index]
     # Speculative runs go first, so the suffix drafter cannot simply replay this prompt's plain answer.
-    runs = {method: client.generate(messages=messages, max_tokens=MAX_TOKENS, temperature=0.0,
-                                    speculation={"method": method})
-            for method in ("suffix", "ngram", "none")}
+    runs = {name: client.generate(messages=messages, max_tokens=MAX_TOKENS, temperature=0.0, speculation=spec)
+            for name, spec in SPECULATION.items()}
     plain = runs["none"]
     assert plain.draft_tokens == 0 and plain.verify_steps > 0
     assert len(plain.token_ids) > 0
-    for method in ("suffix", "ngram"):
-        assert runs[method].token_ids == plain.token_ids, f"{method} changed the output"
-        assert runs[method].text == plain.text
+    for name in ("suffix", "suffix-tree", "ngram"):
+        assert runs[name].token_ids == plain.token_ids, f"{name} changed the output"
+        assert runs[name].text == plain.text
 
 
-def test_speculation_accepts_tokens_on_repetitive_code(client):
+@pytest.mark.parametrize("name", ["suffix", "suffix-tree"])
+def test_speculation_accepts_tokens_on_repetitive_code(client, name):
     result = client.generate(messages=code_edit_messages(), max_tokens=96, temperature=0.0,
-                             speculation={"method": "suffix"})
+                             speculation=SPECULATION[name])
     plain = client.generate(messages=code_edit_messages(), max_tokens=96, temperature=0.0,
-                            speculation={"method": "none"})
+                            speculation=SPECULATION["none"])
     assert result.token_ids == plain.token_ids
     assert result.accepted_tokens > 0
     # Accepted drafts mean fewer verify steps than tokens.
