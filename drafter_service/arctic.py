@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from drafter_service import _core
 
 
-@dataclass
+@dataclass(slots=True)
 class SuffixDecodingDraft:
     """A draft: `parents[i]` indexes token i's parent in `token_ids` (-1: the context);
     `score` is the sum of `probs`, the expected number of accepted tokens."""
@@ -82,7 +82,7 @@ class SuffixDecodingCache:
         number = self._active.get(req_id)
         if number is None:
             raise ValueError(f"Request '{req_id}' is not active")
-        self._core.add_active_response(number, _as_list(token_ids))
+        _core.append_tokens(self._core, number, token_ids if type(token_ids) is list else _as_list(token_ids))
 
     def evict_cached_response(self, req_id: Hashable) -> None:
         number = self._ids.get(req_id)
@@ -96,12 +96,11 @@ class SuffixDecodingCache:
         number = self._active.get(req_id)
         if number is None:
             raise ValueError(f"Request '{req_id}' is not active")
-        # Matches never use more than max_tree_depth tokens of context.
-        tail = _as_list(context[-self._max_tree_depth:])
-        token_ids, parents, probs, score, match_len, _ = self._core.speculate(
-            number, tail, self._max_tree_depth if max_spec_tokens is None else max_spec_tokens,
-            max_spec_factor, max_spec_offset, min_token_prob, use_tree_spec)
-        return SuffixDecodingDraft(token_ids, parents, probs, score, match_len)
+        if type(context) is not list:  # matches never use more than max_tree_depth tokens of it
+            context = _as_list(context[-self._max_tree_depth:])
+        return SuffixDecodingDraft(*_core.speculate_tail(
+            self._core, number, context, self._max_tree_depth if max_spec_tokens is None else max_spec_tokens,
+            max_spec_factor, max_spec_offset, min_token_prob, use_tree_spec))
 
     def memory_bytes(self) -> int:
         """The real footprint of the trees, indexes and bookkeeping in the core."""

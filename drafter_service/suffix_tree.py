@@ -144,6 +144,9 @@ class SuffixTree:
         For each m = 1..min(len(context), max_depth) whose last-m tokens are in
         the trie, drafts up to min(max_spec_tokens, floor(factor * m + offset))
         tokens from there; returns the highest score, ties to the longer match.
+        A length whose pattern occurs exactly as often as the next longer one's
+        is skipped: it has the same occurrences, so the same continuations
+        (unlike Arctic, which drafts from it again).
         With `reanchor`, a path draft reaching max_depth goes on from the last
         max_depth // 2 tokens of pattern + draft instead of stopping there, so
         its length is not capped at max_depth - m (tree drafts stop).
@@ -160,12 +163,15 @@ class SuffixTree:
                 too_long = middle
             else:
                 longest = middle
-        best = Draft()
+        best, drafted_count = Draft(), 0
         for match_len in range(longest, 0, -1):
             budget = min(max_spec_tokens, math.floor(max_spec_factor * match_len + max_spec_offset))
             if match_len < longest and budget <= best.score:
                 break  # a score never exceeds its budget, which only shrinks from here: at best a tie
             node, offset = self._match(context, end - match_len, end)
+            if node.count == drafted_count:
+                continue  # the same occurrences as a longer match, with a smaller budget
+            drafted_count = node.count
             if use_tree:
                 draft = draft_tree(node, offset, budget, min_token_prob, match_len)
             else:

@@ -9,6 +9,7 @@ namespace {
 
 constexpr char kMagic[8] = {'S', 'P', 'L', 'D', 'R', 'A', 'F', 'T'};
 constexpr uint32_t kVersion = 1;
+constexpr int64_t kLocalSequence = 0;  // the one sequence of a per-request tree: prompt + output
 
 uint64_t fnv1a(const char* data, size_t n) {
   uint64_t hash = 0xcbf29ce484222325ull;
@@ -71,8 +72,8 @@ void Cache::start_request(int64_t id, const std::vector<int32_t>& prompt, const 
   }
   if (cached_.count(id)) evict(id);
   request.local = std::make_unique<SuffixTree>(params.local_depth > 0 ? params.local_depth : max_depth_);
-  request.local->add_sequence(0);
-  request.local->append(0, prompt.data(), prompt.size());
+  request.local->add_sequence(kLocalSequence);
+  request.local->append(kLocalSequence, prompt.data(), prompt.size());
   active_.emplace(id, std::move(request));
   if (max_cached_requests_ != 0) add_response(id, tenant);
 }
@@ -94,7 +95,7 @@ void Cache::append(int64_t id, Active& request, const int32_t* tokens, size_t n)
     request.ngram->append(tokens, n);
     return;
   }
-  request.local->append(0, tokens, n);
+  request.local->append(kLocalSequence, tokens, n);
   // The response may already be evicted when more requests run than the cache holds.
   auto cached = cached_.find(id);
   if (cached == cached_.end()) return;
@@ -144,13 +145,13 @@ void Cache::evict(int64_t id) {
   if (responses.fifo.empty()) tenants_.erase(tenant);
 }
 
-Draft Cache::propose(Active& request, const int32_t* context, size_t n, const SpecParams& params) {
+Draft Cache::propose(int64_t id, Active& request, const int32_t* context, size_t n, const SpecParams& params) {
   if (request.ngram) throw std::invalid_argument("an n-gram session has no suffix trees");
-  Draft draft = request.local->speculate(context, n, params);
+  Draft draft = request.local->speculate(context, n, params, kLocalSequence);
   draft.source = kSourceRequest;
   auto tenant = tenants_.find(request.tenant);
   if (tenant != tenants_.end()) {
-    Draft global = tenant->second->tree.speculate(context, n, params);
+    Draft global = tenant->second->tree.speculate(context, n, params, id);
     if (global.score > draft.score) {  // ties keep the request's own draft
       draft = std::move(global);
       draft.source = kSourceGlobal;
@@ -161,7 +162,7 @@ Draft Cache::propose(Active& request, const int32_t* context, size_t n, const Sp
 
 Draft Cache::speculate(int64_t id, const std::vector<int32_t>& context, const SpecParams& params) {
   std::lock_guard<std::mutex> lock(mutex_);
-  return propose(active(id), context.data(), context.size(), params);
+  return propose(id, active(id), context.data(), context.size(), params);
 }
 
 std::vector<Draft> Cache::step(const std::vector<int64_t>& ids, const std::vector<std::vector<int32_t>>& tokens) {
@@ -176,8 +177,8 @@ std::vector<Draft> Cache::step(const std::vector<int64_t>& ids, const std::vecto
     if (request.ngram) {
       drafts.push_back(request.ngram->propose(request.params.spec.max_spec_tokens));
     } else {
-      const std::vector<int32_t>& context = request.local->sequence_tokens(0);
-      drafts.push_back(propose(request, context.data(), context.size(), request.params.spec));
+      const std::vector<int32_t>& context = request.local->sequence_tokens(kLocalSequence);
+      drafts.push_back(propose(ids[i], request, context.data(), context.size(), request.params.spec));
     }
   }
   return drafts;

@@ -83,7 +83,7 @@ class Cache {
   void append(int64_t id, Active& request, const int32_t* tokens, size_t n);
   void evict(int64_t id);
   void enforce_token_budget();
-  Draft propose(Active& request, const int32_t* context, size_t n, const SpecParams& params);
+  Draft propose(int64_t id, Active& request, const int32_t* context, size_t n, const SpecParams& params);
 
   int max_depth_;
   int64_t max_cached_requests_;

@@ -8,11 +8,38 @@
 namespace speclane {
 
 Draft SuffixTree::speculate(const int32_t* context, size_t n, const SpecParams& params) const {
+  return speculate_along(context, n, params, nullptr);
+}
+
+Draft SuffixTree::speculate(const int32_t* context, size_t n, const SpecParams& params, int64_t along) const {
+  auto it = seqs_.find(along);
+  return speculate_along(context, n, params, it == seqs_.end() ? nullptr : &it->second);
+}
+
+Draft SuffixTree::speculate_along(const int32_t* context, size_t n, const SpecParams& params,
+                                  const Sequence* along) const {
   if (params.max_spec_factor < 0) throw std::invalid_argument("max_spec_factor must be >= 0");
+  // Every suffix of a stored sequence shorter than max_depth ends on the node
+  // frontier[m]: for the match lengths m the context shares with `along`'s
+  // tail, the position is known without a walk from the root.
+  size_t known = 0;
+  if (along != nullptr && !along->frontier.empty()) {
+    const std::vector<int32_t>& tokens = stores_[along->store].tokens;
+    const size_t limit = std::min(n, along->frontier.size() - 1);
+    const int32_t* tail = tokens.data() + tokens.size();
+    while (known < limit && context[n - 1 - known] == tail[-1 - static_cast<std::ptrdiff_t>(known)]) ++known;
+  }
+  auto position = [&](size_t match_len, Position* at) {
+    if (match_len <= known) {
+      uint32_t node = along->frontier[match_len];
+      *at = Position{node, nodes_[node].length};
+      return true;
+    }
+    return match(context, n - match_len, n, at);
+  };
   // The trie holds every substring of a stored pattern, so the matching tail
-  // lengths are 1..longest: a binary search finds the longest in O(depth log depth),
-  // not the O(depth^2) of re-matching every length from the root.
-  size_t longest = 0, too_long = std::min(n, static_cast<size_t>(max_depth_)) + 1;
+  // lengths are 1..longest: a binary search finds the longest in O(depth log depth).
+  size_t longest = known, too_long = std::min(n, static_cast<size_t>(max_depth_)) + 1;
   Position at;
   while (too_long - longest > 1) {
     size_t middle = (longest + too_long) / 2;
@@ -23,23 +50,28 @@ Draft SuffixTree::speculate(const int32_t* context, size_t n, const SpecParams& 
     }
   }
   Draft best;
+  int32_t drafted_count = 0;
   for (size_t match_len = longest; match_len > 0; --match_len) {
     double limit = std::floor(params.max_spec_factor * static_cast<double>(match_len) + params.max_spec_offset);
     int budget = limit < params.max_spec_tokens ? static_cast<int>(std::max(limit, -1.0)) : params.max_spec_tokens;
     // A score never exceeds its budget, which only shrinks from here: at best a tie.
     if (match_len < longest && budget <= best.score) break;
-    match(context, n - match_len, n, &at);
+    position(match_len, &at);
+    // The same occurrences as a longer match, with a smaller budget: skipped.
+    if (nodes_[at.node].count == drafted_count) continue;
+    drafted_count = nodes_[at.node].count;
     Draft draft = params.use_tree ? draft_tree(at, budget, params.min_token_prob)
-                                  : draft_path(at, budget, params, std::vector<int32_t>(context + n - match_len, context + n));
+                                  : draft_path(at, budget, params, context + n - match_len, match_len);
     draft.match_len = static_cast<int>(match_len);
     if (match_len == longest || draft.score > best.score) best = std::move(draft);
   }
   return best;
 }
 
-Draft SuffixTree::draft_path(Position at, int budget, const SpecParams& params, std::vector<int32_t> path) const {
+Draft SuffixTree::draft_path(Position at, int budget, const SpecParams& params, const int32_t* pattern,
+                             size_t m) const {
   // Follows the most frequent continuation while the path probability stays >= min_token_prob.
-  // `path` holds the pattern of the current position as its last tokens.
+  // `pattern` (m tokens) is the matched context.
   Draft draft;
   double prob = 1.0;
   const size_t anchor = static_cast<size_t>(max_depth_ / 2);
@@ -57,16 +89,22 @@ Draft SuffixTree::draft_path(Position at, int budget, const SpecParams& params, 
       token = first_token(child);
     } else if (params.reanchor && node.depth == max_depth_ && anchor > 0) {
       // The trie ends here, not the stored text: go on from the last `anchor`
-      // tokens, a suffix of a stored pattern and so always in the trie.
+      // tokens of pattern + draft, a suffix of a stored pattern and so always in the trie.
+      std::vector<int32_t> path(pattern, pattern + m);
+      path.insert(path.end(), draft.token_ids.begin(), draft.token_ids.end());
       match(path.data(), path.size() - anchor, path.size(), &at);
       continue;
     } else {
       break;
     }
+    if (draft.token_ids.empty()) {  // one allocation each, not one per doubling
+      draft.token_ids.reserve(static_cast<size_t>(budget));
+      draft.probs.reserve(static_cast<size_t>(budget));
+    }
     draft.token_ids.push_back(token);
     draft.probs.push_back(prob);
-    path.push_back(token);
   }
+  draft.parents.reserve(draft.token_ids.size());
   for (size_t i = 0; i < draft.token_ids.size(); ++i) {
     draft.parents.push_back(static_cast<int32_t>(i) - 1);
     draft.score += draft.probs[i];

@@ -55,6 +55,10 @@ class SuffixTree {
   void remove_sequence(int64_t seq);
   int32_t count(const int32_t* pattern, size_t n) const;
   Draft speculate(const int32_t* context, size_t n, const SpecParams& params) const;
+  // The same draft; where the context ends like sequence `along` (as a running
+  // request's does), that sequence's frontier gives the position of every
+  // shorter match length, so they are not re-matched from the root.
+  Draft speculate(const int32_t* context, size_t n, const SpecParams& params, int64_t along) const;
   size_t num_nodes() const { return nodes_.size() - 1 - free_nodes_.size(); }
   size_t memory_bytes() const;
 
@@ -104,7 +108,8 @@ class SuffixTree {
   void relabel(const std::vector<uint32_t>& path, uint32_t store);
 
   bool match(const int32_t* tokens, size_t start, size_t end, Position* out) const;
-  Draft draft_path(Position at, int budget, const SpecParams& params, std::vector<int32_t> path) const;
+  Draft speculate_along(const int32_t* context, size_t n, const SpecParams& params, const Sequence* along) const;
+  Draft draft_path(Position at, int budget, const SpecParams& params, const int32_t* pattern, size_t m) const;
   Draft draft_tree(Position at, int budget, double min_token_prob) const;
 
   int max_depth_;

@@ -94,11 +94,20 @@ def cache_run(ops, max_cached_requests, max_cached_tokens):
         elif kind in ("append", "repeat") and req in contexts:
             new = op[2] if kind == "append" else contexts[req][-op[2]:]
             reference.add_active_response(str(req), new)
-            core.add_active_response(req, new)
+            _core.append_tokens(core, req, new) if kind == "append" else core.add_active_response(req, new)
             contexts[req] += new
         elif kind == "speculate" and req in contexts:
             context = contexts[req]
-            assert same(core.speculate(req, context, *op[2]), reference.speculate(str(req), context, *op[2]))
+            # The full context (every match length's position known from the request's sequences),
+            # a shorter tail, and contexts that leave the sequences' tails one or two tokens back.
+            for variant in (context, context[-3:], context[:-1] + [9], context[:-2] + [9] + context[-1:]):
+                assert same(core.speculate(req, variant, *op[2]), reference.speculate(str(req), variant, *op[2]))
+            k, factor, offset, min_token_prob, use_tree, _ = op[2]
+            # The Arctic API's fast call drafts from the last max_tree_depth tokens of the context.
+            expected = reference.speculate(str(req), context[-depth:], k, factor, offset, min_token_prob, use_tree)
+            got = _core.speculate_tail(core, req, context, k, factor, offset, min_token_prob, use_tree)
+            assert got == (list(expected.token_ids), list(expected.parents), list(expected.probs), expected.score,
+                           expected.match_len)
             # The batch step drafts from the whole context with the session's params (defaults here).
             (stepped,) = core.step([req], [[]])
             assert same(stepped, reference.speculate(str(req), context, 16))

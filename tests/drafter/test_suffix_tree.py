@@ -92,6 +92,9 @@ def oracle_speculate(counts, max_depth, context, k, factor, offset, min_token_pr
         pattern = tuple(context[len(context) - match_len:])
         if counts[pattern] == 0:
             continue
+        longer = tuple(context[len(context) - match_len - 1:])
+        if match_len < min(len(context), max_depth) and counts[longer] == counts[pattern]:
+            continue  # the same occurrences as the longer match: not drafted again
         budget = min(k, math.floor(factor * match_len + offset))
         draft = (oracle_tree if use_tree else oracle_path)(counts, pattern, budget, min_token_prob, max_depth, reanchor)
         score = sum(draft[2])
