@@ -2,7 +2,6 @@
 depth, memory accounting and reuse, token budget, tenants, snapshots."""
 
 import asyncio
-import logging
 import pathlib
 import random
 import signal
