@@ -1,62 +1,19 @@
 // Python bindings of the compiled drafter core: `drafter_service._core`.
 // Arguments are converted with the GIL held; the work itself runs without it.
 // Drafts come back as tuples (token_ids, parents, probs, score, match_len, source).
-#include <pybind11/pybind11.h>
-#include <pybind11/stl.h>
-
-#include <algorithm>
-#include <climits>
 #include <cstdint>
 #include <tuple>
 
 #include "cache.h"
 #include "ngram_index.h"
+#include "py_support.h"
 #include "suffix_tree.h"
-
-// Token lists cross the boundary on every call: convert them directly
-// (PySequence_Fast + PyLong) instead of element by element through generic casters.
-namespace pybind11 {
-namespace detail {
-template <>
-struct type_caster<std::vector<int32_t>> {
-  PYBIND11_TYPE_CASTER(std::vector<int32_t>, const_name("list[int]"));
-
-  bool load(handle src, bool) {
-    if (!src || PyUnicode_Check(src.ptr()) || PyBytes_Check(src.ptr())) return false;
-    PyObject* items = PySequence_Fast(src.ptr(), "expected a sequence of token ids");
-    if (items == nullptr) {
-      PyErr_Clear();
-      return false;
-    }
-    Py_ssize_t size = PySequence_Fast_GET_SIZE(items);
-    PyObject** item = PySequence_Fast_ITEMS(items);
-    value.resize(static_cast<size_t>(size));
-    bool ok = true;
-    for (Py_ssize_t i = 0; i < size && ok; ++i) {
-      long token = PyLong_AsLong(item[i]);
-      ok = !(token == -1 && PyErr_Occurred()) && token >= INT32_MIN && token <= INT32_MAX;
-      value[static_cast<size_t>(i)] = static_cast<int32_t>(token);
-    }
-    if (!ok) PyErr_Clear();
-    Py_DECREF(items);
-    return ok;
-  }
-
-  static handle cast(const std::vector<int32_t>& tokens, return_value_policy, handle) {
-    PyObject* list = PyList_New(static_cast<Py_ssize_t>(tokens.size()));
-    for (size_t i = 0; i < tokens.size(); ++i) PyList_SET_ITEM(list, static_cast<Py_ssize_t>(i), PyLong_FromLong(tokens[i]));
-    return list;
-  }
-};
-}  // namespace detail
-}  // namespace pybind11
 
 namespace py = pybind11;
 using namespace speclane;
 
 namespace {
 
-using Tokens = std::vector<int32_t>;
 using DraftTuple = std::tuple<Tokens, Tokens, std::vector<double>, double, int, int>;
 using Released = py::call_guard<py::gil_scoped_release>;
 
@@ -76,118 +33,11 @@ SpecParams spec(int k, double factor, double offset, double min_token_prob, bool
   return params;
 }
 
-// The two calls Arctic-API code makes per decode step skip pybind11's generic
-// dispatch: METH_FASTCALL functions that read their arguments straight off the
-// call (about 1 us less per call). Core errors map as pybind11 maps them.
-template <typename Work>
-PyObject* guarded(Work work) {
-  try {
-    return work();
-  } catch (const py::cast_error& error) {
-    PyErr_SetString(PyExc_TypeError, error.what());
-  } catch (const std::invalid_argument& error) {
-    PyErr_SetString(PyExc_ValueError, error.what());
-  } catch (const std::out_of_range& error) {
-    PyErr_SetString(PyExc_IndexError, error.what());
-  } catch (const std::exception& error) {
-    PyErr_SetString(PyExc_RuntimeError, error.what());
-  }
-  return nullptr;
-}
-
-// The last `keep` tokens of a list or tuple of ints.
-Tokens tail_of(PyObject* sequence, size_t keep) {
-  if (!PyList_Check(sequence) && !PyTuple_Check(sequence)) throw py::cast_error("token ids must be a list or tuple");
-  Py_ssize_t size = PySequence_Fast_GET_SIZE(sequence);
-  PyObject** items = PySequence_Fast_ITEMS(sequence);
-  Py_ssize_t from = size - static_cast<Py_ssize_t>(std::min(static_cast<size_t>(size), keep));
-  Tokens tokens(static_cast<size_t>(size - from));
-  for (Py_ssize_t i = from; i < size; ++i) {
-    long token = PyLong_AsLong(items[i]);
-    if ((token == -1 && PyErr_Occurred()) || token < INT32_MIN || token > INT32_MAX) {
-      PyErr_Clear();
-      throw py::cast_error("token ids must be int32 integers");
-    }
-    tokens[static_cast<size_t>(i - from)] = static_cast<int32_t>(token);
-  }
-  return tokens;
-}
-
-int64_t int_arg(PyObject* value) {
-  long long number = PyLong_AsLongLong(value);
-  if (number == -1 && PyErr_Occurred()) {
-    PyErr_Clear();
-    throw py::cast_error("expected an integer");
-  }
-  return number;
-}
-
-double float_arg(PyObject* value) {
-  double number = PyFloat_AsDouble(value);
-  if (number == -1.0 && PyErr_Occurred()) {
-    PyErr_Clear();
-    throw py::cast_error("expected a number");
-  }
-  return number;
-}
-
-PyObject* int_list(const Tokens& tokens) {
-  PyObject* list = PyList_New(static_cast<Py_ssize_t>(tokens.size()));
-  for (size_t i = 0; i < tokens.size(); ++i) PyList_SET_ITEM(list, static_cast<Py_ssize_t>(i), PyLong_FromLong(tokens[i]));
-  return list;
-}
-
-PyObject* float_list(const std::vector<double>& values) {
-  PyObject* list = PyList_New(static_cast<Py_ssize_t>(values.size()));
-  for (size_t i = 0; i < values.size(); ++i)
-    PyList_SET_ITEM(list, static_cast<Py_ssize_t>(i), PyFloat_FromDouble(values[i]));
-  return list;
-}
-
-// speculate_tail(cache, req_id, context, k, factor, offset, min_token_prob, use_tree)
-// -> (token_ids, parents, probs, score, match_len): drafts from the last
-// max_tree_depth tokens of `context`, the most a match can use.
-PyObject* speculate_tail(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
-  return guarded([&]() -> PyObject* {
-    if (nargs != 8) throw py::cast_error("speculate_tail takes 8 arguments");
-    Cache& cache = py::handle(args[0]).cast<Cache&>();
-    int64_t id = int_arg(args[1]);
-    Tokens context = tail_of(args[2], static_cast<size_t>(cache.max_depth()));
-    SpecParams params = spec(static_cast<int>(int_arg(args[3])), float_arg(args[4]), float_arg(args[5]),
-                             float_arg(args[6]), PyObject_IsTrue(args[7]) == 1, true);
-    Draft draft;
-    {
-      py::gil_scoped_release released;
-      draft = cache.speculate(id, context, params);
-    }
-    return Py_BuildValue("(NNNdi)", int_list(draft.token_ids), int_list(draft.parents), float_list(draft.probs),
-                         draft.score, draft.match_len);
-  });
-}
-
-// append_tokens(cache, req_id, token_ids): add_active_response.
-PyObject* append_tokens(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
-  return guarded([&]() -> PyObject* {
-    if (nargs != 3) throw py::cast_error("append_tokens takes 3 arguments");
-    Cache& cache = py::handle(args[0]).cast<Cache&>();
-    int64_t id = int_arg(args[1]);
-    Tokens tokens = tail_of(args[2], SIZE_MAX);
-    {
-      py::gil_scoped_release released;
-      cache.add_active_response(id, tokens);
-    }
-    Py_RETURN_NONE;
-  });
-}
-
-PyMethodDef kFastCalls[] = {
-    {"speculate_tail", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(speculate_tail)), METH_FASTCALL,
-     "speculate_tail(cache, req_id, context, k, factor, offset, min_token_prob, use_tree)"},
-    {"append_tokens", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(append_tokens)), METH_FASTCALL,
-     "append_tokens(cache, req_id, token_ids)"},
-};
-
 }  // namespace
+
+namespace speclane {
+void bind_arctic_api(py::module_& m);  // arctic_api.cc
+}
 
 PYBIND11_MODULE(_core, m) {
   m.doc() = "Compiled suffix-tree and n-gram drafter core";
@@ -297,5 +147,5 @@ PYBIND11_MODULE(_core, m) {
            })
       .def("restore", [](Cache& cache, const std::string& data) { cache.restore(data); }, Released());
 
-  for (PyMethodDef& def : kFastCalls) m.add_object(def.ml_name, py::reinterpret_steal<py::object>(PyCFunction_New(&def, nullptr)));
+  bind_arctic_api(m);
 }

@@ -1,6 +1,8 @@
-// Open-addressing hash map (parent node, first token) -> child node, for the
-// root and other nodes with many children. Linear probing with backward-shift
-// deletion: no tombstones, so the table never fills with dead slots.
+// Open-addressing hash map from a 64-bit key to a uint32 value: (parent node,
+// first token) -> child node for the root and other nodes with many children,
+// and n-gram hash -> start for the n-gram index. Linear probing with
+// backward-shift deletion: no tombstones, so the table never fills with dead
+// slots. Key and value share a slot, so a lookup touches one cache line.
 #pragma once
 
 #include <cstddef>
@@ -18,47 +20,49 @@ class EdgeMap {
   }
 
   uint32_t find(uint64_t k) const {
-    if (keys_.empty()) return kNone;
+    if (slots_.empty()) return kNone;
     for (size_t slot = home(k);; slot = (slot + 1) & mask_) {
-      if (keys_[slot] == k) return values_[slot];
-      if (keys_[slot] == kEmpty) return kNone;
+      if (slots_[slot].key == k) return slots_[slot].value;
+      if (slots_[slot].key == kEmpty) return kNone;
     }
   }
 
   void set(uint64_t k, uint32_t value) {
-    if ((size_ + 1) * 4 > keys_.size() * 3) grow();
+    if ((size_ + 1) * 4 > slots_.size() * 3) grow();
     size_t slot = home(k);
-    while (keys_[slot] != kEmpty && keys_[slot] != k) slot = (slot + 1) & mask_;
-    if (keys_[slot] == kEmpty) ++size_;
-    keys_[slot] = k;
-    values_[slot] = value;
+    while (slots_[slot].key != kEmpty && slots_[slot].key != k) slot = (slot + 1) & mask_;
+    if (slots_[slot].key == kEmpty) ++size_;
+    slots_[slot] = Slot{k, value};
   }
 
   void erase(uint64_t k) {
-    if (keys_.empty()) return;
+    if (slots_.empty()) return;
     size_t slot = home(k);
-    while (keys_[slot] != k) {
-      if (keys_[slot] == kEmpty) return;
+    while (slots_[slot].key != k) {
+      if (slots_[slot].key == kEmpty) return;
       slot = (slot + 1) & mask_;
     }
     // Shift later members of the probe run back so lookups never stop early.
-    for (size_t next = (slot + 1) & mask_; keys_[next] != kEmpty; next = (next + 1) & mask_) {
-      size_t want = home(keys_[next]);
+    for (size_t next = (slot + 1) & mask_; slots_[next].key != kEmpty; next = (next + 1) & mask_) {
+      size_t want = home(slots_[next].key);
       bool movable = (next > slot) ? (want <= slot || want > next) : (want <= slot && want > next);
       if (movable) {
-        keys_[slot] = keys_[next];
-        values_[slot] = values_[next];
+        slots_[slot] = slots_[next];
         slot = next;
       }
     }
-    keys_[slot] = kEmpty;
+    slots_[slot].key = kEmpty;
     --size_;
   }
 
-  size_t memory_bytes() const { return keys_.capacity() * sizeof(uint64_t) + values_.capacity() * sizeof(uint32_t); }
+  size_t memory_bytes() const { return slots_.capacity() * sizeof(Slot); }
 
  private:
   static constexpr uint64_t kEmpty = ~0ull;
+  struct Slot {
+    uint64_t key;
+    uint32_t value;
+  };
 
   size_t home(uint64_t k) const {
     k ^= k >> 33;
@@ -68,19 +72,16 @@ class EdgeMap {
   }
 
   void grow() {
-    std::vector<uint64_t> old_keys = std::move(keys_);
-    std::vector<uint32_t> old_values = std::move(values_);
-    size_t capacity = old_keys.empty() ? 64 : old_keys.size() * 2;
-    keys_.assign(capacity, kEmpty);
-    values_.assign(capacity, 0);
+    std::vector<Slot> old = std::move(slots_);
+    size_t capacity = old.empty() ? 64 : old.size() * 2;
+    slots_.assign(capacity, Slot{kEmpty, 0});
     mask_ = capacity - 1;
     size_ = 0;
-    for (size_t i = 0; i < old_keys.size(); ++i)
-      if (old_keys[i] != kEmpty) set(old_keys[i], old_values[i]);
+    for (const Slot& slot : old)
+      if (slot.key != kEmpty) set(slot.key, slot.value);
   }
 
-  std::vector<uint64_t> keys_;
-  std::vector<uint32_t> values_;
+  std::vector<Slot> slots_;
   size_t mask_ = 0;
   size_t size_ = 0;
 };

@@ -19,32 +19,30 @@ Draft SuffixTree::speculate(const int32_t* context, size_t n, const SpecParams& 
 Draft SuffixTree::speculate_along(const int32_t* context, size_t n, const SpecParams& params,
                                   const Sequence* along) const {
   if (params.max_spec_factor < 0) throw std::invalid_argument("max_spec_factor must be >= 0");
-  // Every suffix of a stored sequence shorter than max_depth ends on the node
-  // frontier[m]: for the match lengths m the context shares with `along`'s
-  // tail, the position is known without a walk from the root.
+  // Every suffix of a running sequence ends on a known node (up to max_depth
+  // tokens): for the match lengths m the context shares with `along`'s tail,
+  // the position is known without a walk from the root.
   size_t known = 0;
   if (along != nullptr && !along->frontier.empty()) {
     const std::vector<int32_t>& tokens = stores_[along->store].tokens;
-    const size_t limit = std::min(n, along->frontier.size() - 1);
+    const size_t limit = std::min(n, along->suffixes() - 1 + (full_node(*along) != kNone));
     const int32_t* tail = tokens.data() + tokens.size();
     while (known < limit && context[n - 1 - known] == tail[-1 - static_cast<std::ptrdiff_t>(known)]) ++known;
   }
-  auto position = [&](size_t match_len, Position* at) {
-    if (match_len <= known) {
-      uint32_t node = along->frontier[match_len];
-      *at = Position{node, nodes_[node].length};
-      return true;
-    }
-    return match(context, n - match_len, n, at);
+  auto known_position = [&](size_t match_len) {
+    uint32_t node = match_len < along->suffixes() ? along->node_of(match_len) : along->full;
+    return Position{node, length_of(nodes_[node])};
   };
   // The trie holds every substring of a stored pattern, so the matching tail
   // lengths are 1..longest: a binary search finds the longest in O(depth log depth).
   size_t longest = known, too_long = std::min(n, static_cast<size_t>(max_depth_)) + 1;
-  Position at;
+  Position at, longest_at;
+  if (known > 0) longest_at = known_position(known);
   while (too_long - longest > 1) {
     size_t middle = (longest + too_long) / 2;
     if (match(context, n - middle, n, &at)) {
       longest = middle;
+      longest_at = at;
     } else {
       too_long = middle;
     }
@@ -56,7 +54,13 @@ Draft SuffixTree::speculate_along(const int32_t* context, size_t n, const SpecPa
     int budget = limit < params.max_spec_tokens ? static_cast<int>(std::max(limit, -1.0)) : params.max_spec_tokens;
     // A score never exceeds its budget, which only shrinks from here: at best a tie.
     if (match_len < longest && budget <= best.score) break;
-    position(match_len, &at);
+    if (match_len == longest) {
+      at = longest_at;
+    } else if (match_len <= known) {
+      at = known_position(match_len);
+    } else {
+      match(context, n - match_len, n, &at);
+    }
     // The same occurrences as a longer match, with a smaller budget: skipped.
     if (nodes_[at.node].count == drafted_count) continue;
     drafted_count = nodes_[at.node].count;
@@ -75,24 +79,27 @@ Draft SuffixTree::draft_path(Position at, int budget, const SpecParams& params, 
   Draft draft;
   double prob = 1.0;
   const size_t anchor = static_cast<size_t>(max_depth_ / 2);
+  uint32_t length = length_of(nodes_[at.node]);
   while (static_cast<int>(draft.token_ids.size()) < budget) {
     const Node& node = nodes_[at.node];
     int32_t token;
-    if (at.offset < node.length) {
+    if (at.offset < length) {
       token = token_at(node, at.offset);
       ++at.offset;
     } else if (node.nkids > 0) {
-      uint32_t child = kid_arena_[node.kids];
-      prob = prob * (static_cast<double>(nodes_[child].count) / static_cast<double>(node.count));
+      const Kid& top = kid_arena_[node.kids];
+      prob = prob * (static_cast<double>(nodes_[top.node].count) / static_cast<double>(node.count));
       if (prob < params.min_token_prob) break;
-      at = Position{child, 1};
-      token = first_token(child);
-    } else if (params.reanchor && node.depth == max_depth_ && anchor > 0) {
+      at = Position{top.node, 1};
+      length = length_of(nodes_[top.node]);
+      token = top.token;
+    } else if (params.reanchor && depth_of(node) == static_cast<uint32_t>(max_depth_) && anchor > 0) {
       // The trie ends here, not the stored text: go on from the last `anchor`
       // tokens of pattern + draft, a suffix of a stored pattern and so always in the trie.
       std::vector<int32_t> path(pattern, pattern + m);
       path.insert(path.end(), draft.token_ids.begin(), draft.token_ids.end());
       match(path.data(), path.size() - anchor, path.size(), &at);
+      length = length_of(nodes_[at.node]);
       continue;
     } else {
       break;
@@ -143,14 +150,14 @@ Draft SuffixTree::draft_tree(Position at, int budget, double min_token_prob) con
     std::push_heap(heap.begin(), heap.end(), worse);
   };
   auto push_child = [&](uint32_t parent, uint32_t index, double parent_prob, std::vector<int32_t> path, int parent_out) {
-    uint32_t child = kid_arena_[nodes_[parent].kids + index];
-    double prob = parent_prob * (static_cast<double>(nodes_[child].count) / static_cast<double>(nodes_[parent].count));
-    path.push_back(first_token(child));
-    push(Candidate{prob, std::move(path), child, 1, parent, index, parent_prob, parent_out});
+    const Kid& kid = kid_arena_[nodes_[parent].kids + index];
+    double prob = parent_prob * (static_cast<double>(nodes_[kid.node].count) / static_cast<double>(nodes_[parent].count));
+    path.push_back(kid.token);
+    push(Candidate{prob, std::move(path), kid.node, 1, parent, index, parent_prob, parent_out});
   };
   auto push_next = [&](uint32_t node, uint32_t offset, double prob, const std::vector<int32_t>& path, int out) {
     const Node& record = nodes_[node];
-    if (offset < record.length) {  // inside an edge: one way on, no siblings
+    if (offset < length_of(record)) {  // inside an edge: one way on, no siblings
       std::vector<int32_t> next = path;
       next.push_back(token_at(record, offset));
       push(Candidate{prob, std::move(next), node, offset + 1, kNone, 0, prob, out});

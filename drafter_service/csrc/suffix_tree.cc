@@ -28,7 +28,7 @@ uint32_t log2_of(uint32_t capacity) {
 }  // namespace
 
 SuffixTree::SuffixTree(int max_depth) : max_depth_(max_depth) {
-  if (max_depth < 1 || max_depth > 65535) throw std::invalid_argument("max_depth must be between 1 and 65535");
+  if (max_depth < 1 || max_depth >= kOpen) throw std::invalid_argument("max_depth must be between 1 and 65534");
   nodes_.push_back(Node{0, kNone, 0, 0, 0, kNone, 0});  // the root: count 0, never a leaf to grow
 }
 
@@ -52,35 +52,97 @@ void SuffixTree::append(int64_t seq, const int32_t* tokens, size_t n) {
   if (it == seqs_.end()) throw std::out_of_range("unknown sequence " + std::to_string(seq));
   Sequence& sequence = it->second;
   if (sequence.frontier.empty() && n > 0) throw std::invalid_argument("sequence is sealed");
-  std::vector<uint32_t> grown;
-  grown.reserve(sequence.frontier.size() + 1);
   for (size_t i = 0; i < n; ++i) {
     int32_t token = tokens[i];
     std::vector<int32_t>& storage = stores_[sequence.store].tokens;
-    storage.push_back(token);
+    storage.push_back(token);  // every open leaf of the sequence grows by this token
     uint32_t pos = static_cast<uint32_t>(storage.size() - 1);
-    grown.clear();
-    grown.push_back(kRoot);
+    // Open leaves another sequence's suffix has joined since stopped growing:
+    // their suffixes move on like any other.
+    while (sequence.open_size() > 0 && nodes_[sequence.open.back()].length != kOpen) {
+      sequence.frontier.push_back(sequence.open.back());
+      sequence.open.pop_back();
+    }
+    sequence.full = kNone;
+    if (sequence.open_size() > 0 && sequence.suffixes() == static_cast<size_t>(max_depth_)) {
+      sequence.full = sequence.open[sequence.open_begin];
+      sequence.full_stamp = frees_;
+      close_longest(sequence);
+    }
+    grown_.clear();
+    grown_.push_back(kRoot);
+    fresh_.clear();
     for (uint32_t node : sequence.frontier) {
       Node& record = nodes_[node];
       if (record.nkids == 0 && record.count == 1) {
-        // A leaf only this suffix reaches: grow its edge, read from our own storage.
+        // A leaf only this suffix reaches now (the others were removed): it reads from our storage from here on.
         set_label(node, sequence.store, pos - record.length);
         nodes_[node].length += 1;
         nodes_[node].depth += 1;
       } else {
         node = extend(node, sequence.store, pos, token);
       }
-      if (nodes_[node].depth < max_depth_) grown.push_back(node);
+      const Node& result = nodes_[node];
+      if (result.depth >= max_depth_) {
+        sequence.full = node;
+        sequence.full_stamp = frees_;
+        continue;
+      }
+      if (result.count == 1) {
+        open_leaf(node);
+        fresh_.push_back(node);
+      } else if (fresh_.empty()) {
+        grown_.push_back(node);
+      } else {
+        throw std::logic_error("suffix counts must not grow with the suffix length");
+      }
     }
-    sequence.frontier.swap(grown);
+    sequence.frontier.swap(grown_);
+    sequence.open.insert(sequence.open.end(), fresh_.rbegin(), fresh_.rend());
+  }
+}
+
+void SuffixTree::open_leaf(uint32_t node) {
+  Node& record = nodes_[node];
+  record.depth -= record.length;
+  record.length = kOpen;
+}
+
+void SuffixTree::close_leaf(uint32_t node) {
+  Node& record = nodes_[node];
+  uint32_t length = open_length(record);
+  record.length = static_cast<uint16_t>(length);
+  record.depth += length;
+}
+
+void SuffixTree::drop_first_token(uint32_t node) {
+  Node& record = nodes_[node];
+  record.start += 1;
+  if (record.length == kOpen) {
+    record.depth += 1;
+  } else {
+    record.length -= 1;
+  }
+}
+
+void SuffixTree::close_longest(Sequence& sequence) {
+  // The longest suffix reached max_depth: its leaf stops growing and leaves the frontier.
+  close_leaf(sequence.open[sequence.open_begin++]);
+  if (sequence.open_begin * 2 > sequence.open.size()) {
+    sequence.open.erase(sequence.open.begin(), sequence.open.begin() + sequence.open_begin);
+    sequence.open_begin = 0;
   }
 }
 
 void SuffixTree::seal(int64_t seq) {
   auto it = seqs_.find(seq);
   if (it == seqs_.end()) throw std::out_of_range("unknown sequence " + std::to_string(seq));
-  std::vector<uint32_t>().swap(it->second.frontier);
+  Sequence& sequence = it->second;
+  for (size_t i = sequence.open_begin; i < sequence.open.size(); ++i)
+    if (nodes_[sequence.open[i]].length == kOpen) close_leaf(sequence.open[i]);
+  std::vector<uint32_t>().swap(sequence.frontier);
+  std::vector<uint32_t>().swap(sequence.open);
+  sequence.open_begin = 0;
 }
 
 void SuffixTree::remove_sequence(int64_t seq) {
@@ -97,7 +159,7 @@ void SuffixTree::remove_sequence(int64_t seq) {
     path.clear();
     while (position < end) {
       uint32_t node = find_child(parent, stores_[store].tokens[position]);
-      position += nodes_[node].length;
+      position += length_of(nodes_[node]);
       if (recount(parent, node, -1)) {
         free_chain(node);
         break;
@@ -116,11 +178,10 @@ int32_t SuffixTree::count(const int32_t* pattern, size_t n) const {
   return match(pattern, 0, n, &at) ? nodes_[at.node].count : 0;
 }
 
-bool SuffixTree::before(uint32_t a, uint32_t b) const {
-  const Node& x = nodes_[a];
-  const Node& y = nodes_[b];
-  if (x.count != y.count) return x.count > y.count;
-  return first_token(a) < first_token(b);
+bool SuffixTree::before(const Kid& a, const Kid& b) const {
+  int32_t x = nodes_[a.node].count, y = nodes_[b.node].count;
+  if (x != y) return x > y;
+  return a.token < b.token;
 }
 
 bool SuffixTree::indexed(uint32_t node) const { return node == kRoot || nodes_[node].nkids > kSmall; }
@@ -144,12 +205,13 @@ void SuffixTree::free_node(uint32_t node) {
   unref(record.store);
   record = Node{0, kNone, 0, 0, 0, kNone, 0};
   free_nodes_.push_back(node);
+  frees_ += 1;
 }
 
 void SuffixTree::free_chain(uint32_t node) {
   // A dropped node had count 1, so below it hangs a single chain.
   while (node != kNone) {
-    uint32_t next = nodes_[node].nkids ? kid_arena_[nodes_[node].kids] : kNone;
+    uint32_t next = nodes_[node].nkids ? kids_of(node)[0].node : kNone;
     free_node(node);
     node = next;
   }
@@ -209,7 +271,7 @@ void SuffixTree::resize_kids(uint32_t node, uint32_t new_size) {
   if (old_capacity != new_capacity) {
     uint32_t offset = new_capacity ? alloc_kids(new_capacity) : kNone;
     if (offset != kNone && record.kids != kNone)
-      std::memmove(&kid_arena_[offset], &kid_arena_[record.kids], std::min(record.nkids, new_size) * sizeof(uint32_t));
+      std::memmove(&kid_arena_[offset], &kid_arena_[record.kids], std::min(record.nkids, new_size) * sizeof(Kid));
     if (record.kids != kNone) free_kids(record.kids, old_capacity);
     record.kids = offset;
   }
@@ -217,30 +279,27 @@ void SuffixTree::resize_kids(uint32_t node, uint32_t new_size) {
 }
 
 uint32_t SuffixTree::kid_index(uint32_t parent, uint32_t child) const {
-  const uint32_t* kids = &kid_arena_[nodes_[parent].kids];
-  const uint32_t* hit =
-      std::lower_bound(kids, kids + nodes_[parent].nkids, child, [this](uint32_t a, uint32_t b) { return before(a, b); });
+  const Kid* kids = kids_of(parent);
+  const Kid* hit = std::lower_bound(kids, kids + nodes_[parent].nkids, kid_of(child),
+                                    [this](const Kid& a, const Kid& b) { return before(a, b); });
   return static_cast<uint32_t>(hit - kids);
 }
 
 uint32_t SuffixTree::find_child(uint32_t parent, int32_t token) const {
   if (indexed(parent)) return edges_.find(EdgeMap::key(parent, token));
-  const Node& record = nodes_[parent];
-  for (uint32_t i = 0; i < record.nkids; ++i) {
-    uint32_t kid = kid_arena_[record.kids + i];
-    if (first_token(kid) == token) return kid;
-  }
+  const Kid* kids = kids_of(parent);
+  for (uint32_t i = 0, n = nodes_[parent].nkids; i < n; ++i)
+    if (kids[i].token == token) return kids[i].node;
   return kNone;
 }
 
 void SuffixTree::index_kids(uint32_t node, bool add) {
-  const Node& record = nodes_[node];
-  for (uint32_t i = 0; i < record.nkids; ++i) {
-    uint32_t kid = kid_arena_[record.kids + i];
+  const Kid* kids = kids_of(node);
+  for (uint32_t i = 0, n = nodes_[node].nkids; i < n; ++i) {
     if (add) {
-      edges_.set(EdgeMap::key(node, first_token(kid)), kid);
+      edges_.set(EdgeMap::key(node, kids[i].token), kids[i].node);
     } else {
-      edges_.erase(EdgeMap::key(node, first_token(kid)));
+      edges_.erase(EdgeMap::key(node, kids[i].token));
     }
   }
 }
@@ -253,22 +312,23 @@ void SuffixTree::attach(uint32_t parent, uint32_t child) {
   }
   uint32_t size = nodes_[parent].nkids;
   resize_kids(parent, size + 1);
-  uint32_t* kids = &kid_arena_[nodes_[parent].kids];
+  Kid* kids = kids_of(parent);
+  Kid entry = kid_of(child);
   uint32_t at = static_cast<uint32_t>(
-      std::lower_bound(kids, kids + size, child, [this](uint32_t a, uint32_t b) { return before(a, b); }) - kids);
-  std::memmove(kids + at + 1, kids + at, (size - at) * sizeof(uint32_t));
-  kids[at] = child;
+      std::lower_bound(kids, kids + size, entry, [this](const Kid& a, const Kid& b) { return before(a, b); }) - kids);
+  std::memmove(kids + at + 1, kids + at, (size - at) * sizeof(Kid));
+  kids[at] = entry;
   if (size + 1 == kSmall + 1) {
     index_kids(parent, true);
   } else if (size + 1 > kSmall) {
-    edges_.set(EdgeMap::key(parent, first_token(child)), child);
+    edges_.set(EdgeMap::key(parent, entry.token), child);
   }
 }
 
 void SuffixTree::replace(uint32_t parent, uint32_t old_child, uint32_t new_child) {
   // Same count and first token: the same place in the order.
   if (indexed(parent)) edges_.set(EdgeMap::key(parent, first_token(old_child)), new_child);
-  if (parent != kRoot) kid_arena_[nodes_[parent].kids + kid_index(parent, old_child)] = new_child;
+  if (parent != kRoot) kids_of(parent)[kid_index(parent, old_child)].node = new_child;
 }
 
 bool SuffixTree::recount(uint32_t parent, uint32_t child, int delta) {
@@ -281,8 +341,9 @@ bool SuffixTree::recount(uint32_t parent, uint32_t child, int delta) {
   }
   uint32_t size = nodes_[parent].nkids;
   uint32_t at = kid_index(parent, child);
-  uint32_t* kids = &kid_arena_[nodes_[parent].kids];
-  std::memmove(kids + at, kids + at + 1, (size - at - 1) * sizeof(uint32_t));
+  Kid* kids = kids_of(parent);
+  Kid entry = kids[at];
+  std::memmove(kids + at, kids + at + 1, (size - at - 1) * sizeof(Kid));
   nodes_[child].count += delta;
   if (nodes_[child].count == 0) {
     if (size > kSmall) {
@@ -295,9 +356,9 @@ bool SuffixTree::recount(uint32_t parent, uint32_t child, int delta) {
     return true;
   }
   uint32_t to = static_cast<uint32_t>(
-      std::lower_bound(kids, kids + size - 1, child, [this](uint32_t a, uint32_t b) { return before(a, b); }) - kids);
-  std::memmove(kids + to + 1, kids + to, (size - 1 - to) * sizeof(uint32_t));
-  kids[to] = child;
+      std::lower_bound(kids, kids + size - 1, entry, [this](const Kid& a, const Kid& b) { return before(a, b); }) - kids);
+  std::memmove(kids + to + 1, kids + to, (size - 1 - to) * sizeof(Kid));
+  kids[to] = entry;
   return false;
 }
 
@@ -308,15 +369,17 @@ uint32_t SuffixTree::extend(uint32_t node, uint32_t store, uint32_t pos, int32_t
     attach(node, child);
     return child;
   }
+  uint32_t child_length = length_of(nodes_[child]);
   if (nodes_[node].nkids == 1 && nodes_[child].count == nodes_[node].count - 1 &&
-      (nodes_[child].length > 1 || unpointed(child))) {
+      (child_length > 1 || unpointed(child))) {
     // Only this suffix ends at `node`, all others go on into `child`:
     // move node's end one token down instead of adding a boundary.
     lower_end(node, child);
     return node;
   }
-  if (nodes_[child].length > 1) child = split(node, child);
+  if (child_length > 1) child = split(node, child);
   recount(node, child, +1);
+  if (nodes_[child].length == kOpen) close_leaf(child);  // another sequence's leaf, joined: it stops growing
   return child;
 }
 
@@ -324,20 +387,19 @@ uint32_t SuffixTree::split(uint32_t parent, uint32_t child) {
   Node copy = nodes_[child];
   uint32_t upper = new_node(copy.store, copy.start, 1, nodes_[parent].depth + 1u, copy.count);
   replace(parent, child, upper);
-  nodes_[child].start += 1;
-  nodes_[child].length -= 1;
+  drop_first_token(child);
   resize_kids(upper, 1);
-  kid_arena_[nodes_[upper].kids] = child;
+  kids_of(upper)[0] = kid_of(child);
   return upper;
 }
 
 bool SuffixTree::unpointed(uint32_t node) const {
   // Frontiers stop short of max_depth, and below it a node nobody's suffix ends at has no pointer either.
   const Node& record = nodes_[node];
-  if (record.depth >= max_depth_) return true;
+  if (depth_of(record) >= static_cast<uint32_t>(max_depth_)) return true;
   if (record.nkids == 0) return false;
   int64_t below = 0;
-  for (uint32_t i = 0; i < record.nkids; ++i) below += nodes_[kid_arena_[record.kids + i]].count;
+  for (uint32_t i = 0; i < record.nkids; ++i) below += nodes_[kid_arena_[record.kids + i].node].count;
   return below == record.count;
 }
 
@@ -346,9 +408,9 @@ void SuffixTree::lower_end(uint32_t node, uint32_t child) {
   set_label(node, below.store, below.start - nodes_[node].length);
   nodes_[node].length += 1;
   nodes_[node].depth += 1;
-  if (below.length > 1) {
-    nodes_[child].start += 1;
-    nodes_[child].length -= 1;
+  if (length_of(below) > 1) {
+    drop_first_token(child);
+    kids_of(node)[0].token = first_token(child);  // child is node's only child
     return;
   }
   // A one-token child goes whole: node takes over its children.
@@ -368,11 +430,16 @@ void SuffixTree::merge_path(const std::vector<uint32_t>& path) {
   uint32_t parent = kRoot;
   for (uint32_t node : path) {
     if (nodes_[node].nkids == 1) {
-      uint32_t below = kid_arena_[nodes_[node].kids];
+      uint32_t below = kids_of(node)[0].node;
       if (nodes_[below].count == nodes_[node].count) {
         replace(parent, node, below);
-        nodes_[below].start -= nodes_[node].length;
-        nodes_[below].length += nodes_[node].length;
+        Node& lower = nodes_[below];
+        lower.start -= nodes_[node].length;
+        if (lower.length == kOpen) {
+          lower.depth -= nodes_[node].length;  // the top of an open leaf moves up
+        } else {
+          lower.length += nodes_[node].length;
+        }
         free_node(node);
         continue;
       }
@@ -397,17 +464,17 @@ void SuffixTree::relabel(const std::vector<uint32_t>& path, uint32_t store) {
 }
 
 bool SuffixTree::match(const int32_t* tokens, size_t start, size_t end, Position* out) const {
-  uint32_t node = kRoot, offset = 0;
+  uint32_t node = kRoot, offset = 0, length = 0;
   for (size_t i = start; i < end; ++i) {
     int32_t token = tokens[i];
-    const Node& record = nodes_[node];
-    if (offset < record.length) {
-      if (token_at(record, offset) != token) return false;
+    if (offset < length) {
+      if (token_at(nodes_[node], offset) != token) return false;
       ++offset;
     } else {
       node = find_child(node, token);
       if (node == kNone) return false;
       offset = 1;
+      length = length_of(nodes_[node]);
     }
   }
   *out = Position{node, offset};
@@ -416,13 +483,16 @@ bool SuffixTree::match(const int32_t* tokens, size_t start, size_t end, Position
 
 size_t SuffixTree::memory_bytes() const {
   size_t bytes = sizeof(*this) + nodes_.capacity() * sizeof(Node) + free_nodes_.capacity() * sizeof(uint32_t) +
-                 kid_arena_.capacity() * sizeof(uint32_t) + edges_.memory_bytes() +
+                 kid_arena_.capacity() * sizeof(Kid) + edges_.memory_bytes() +
                  stores_.capacity() * sizeof(Store) + free_stores_.capacity() * sizeof(uint32_t);
   for (const auto& free_list : free_kids_) bytes += sizeof(free_list) + free_list.capacity() * sizeof(uint32_t);
   for (const Store& store : stores_) bytes += store.tokens.capacity() * sizeof(int32_t);
   // unordered_map: a heap node per entry plus the bucket array.
   bytes += seqs_.bucket_count() * sizeof(void*);
-  for (const auto& entry : seqs_) bytes += sizeof(entry) + 2 * sizeof(void*) + entry.second.frontier.capacity() * sizeof(uint32_t);
+  for (const auto& entry : seqs_)
+    bytes += sizeof(entry) + 2 * sizeof(void*) +
+             (entry.second.frontier.capacity() + entry.second.open.capacity()) * sizeof(uint32_t);
+  bytes += (grown_.capacity() + fresh_.capacity()) * sizeof(uint32_t);
   return bytes;
 }
 

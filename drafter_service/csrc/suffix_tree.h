@@ -5,11 +5,19 @@
 // Layout: nodes are 24-byte records in one pool addressed by uint32 index
 // (freed records are reused). An edge is `length` tokens of a token store
 // (a sequence's tokens, or a private copy of a path of an evicted one).
+//
+// Open leaves (Ukkonen's "once a leaf, always a leaf"): a leaf only one
+// suffix of a running sequence reaches reads from that sequence's tokens up to
+// their end, so it grows with every appended token without being touched; its
+// length is computed from the sequence's length, capped at max_depth. Append
+// only visits the suffixes whose pattern occurred before, not all max_depth.
 // Children of a non-root node sit in a contiguous array from a pooled arena
-// sorted by (count desc, first token asc), so the top child is kids[0];
-// the root and nodes with many children are also indexed by an EdgeMap.
+// sorted by (count desc, first token asc), so the top child is kids[0]; each
+// entry carries the child's first token, so choosing a child reads no edge.
+// The root and nodes with many children are also indexed by an EdgeMap.
 #pragma once
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <unordered_map>
@@ -24,12 +32,19 @@ struct Node {
   int32_t count;
   uint32_t store;   // token store the edge reads from
   uint32_t start;   // edge = store[start, start + length); store[start + length - depth, ...) is the root path
-  uint16_t length;
-  uint16_t depth;   // pattern length at the end of the edge
+  uint16_t length;  // kOpen: an open leaf
+  uint16_t depth;   // pattern length at the end of the edge; at its top for an open leaf
   uint32_t kids;    // offset of the children array in the kid arena, kNone when a leaf
   uint32_t nkids;
 };
 static_assert(sizeof(Node) == 24, "node records stay compact");
+
+constexpr uint16_t kOpen = 0xFFFF;
+
+struct Kid {
+  int32_t token;  // the child's first token
+  uint32_t node;
+};
 
 struct SpecParams {
   int max_spec_tokens = 16;
@@ -42,7 +57,7 @@ struct SpecParams {
 
 class SuffixTree {
  public:
-  explicit SuffixTree(int max_depth);
+  explicit SuffixTree(int max_depth);  // 1..65534
 
   int max_depth() const { return max_depth_; }
   bool contains(int64_t seq) const { return seqs_.count(seq) != 0; }
@@ -67,9 +82,26 @@ class SuffixTree {
     std::vector<int32_t> tokens;
     uint32_t refs = 0;
   };
+  // Where the suffixes shorter than max_depth of a running sequence end: the
+  // shorter ones, whose patterns occurred before, at closed nodes
+  // (frontier[length], root first); the longer ones, each seen once, at open
+  // leaves (open[open_begin..], longest first). Counts only fall as suffixes
+  // get longer, so the two parts never interleave.
   struct Sequence {
     uint32_t store;
-    std::vector<uint32_t> frontier;  // nodes where suffixes shorter than max_depth end, root first
+    std::vector<uint32_t> frontier;
+    std::vector<uint32_t> open;
+    uint32_t open_begin = 0;
+    // Where the suffix of exactly max_depth tokens ended after the last
+    // append, while no node has been freed since (`full_stamp` = frees_).
+    uint32_t full = kNone;
+    uint64_t full_stamp = 0;
+    size_t open_size() const { return open.size() - open_begin; }
+    size_t suffixes() const { return frontier.size() + open_size(); }
+    // The node where the suffix of `length` (< suffixes()) ends.
+    uint32_t node_of(size_t length) const {
+      return length < frontier.size() ? frontier[length] : open[open.size() - 1 - (length - frontier.size())];
+    }
   };
   struct Position {
     uint32_t node;
@@ -77,8 +109,24 @@ class SuffixTree {
   };
 
   int32_t token_at(const Node& n, uint32_t i) const { return stores_[n.store].tokens[n.start + i]; }
+  uint32_t open_length(const Node& n) const {
+    size_t end = std::min(stores_[n.store].tokens.size(), static_cast<size_t>(n.start - n.depth) + max_depth_);
+    return static_cast<uint32_t>(end - n.start);
+  }
+  uint32_t length_of(const Node& n) const { return n.length == kOpen ? open_length(n) : n.length; }
+  uint32_t depth_of(const Node& n) const { return n.length == kOpen ? n.depth + open_length(n) : n.depth; }
+  void open_leaf(uint32_t node);
+  void close_leaf(uint32_t node);
+  void drop_first_token(uint32_t node);
+  void close_longest(Sequence& sequence);
+  uint32_t full_node(const Sequence& sequence) const {
+    return sequence.full_stamp == frees_ ? sequence.full : kNone;
+  }
   int32_t first_token(uint32_t node) const { return token_at(nodes_[node], 0); }
-  bool before(uint32_t a, uint32_t b) const;
+  bool before(const Kid& a, const Kid& b) const;
+  Kid kid_of(uint32_t node) const { return Kid{first_token(node), node}; }
+  Kid* kids_of(uint32_t node) { return &kid_arena_[nodes_[node].kids]; }
+  const Kid* kids_of(uint32_t node) const { return &kid_arena_[nodes_[node].kids]; }
   bool indexed(uint32_t node) const;
 
   uint32_t new_node(uint32_t store, uint32_t start, uint32_t length, uint32_t depth, int32_t count);
@@ -115,12 +163,14 @@ class SuffixTree {
   int max_depth_;
   std::vector<Node> nodes_;
   std::vector<uint32_t> free_nodes_;
-  std::vector<uint32_t> kid_arena_;
+  std::vector<Kid> kid_arena_;
   std::vector<std::vector<uint32_t>> free_kids_;  // by log2 capacity
   EdgeMap edges_;
   std::vector<Store> stores_;
   std::vector<uint32_t> free_stores_;
   std::unordered_map<int64_t, Sequence> seqs_;
+  std::vector<uint32_t> grown_, fresh_;  // append's scratch
+  uint64_t frees_ = 0;                   // nodes freed so far: a node id kept across calls is valid while unchanged
 };
 
 }  // namespace speclane

@@ -72,65 +72,88 @@ def _streams(args) -> tuple[list, list]:
     return corpus, agent
 
 
-def replay(cache, requests, k: int) -> dict:
-    """Greedy replay through the Arctic API; returns timings and acceptance."""
-    hits, misses, appends = [], [], []
-    steps = drafted = accepted = 0
+def _replay_request(cache, number: int, prompt: list, response: list, k: int, result: dict) -> None:
+    """One request replayed greedily: draft, accept up to the first wrong token, commit accepted + 1."""
     clock = time.perf_counter
-    for number, (prompt, response) in enumerate(requests):
-        cache.start_request(number, prompt)
-        full, position = prompt + response, 0
-        while position < len(response):
-            end = len(prompt) + position
-            context = full[max(0, end - 64):end]
-            began = clock()
-            draft = cache.speculate(number, context, k, **PATH_ARGS)
-            took = clock() - began
-            (hits if draft.token_ids else misses).append(took)
-            good = 0
-            for token, actual in zip(draft.token_ids, response[position:]):
-                if token != actual:
-                    break
-                good += 1
-            committed = response[position:position + good + 1]
-            began = clock()
-            cache.add_active_response(number, committed)
-            appends.append((clock() - began) / len(committed))
-            position += len(committed)
-            steps += 1
-            drafted += len(draft.token_ids)
-            accepted += good
-        cache.stop_request(number)
+    cache.start_request(number, prompt)
+    full, position = prompt + response, 0
+    while position < len(response):
+        end = len(prompt) + position
+        context = full[max(0, end - 64):end]
+        began = clock()
+        draft = cache.speculate(number, context, k, **PATH_ARGS)
+        took = clock() - began
+        result["hits" if draft.token_ids else "misses"].append(took)
+        good = 0
+        for token, actual in zip(draft.token_ids, response[position:]):
+            if token != actual:
+                break
+            good += 1
+        committed = response[position:position + good + 1]
+        began = clock()
+        cache.add_active_response(number, committed)
+        result["appends"].append((clock() - began) / len(committed))
+        position += len(committed)
+        result["steps"] += 1
+        result["drafted"] += len(draft.token_ids)
+        result["accepted"] += good
+    cache.stop_request(number)
+
+
+def replay(caches: list, requests, k: int, block: int = 16) -> list[dict]:
+    """Greedy replay through the Arctic API of each cache. The caches take turns
+    every `block` requests (alternating which goes first), so the machine's
+    drifts hit all alike while each keeps its own working set warm, as it would
+    serving alone. Returns each cache's timings and acceptance."""
+    results = [dict(hits=[], misses=[], appends=[], steps=0, drafted=0, accepted=0) for _ in caches]
+    for first in range(0, len(requests), block):
+        order = range(len(caches)) if (first // block) % 2 == 0 else reversed(range(len(caches)))
+        for which in order:
+            for number in range(first, min(first + block, len(requests))):
+                prompt, response = requests[number]
+                _replay_request(caches[which], number, prompt, response, k, results[which])
     tokens = sum(len(response) for _, response in requests)
-    return dict(hits=hits, misses=misses, append=statistics.mean(appends), tokens_per_step=tokens / steps,
-                acceptance=accepted / max(drafted, 1))
+    return [dict(hits=r["hits"], misses=r["misses"], append=statistics.mean(r["appends"]),
+                 tokens_per_step=tokens / r["steps"], acceptance=r["accepted"] / max(r["drafted"], 1))
+            for r in results]
 
 
-def batch_cpu(make, requests, batch: int, k: int, depth: int, steps: int = 40) -> float:
-    """CPU seconds per decode step with `batch` running requests, one token committed each."""
-    chosen = [requests[i % len(requests)] for i in range(batch)]
-    if make is None:  # ours: one batch call per step
+def _batch_stepper(make, chosen: list, k: int, depth: int):
+    """A function running one decode step of `chosen`'s requests: one token
+    committed and a draft for each. Ours (make None) uses the batch call."""
+    if make is None:
         core = _core.Cache(depth, 100000)
         for number, (prompt, _) in enumerate(chosen):
             core.start_request(number, prompt, max_spec_tokens=k, **PATH_ARGS)
-        ids = list(range(batch))
-        began = time.process_time()
-        for step in range(steps):
-            core.step(ids, [[response[step % len(response)]] for _, response in chosen])
-        return (time.process_time() - began) / steps
+        ids = list(range(len(chosen)))
+        return lambda step: core.step(ids, [[response[step % len(response)]] for _, response in chosen])
     cache = make(depth, 100000)
     contexts = []
     for number, (prompt, _) in enumerate(chosen):
         cache.start_request(number, prompt)
         contexts.append(list(prompt))
-    began = time.process_time()
-    for step in range(steps):
+
+    def step_all(step: int) -> None:
         for number, (_, response) in enumerate(chosen):
             token = response[step % len(response)]
             contexts[number].append(token)
             cache.add_active_response(number, [token])
             cache.speculate(number, contexts[number][-64:], k, **PATH_ARGS)
-    return (time.process_time() - began) / steps
+    return step_all
+
+
+def batch_cpu(makes: list, requests, batch: int, k: int, depth: int, steps: int = 40) -> list[float]:
+    """CPU seconds per decode step with `batch` running requests, for each
+    implementation; steps alternate between them."""
+    chosen = [requests[i % len(requests)] for i in range(batch)]
+    steppers = [_batch_stepper(make, chosen, k, depth) for make in makes]
+    spent = [0.0] * len(makes)
+    for step in range(steps):
+        for which, stepper in enumerate(steppers):
+            began = time.process_time()
+            stepper(step)
+            spent[which] += time.process_time() - began
+    return [total / steps for total in spent]
 
 
 _MEMORY_PROBE = """
@@ -197,22 +220,27 @@ def run(args) -> int:
     impls = [("speclane", SuffixDecodingCache)] + ([("arctic", arctic)] if arctic else [])
     rows = []
     for depth in (24, 64):
-        for name, make in impls:
-            result = replay(make(depth, 100000), corpus + agent, args.k)
-            rows.append((f"{name} d{depth}", result))
-    print("\nreplay of corpus + agent loop (same stream, same depth, Arctic API from Python)")
+        results = replay([make(depth, 100000) for _, make in impls], corpus + agent, args.k)
+        rows += [(f"{name} d{depth}", result) for (name, _), result in zip(impls, results)]
+    print("\nreplay of corpus + agent loop (same stream, same depth, interleaved request by request,"
+          " Arctic API from Python)")
     print(f"{'':16} {'us/append':>10} {'speculate hit med/p99 us':>26} {'miss med/p99 us':>20}")
     for label, result in rows:
         print(f"{label:16} {result['append'] * 1e6:10.2f} {_quantiles(result['hits']):>26} "
               f"{_quantiles(result['misses']):>20}")
+    if arctic:
+        for ours, theirs in zip(rows[0::2], rows[1::2]):
+            median = lambda values: statistics.median(values) if values else float("nan")  # noqa: E731
+            print(f"ratio {ours[0][-3:]:10} {ours[1]['append'] / theirs[1]['append']:10.2f} "
+                  f"{median(ours[1]['hits']) / median(theirs[1]['hits']):17.2f} (median) "
+                  f"{median(ours[1]['misses']) / median(theirs[1]['misses']):11.2f} (median)")
 
     print("\nCPU per decode step (one token committed + a draft per request), depth 24")
     for batch in (64, 256):
-        ours = batch_cpu(None, corpus, batch, args.k, 24)
+        ours, *theirs = batch_cpu([None] + ([arctic] if arctic else []), corpus, batch, args.k, 24)
         line = f"batch {batch:3}: speclane {ours * 1e3:7.3f} ms"
-        if arctic:
-            theirs = batch_cpu(arctic, corpus, batch, args.k, 24)
-            line += f"   arctic {theirs * 1e3:7.3f} ms   ratio {ours / theirs:5.2f}"
+        if theirs:
+            line += f"   arctic {theirs[0] * 1e3:7.3f} ms   ratio {ours / theirs[0]:5.2f}"
         print(line)
 
     print("\nbytes per cached response token (RSS growth of a fresh process), depth 24 and 64")
@@ -224,8 +252,8 @@ def run(args) -> int:
     settings = [("speclane", SuffixDecodingCache, 24), ("speclane", SuffixDecodingCache, 32)]
     settings += [("arctic", arctic, 24), ("arctic", arctic, 64)] if arctic else []
     for name, make, depth in settings:
-        on_agent = replay(make(depth, 100000), agent, args.k)
-        on_corpus = replay(make(depth, 100000), corpus, args.k)
+        (on_agent,) = replay([make(depth, 100000)], agent, args.k)
+        (on_corpus,) = replay([make(depth, 100000)], corpus, args.k)
         print(f"{name:9} d{depth:<3} agent {on_agent['tokens_per_step']:6.2f} / {on_agent['acceptance']:5.1%}"
               f"   corpus {on_corpus['tokens_per_step']:6.2f} / {on_corpus['acceptance']:5.1%}")
 

@@ -44,6 +44,31 @@ def test_arctic_api_runs_unchanged():
         cache.evict_cached_response("a")
 
 
+def test_arctic_api_rejects_bad_calls_like_python():
+    cache = SuffixDecodingCache(max_tree_depth=8, max_cached_requests=2)
+    cache.start_request("a", [1, 2, 3])
+    with pytest.raises(ValueError, match="'a' is already active"):
+        cache.start_request("a", [1])
+    with pytest.raises(ValueError, match="'b' is not active"):
+        cache.speculate("b", [1, 2])
+    with pytest.raises(ValueError, match="'b' is not active"):
+        cache.add_active_response("b", [1])
+    with pytest.raises(TypeError, match="unexpected keyword"):
+        cache.speculate("a", [1, 2], max_tokens=3)
+    with pytest.raises(TypeError, match="missing argument context"):
+        cache.speculate("a")
+    with pytest.raises(TypeError, match="multiple values"):
+        cache.speculate("a", [1], 4, max_spec_tokens=4)
+    with pytest.raises(TypeError):
+        cache.add_active_response("a", ["x"])
+    with pytest.raises(TypeError):
+        cache.add_active_response("a", [2**40])
+    with pytest.raises(TypeError):
+        cache.start_request(["unhashable"], [1])
+    draft = cache.speculate("a", np.array([1, 2], dtype=np.int64))  # any sequence; max_spec_tokens defaults to the depth
+    assert draft.token_ids == [3] and draft.match_len == 2
+
+
 def test_path_drafts_go_past_the_tree_depth():
     tree = _core.SuffixTree(8)
     tree.add_sequence(0)

@@ -4,6 +4,7 @@ sequences must give identical drafts, scores, counts and cache contents."""
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from drafter_service import SuffixDecodingCache as ArcticApiCache
 from drafter_service import _core
 from drafter_service.engine import draft_from_core
 from drafter_service.ngram import propose_ngram
@@ -80,21 +81,29 @@ def test_suffix_tree_matches_reference(max_depth, ops, contexts, args):
 
 
 def cache_run(ops, max_cached_requests, max_cached_tokens):
-    """Drives both caches; yields after every operation for the caller to compare."""
+    """Drives the reference, the core and the core's Arctic API alike, comparing after every operation."""
     depth = 6
     reference = SuffixDecodingCache(depth, max_cached_requests, max_cached_tokens)
     core = _core.Cache(depth, max_cached_requests, max_cached_tokens)
+    # Mirrors the run while every request uses the Arctic API's one tenant and one depth.
+    arctic = ArcticApiCache(depth, max_cached_requests, max_cached_tokens)
     contexts: dict[int, list[int]] = {}
     for op in ops:
         kind, req = op[0], (op[1] if len(op) > 1 else None)
         if kind == "start" and req not in contexts:
             reference.start_request(str(req), op[2], op[3], op[4])
             core.start_request(req, op[2], op[3], max_tree_depth=op[4])
+            if op[3] != "" or op[4] != depth:
+                arctic = None
+            elif arctic is not None:
+                arctic.start_request(str(req), tuple(op[2]))
             contexts[req] = list(op[2])
         elif kind in ("append", "repeat") and req in contexts:
             new = op[2] if kind == "append" else contexts[req][-op[2]:]
             reference.add_active_response(str(req), new)
-            _core.append_tokens(core, req, new) if kind == "append" else core.add_active_response(req, new)
+            core.add_active_response(req, new)
+            if arctic is not None:
+                arctic.add_active_response(str(req), new if kind == "append" else tuple(new))
             contexts[req] += new
         elif kind == "speculate" and req in contexts:
             context = contexts[req]
@@ -103,30 +112,41 @@ def cache_run(ops, max_cached_requests, max_cached_tokens):
             for variant in (context, context[-3:], context[:-1] + [9], context[:-2] + [9] + context[-1:]):
                 assert same(core.speculate(req, variant, *op[2]), reference.speculate(str(req), variant, *op[2]))
             k, factor, offset, min_token_prob, use_tree, _ = op[2]
-            # The Arctic API's fast call drafts from the last max_tree_depth tokens of the context.
-            expected = reference.speculate(str(req), context[-depth:], k, factor, offset, min_token_prob, use_tree)
-            got = _core.speculate_tail(core, req, context, k, factor, offset, min_token_prob, use_tree)
-            assert got == (list(expected.token_ids), list(expected.parents), list(expected.probs), expected.score,
-                           expected.match_len)
+            if arctic is not None:  # drafts from the last max_tree_depth tokens of the context
+                expected = reference.speculate(str(req), context[-depth:], k, factor, offset, min_token_prob,
+                                               use_tree)
+                got = arctic.speculate(str(req), context, max_spec_tokens=k, max_spec_factor=factor,
+                                       max_spec_offset=offset, min_token_prob=min_token_prob, use_tree_spec=use_tree)
+                assert (tuple(got.token_ids), tuple(got.parents), tuple(got.probs), got.score, got.match_len) == (
+                    expected.token_ids, expected.parents, expected.probs, expected.score, expected.match_len)
             # The batch step drafts from the whole context with the session's params (defaults here).
             (stepped,) = core.step([req], [[]])
             assert same(stepped, reference.speculate(str(req), context, 16))
         elif kind == "stop" and req in contexts:
             reference.stop_request(str(req))
             core.stop_request(req)
+            if arctic is not None:
+                arctic.stop_request(str(req))
             del contexts[req]
         elif kind == "evict" and str(req) in reference.cached_requests:
             reference.evict_cached_response(str(req))
             core.evict_cached_response(req)
+            if arctic is not None:
+                arctic.evict_cached_response(str(req))
         elif kind == "snapshot":
             for active in list(contexts):  # a snapshot holds responses, not running requests
                 reference.stop_request(str(active))
                 core.stop_request(active)
+                if arctic is not None:
+                    arctic.stop_request(str(active))
             contexts.clear()
             restored = _core.Cache(depth, max_cached_requests, max_cached_tokens)
             restored.restore(core.snapshot())
             core = restored
         assert {str(req) for req in core.cached_requests()} == reference.cached_requests
+        if arctic is not None:
+            assert set(arctic.cached_requests) == reference.cached_requests
+            assert set(arctic.active_requests) == reference.active_requests
         assert {str(req) for req in core.active_requests()} == reference.active_requests
         assert core.cached_tokens() == reference.cached_tokens
 
@@ -135,6 +155,13 @@ def cache_run(ops, max_cached_requests, max_cached_tokens):
 @given(ops=cache_ops, max_cached_requests=st.integers(0, 3), max_cached_tokens=st.sampled_from([0, 6, 20]))
 def test_cache_matches_reference(ops, max_cached_requests, max_cached_tokens):
     cache_run(ops, max_cached_requests, max_cached_tokens)
+
+
+@settings(max_examples=150, deadline=None)
+@given(ops=cache_ops, max_cached_requests=st.integers(0, 3), max_cached_tokens=st.sampled_from([0, 6, 20]))
+def test_arctic_api_matches_reference(ops, max_cached_requests, max_cached_tokens):
+    one_tenant = [("start", op[1], op[2], "", 6) if op[0] == "start" else op for op in ops]
+    cache_run(one_tenant, max_cached_requests, max_cached_tokens)
 
 
 def latest_ngram(context, k, min_n, max_n):

@@ -1,0 +1,90 @@
+// Python <-> core conversions shared by the bindings (bindings.cc) and the
+// Arctic-compatible class (arctic_api.cc). Token lists cross the boundary on
+// every call, so they are read and built directly with the CPython API
+// instead of element by element through pybind11's generic casters.
+#pragma once
+
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <algorithm>
+#include <climits>
+#include <cstdint>
+#include <stdexcept>
+#include <vector>
+
+namespace speclane {
+
+using Tokens = std::vector<int32_t>;
+
+// The last `keep` items of a sequence of ints (all of them: SIZE_MAX).
+// Lists and tuples are read in place; anything else (a numpy array, a range)
+// is sliced first so that only the kept items are converted.
+inline Tokens tail_of(PyObject* sequence, size_t keep) {
+  if (PyUnicode_Check(sequence) || PyBytes_Check(sequence)) throw pybind11::type_error("token ids must be integers");
+  pybind11::object owned;
+  if (!PyList_Check(sequence) && !PyTuple_Check(sequence)) {
+    Py_ssize_t size = PyObject_Length(sequence);
+    if (size < 0) {
+      PyErr_Clear();
+      throw pybind11::type_error("token ids must be a sequence of integers");
+    }
+    Py_ssize_t from = size - static_cast<Py_ssize_t>(std::min(static_cast<size_t>(size), keep));
+    owned = pybind11::reinterpret_steal<pybind11::object>(PySequence_GetSlice(sequence, from, size));
+    if (owned) owned = pybind11::reinterpret_steal<pybind11::object>(PySequence_Fast(owned.ptr(), ""));
+    if (!owned) {
+      PyErr_Clear();
+      throw pybind11::type_error("token ids must be a sequence of integers");
+    }
+    sequence = owned.ptr();
+  }
+  Py_ssize_t size = PySequence_Fast_GET_SIZE(sequence);
+  PyObject** items = PySequence_Fast_ITEMS(sequence);
+  Py_ssize_t from = size - static_cast<Py_ssize_t>(std::min(static_cast<size_t>(size), keep));
+  Tokens tokens(static_cast<size_t>(size - from));
+  for (Py_ssize_t i = from; i < size; ++i) {
+    long token = PyLong_AsLong(items[i]);
+    if ((token == -1 && PyErr_Occurred()) || token < INT32_MIN || token > INT32_MAX) {
+      PyErr_Clear();
+      throw pybind11::type_error("token ids must be int32 integers");
+    }
+    tokens[static_cast<size_t>(i - from)] = static_cast<int32_t>(token);
+  }
+  return tokens;
+}
+
+inline PyObject* int_list(const Tokens& tokens) {
+  PyObject* list = PyList_New(static_cast<Py_ssize_t>(tokens.size()));
+  for (size_t i = 0; i < tokens.size(); ++i) PyList_SET_ITEM(list, static_cast<Py_ssize_t>(i), PyLong_FromLong(tokens[i]));
+  return list;
+}
+
+inline PyObject* float_list(const std::vector<double>& values) {
+  PyObject* list = PyList_New(static_cast<Py_ssize_t>(values.size()));
+  for (size_t i = 0; i < values.size(); ++i)
+    PyList_SET_ITEM(list, static_cast<Py_ssize_t>(i), PyFloat_FromDouble(values[i]));
+  return list;
+}
+
+}  // namespace speclane
+
+namespace pybind11 {
+namespace detail {
+template <>
+struct type_caster<speclane::Tokens> {
+  PYBIND11_TYPE_CASTER(speclane::Tokens, const_name("list[int]"));
+
+  bool load(handle src, bool) {
+    if (!src) return false;
+    try {
+      value = speclane::tail_of(src.ptr(), SIZE_MAX);
+    } catch (const type_error&) {
+      return false;
+    }
+    return true;
+  }
+
+  static handle cast(const speclane::Tokens& tokens, return_value_policy, handle) { return speclane::int_list(tokens); }
+};
+}  // namespace detail
+}  // namespace pybind11
