@@ -250,6 +250,14 @@ void bind_arguments(const Parameters& parameters, PyObject* const* args, Py_ssiz
     if (out[i] == nullptr) fail(std::string("missing argument ") + PyUnicode_AsUTF8(parameters.interned[i]));
 }
 
+// The C++ object of `self`, which the method descriptor has already checked is
+// an ArcticCache: read off the instance without pybind11's type lookup.
+ArcticCache& cache_of(PyObject* self) {
+  py::detail::value_and_holder value = reinterpret_cast<py::detail::instance*>(self)->get_value_and_holder();
+  if (!value.holder_constructed()) throw py::type_error("the cache's __init__ was not called");
+  return *value.value_ptr<ArcticCache>();
+}
+
 // Runs a fastcall method body, mapping C++ exceptions to Python ones as pybind11 does.
 template <typename Body>
 PyObject* fastcall(Body body) {
@@ -275,7 +283,7 @@ PyObject* speculate(PyObject* self, PyObject* const* args, Py_ssize_t nargs, PyO
   return fastcall([&] {
     PyObject* bound[7];
     bind_arguments(parameters, args, nargs, kwnames, bound);
-    return py::handle(self).cast<ArcticCache&>().speculate(bound);
+    return cache_of(self).speculate(bound);
   });
 }
 
@@ -284,7 +292,7 @@ PyObject* add_active_response(PyObject* self, PyObject* const* args, Py_ssize_t 
   return fastcall([&]() -> PyObject* {
     PyObject* bound[2];
     bind_arguments(parameters, args, nargs, kwnames, bound);
-    py::handle(self).cast<ArcticCache&>().add_active_response(bound[0], bound[1]);
+    cache_of(self).add_active_response(bound[0], bound[1]);
     Py_RETURN_NONE;
   });
 }

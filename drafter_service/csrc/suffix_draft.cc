@@ -47,6 +47,12 @@ Draft SuffixTree::speculate_along(const int32_t* context, size_t n, const SpecPa
       too_long = middle;
     }
   }
+  // Known lengths from `once` up end on open leaves: patterns seen once.
+  size_t once = SIZE_MAX;
+  if (known > 0) {
+    once = along->frontier.size();
+    while (once < along->suffixes() && nodes_[along->node_of(once)].length != kOpen) ++once;  // joined since
+  }
   Draft best;
   int32_t drafted_count = 0;
   for (size_t match_len = longest; match_len > 0; --match_len) {
@@ -57,6 +63,10 @@ Draft SuffixTree::speculate_along(const int32_t* context, size_t n, const SpecPa
     if (match_len == longest) {
       at = longest_at;
     } else if (match_len <= known) {
+      if (drafted_count == 1 && match_len >= once) {  // a run of the same count as the draft: all skipped
+        match_len = once;
+        continue;
+      }
       at = known_position(match_len);
     } else {
       match(context, n - match_len, n, &at);

@@ -59,15 +59,18 @@ void SuffixTree::append(int64_t seq, const int32_t* tokens, size_t n) {
     uint32_t pos = static_cast<uint32_t>(storage.size() - 1);
     // Open leaves another sequence's suffix has joined since stopped growing:
     // their suffixes move on like any other.
-    while (sequence.open_size() > 0 && nodes_[sequence.open.back()].length != kOpen) {
-      sequence.frontier.push_back(sequence.open.back());
-      sequence.open.pop_back();
+    if (sequence.joins_seen != joins_) {
+      while (sequence.open_size() > 0 && nodes_[sequence.open.back()].length != kOpen) {
+        sequence.frontier.push_back(sequence.open.back());
+        sequence.open.pop_back();
+      }
+      sequence.joins_seen = joins_;
     }
     sequence.full = kNone;
     if (sequence.open_size() > 0 && sequence.suffixes() == static_cast<size_t>(max_depth_)) {
       sequence.full = sequence.open[sequence.open_begin];
       sequence.full_stamp = frees_;
-      close_longest(sequence);
+      drop_longest(sequence);
     }
     grown_.clear();
     grown_.push_back(kRoot);
@@ -125,9 +128,10 @@ void SuffixTree::drop_first_token(uint32_t node) {
   }
 }
 
-void SuffixTree::close_longest(Sequence& sequence) {
-  // The longest suffix reached max_depth: its leaf stops growing and leaves the frontier.
-  close_leaf(sequence.open[sequence.open_begin++]);
+void SuffixTree::drop_longest(Sequence& sequence) {
+  // The longest suffix reached max_depth and leaves the frontier. Its leaf
+  // stays open: its length stops growing at max_depth by itself.
+  sequence.open_begin += 1;
   if (sequence.open_begin * 2 > sequence.open.size()) {
     sequence.open.erase(sequence.open.begin(), sequence.open.begin() + sequence.open_begin);
     sequence.open_begin = 0;
@@ -280,7 +284,12 @@ void SuffixTree::resize_kids(uint32_t node, uint32_t new_size) {
 
 uint32_t SuffixTree::kid_index(uint32_t parent, uint32_t child) const {
   const Kid* kids = kids_of(parent);
-  const Kid* hit = std::lower_bound(kids, kids + nodes_[parent].nkids, kid_of(child),
+  const uint32_t size = nodes_[parent].nkids;
+  if (size <= kSmall) {  // a scan reads the array alone; a binary search reads the children's counts
+    for (uint32_t i = 0; i < size; ++i)
+      if (kids[i].node == child) return i;
+  }
+  const Kid* hit = std::lower_bound(kids, kids + size, kid_of(child),
                                     [this](const Kid& a, const Kid& b) { return before(a, b); });
   return static_cast<uint32_t>(hit - kids);
 }
@@ -343,6 +352,14 @@ bool SuffixTree::recount(uint32_t parent, uint32_t child, int delta) {
   uint32_t at = kid_index(parent, child);
   Kid* kids = kids_of(parent);
   Kid entry = kids[at];
+  if (size <= kSmall && nodes_[child].count + delta > 0) {
+    // A count changes by one: the child moves a few places at most.
+    nodes_[child].count += delta;
+    while (at > 0 && before(entry, kids[at - 1])) kids[at] = kids[at - 1], --at;
+    while (at + 1 < size && before(kids[at + 1], entry)) kids[at] = kids[at + 1], ++at;
+    kids[at] = entry;
+    return false;
+  }
   std::memmove(kids + at, kids + at + 1, (size - at - 1) * sizeof(Kid));
   nodes_[child].count += delta;
   if (nodes_[child].count == 0) {
@@ -379,7 +396,10 @@ uint32_t SuffixTree::extend(uint32_t node, uint32_t store, uint32_t pos, int32_t
   }
   if (child_length > 1) child = split(node, child);
   recount(node, child, +1);
-  if (nodes_[child].length == kOpen) close_leaf(child);  // another sequence's leaf, joined: it stops growing
+  if (nodes_[child].length == kOpen) {  // another sequence's leaf, joined: it stops growing
+    close_leaf(child);
+    joins_ += 1;
+  }
   return child;
 }
 

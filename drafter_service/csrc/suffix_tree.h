@@ -96,6 +96,7 @@ class SuffixTree {
     // append, while no node has been freed since (`full_stamp` = frees_).
     uint32_t full = kNone;
     uint64_t full_stamp = 0;
+    uint64_t joins_seen = 0;  // joins_ when open leaves were last checked for joins
     size_t open_size() const { return open.size() - open_begin; }
     size_t suffixes() const { return frontier.size() + open_size(); }
     // The node where the suffix of `length` (< suffixes()) ends.
@@ -118,7 +119,7 @@ class SuffixTree {
   void open_leaf(uint32_t node);
   void close_leaf(uint32_t node);
   void drop_first_token(uint32_t node);
-  void close_longest(Sequence& sequence);
+  void drop_longest(Sequence& sequence);
   uint32_t full_node(const Sequence& sequence) const {
     return sequence.full_stamp == frees_ ? sequence.full : kNone;
   }
@@ -170,6 +171,7 @@ class SuffixTree {
   std::vector<uint32_t> free_stores_;
   std::unordered_map<int64_t, Sequence> seqs_;
   std::vector<uint32_t> grown_, fresh_;  // append's scratch
+  uint64_t joins_ = 0;  // open leaves joined (and so closed) by another suffix so far
   uint64_t frees_ = 0;                   // nodes freed so far: a node id kept across calls is valid while unchanged
 };
 
