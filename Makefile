@@ -7,7 +7,8 @@ ARGS ?=
 
 .PHONY: install serve test protos clean
 
-$(INSTALLED): pyproject.toml
+# Editing the C++ drafter core re-runs the install, which rebuilds it.
+$(INSTALLED): pyproject.toml setup.py $(wildcard drafter_service/csrc/*)
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e '.[test]'
 	touch $@

@@ -59,10 +59,18 @@ inline PyObject* int_list(const Tokens& tokens) {
   return list;
 }
 
+// Path probabilities stay the same along an edge: equal neighbours share one float object.
 inline PyObject* float_list(const std::vector<double>& values) {
   PyObject* list = PyList_New(static_cast<Py_ssize_t>(values.size()));
-  for (size_t i = 0; i < values.size(); ++i)
-    PyList_SET_ITEM(list, static_cast<Py_ssize_t>(i), PyFloat_FromDouble(values[i]));
+  PyObject* last = nullptr;
+  for (size_t i = 0; i < values.size(); ++i) {
+    if (last != nullptr && values[i] == values[i - 1]) {
+      Py_INCREF(last);
+    } else {
+      last = PyFloat_FromDouble(values[i]);
+    }
+    PyList_SET_ITEM(list, static_cast<Py_ssize_t>(i), last);
+  }
   return list;
 }
 

@@ -142,17 +142,21 @@ def _batch_stepper(make, chosen: list, k: int, depth: int):
     return step_all
 
 
-def batch_cpu(makes: list, requests, batch: int, k: int, depth: int, steps: int = 40) -> list[float]:
+def batch_cpu(makes: list, requests, batch: int, k: int, depth: int, steps: int = 60, block: int = 10) -> list[float]:
     """CPU seconds per decode step with `batch` running requests, for each
-    implementation; steps alternate between them."""
+    implementation; they take turns every `block` steps, as in `replay`, and
+    the first block (first touches of fresh memory) is not counted."""
     chosen = [requests[i % len(requests)] for i in range(batch)]
     steppers = [_batch_stepper(make, chosen, k, depth) for make in makes]
     spent = [0.0] * len(makes)
-    for step in range(steps):
-        for which, stepper in enumerate(steppers):
+    for first in range(0, steps + block, block):
+        order = range(len(makes)) if (first // block) % 2 == 0 else reversed(range(len(makes)))
+        for which in order:
             began = time.process_time()
-            stepper(step)
-            spent[which] += time.process_time() - began
+            for step in range(first, first + block):
+                steppers[which](step)
+            if first > 0:
+                spent[which] += time.process_time() - began
     return [total / steps for total in spent]
 
 
@@ -222,7 +226,7 @@ def run(args) -> int:
     for depth in (24, 64):
         results = replay([make(depth, 100000) for _, make in impls], corpus + agent, args.k)
         rows += [(f"{name} d{depth}", result) for (name, _), result in zip(impls, results)]
-    print("\nreplay of corpus + agent loop (same stream, same depth, interleaved request by request,"
+    print("\nreplay of corpus + agent loop (same stream, same depth, taking turns every 16 requests,"
           " Arctic API from Python)")
     print(f"{'':16} {'us/append':>10} {'speculate hit med/p99 us':>26} {'miss med/p99 us':>20}")
     for label, result in rows:
