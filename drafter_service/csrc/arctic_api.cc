@@ -125,27 +125,27 @@ class ArcticCache {
   // add_active_response(req_id, token_ids)
   void add_active_response(PyObject* req_id, PyObject* token_ids) {
     int64_t number = running(req_id);
-    Tokens tokens = tail_of(token_ids, SIZE_MAX);
-    py::gil_scoped_release released;
-    core_.add_active_response(number, tokens);
+    with_tail(token_ids, SIZE_MAX, [&](const int32_t* tokens, size_t n) {
+      py::gil_scoped_release released;
+      core_.add_active_response(number, tokens, n);
+    });
   }
 
   // speculate(req_id, context, max_spec_tokens=None, max_spec_factor=1.0,
   //           max_spec_offset=0.0, min_token_prob=0.1, use_tree_spec=False)
   PyObject* speculate(PyObject* const* args) {
     int64_t number = running(args[0]);
-    Tokens context = tail_of(args[1], static_cast<size_t>(core_.max_depth()));  // the most a match uses
     SpecParams params;
     params.max_spec_tokens = is_given(args[2]) ? static_cast<int>(int_arg(args[2])) : core_.max_depth();
     params.max_spec_factor = is_given(args[3]) ? float_arg(args[3]) : 1.0;
     params.max_spec_offset = is_given(args[4]) ? float_arg(args[4]) : 0.0;
     params.min_token_prob = is_given(args[5]) ? float_arg(args[5]) : 0.1;
     params.use_tree = is_given(args[6]) && PyObject_IsTrue(args[6]) == 1;
-    Draft draft;
-    {
+    // The last max_tree_depth tokens of the context: the most a match uses.
+    Draft draft = with_tail(args[1], static_cast<size_t>(core_.max_depth()), [&](const int32_t* context, size_t n) {
       py::gil_scoped_release released;
-      draft = core_.speculate(number, context, params);
-    }
+      return core_.speculate(number, context, n, params);
+    });
     return drafts_.make(draft);
   }
 

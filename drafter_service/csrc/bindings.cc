@@ -103,13 +103,16 @@ PYBIND11_MODULE(_core, m) {
            py::arg("min_token_prob") = 0.1, py::arg("use_tree_spec") = false, py::arg("reanchor") = true,
            py::arg("max_tree_depth") = 0, py::arg("prompt_lookup_min") = 5, py::arg("prompt_lookup_max") = 5,
            py::arg("ngram_latest") = false, Released())
-      .def("add_active_response", &Cache::add_active_response, Released())
+      .def("add_active_response",
+           [](Cache& cache, int64_t id, const Tokens& tokens) { cache.add_active_response(id, tokens.data(), tokens.size()); },
+           Released())
       .def("stop_request", &Cache::stop_request, Released())
       .def("evict_cached_response", &Cache::evict_cached_response, Released())
       .def("speculate",
            [](Cache& cache, int64_t id, const Tokens& context, int k, double factor, double offset,
               double min_token_prob, bool use_tree, bool reanchor) {
-             return as_tuple(cache.speculate(id, context, spec(k, factor, offset, min_token_prob, use_tree, reanchor)));
+             return as_tuple(cache.speculate(id, context.data(), context.size(),
+                                             spec(k, factor, offset, min_token_prob, use_tree, reanchor)));
            },
            py::arg("req_id"), py::arg("context"), py::arg("max_spec_tokens"), py::arg("max_spec_factor") = 1.0,
            py::arg("max_spec_offset") = 0.0, py::arg("min_token_prob") = 0.1, py::arg("use_tree_spec") = false,

@@ -73,9 +73,15 @@ void Cache::start_request(int64_t id, const std::vector<int32_t>& prompt, const 
   if (cached_.count(id)) evict(id);
   request.local = std::make_unique<SuffixTree>(params.local_depth > 0 ? params.local_depth : max_depth_);
   request.local->add_sequence(kLocalSequence);
-  request.local->append(kLocalSequence, prompt.data(), prompt.size());
-  active_.emplace(id, std::move(request));
-  if (max_cached_requests_ != 0) add_response(id, tenant);
+  request.sequence = &request.local->sequence(kLocalSequence);
+  request.local->append(*request.sequence, prompt.data(), prompt.size());
+  Active& started = active_.emplace(id, std::move(request)).first->second;
+  if (max_cached_requests_ == 0) return;
+  add_response(id, tenant);
+  if (cached_.count(id)) {
+    started.responses = tenants_.at(tenant).get();
+    started.response = &started.responses->tree.sequence(id);
+  }
 }
 
 void Cache::add_response(int64_t id, const std::string& tenant) {
@@ -90,16 +96,15 @@ void Cache::add_response(int64_t id, const std::string& tenant) {
     evict(responses.fifo.front());
 }
 
-void Cache::append(int64_t id, Active& request, const int32_t* tokens, size_t n) {
+void Cache::append(Active& request, const int32_t* tokens, size_t n) {
   if (request.ngram) {
     request.ngram->append(tokens, n);
     return;
   }
-  request.local->append(kLocalSequence, tokens, n);
+  request.local->append(*request.sequence, tokens, n);
   // The response may already be evicted when more requests run than the cache holds.
-  auto cached = cached_.find(id);
-  if (cached == cached_.end()) return;
-  tenants_[cached->second.tenant]->tree.append(id, tokens, n);
+  if (request.response == nullptr) return;
+  request.responses->tree.append(*request.response, tokens, n);
   cached_tokens_ += static_cast<int64_t>(n);
   enforce_token_budget();
 }
@@ -108,9 +113,9 @@ void Cache::enforce_token_budget() {
   while (max_cached_tokens_ > 0 && cached_tokens_ > max_cached_tokens_) evict(all_fifo_.front());
 }
 
-void Cache::add_active_response(int64_t id, const std::vector<int32_t>& tokens) {
+void Cache::add_active_response(int64_t id, const int32_t* tokens, size_t n) {
   std::lock_guard<std::mutex> lock(mutex_);
-  append(id, active(id), tokens.data(), tokens.size());
+  append(active(id), tokens, n);
 }
 
 void Cache::stop_request(int64_t id) {
@@ -134,6 +139,8 @@ void Cache::evict_cached_response(int64_t id) {
 }
 
 void Cache::evict(int64_t id) {
+  auto running = active_.find(id);
+  if (running != active_.end()) running->second.responses = nullptr, running->second.response = nullptr;
   auto cached = cached_.find(id);
   auto tenant = tenants_.find(cached->second.tenant);
   Tenant& responses = *tenant->second;
@@ -145,13 +152,17 @@ void Cache::evict(int64_t id) {
   if (responses.fifo.empty()) tenants_.erase(tenant);
 }
 
-Draft Cache::propose(int64_t id, Active& request, const int32_t* context, size_t n, const SpecParams& params) {
+Draft Cache::propose(Active& request, const int32_t* context, size_t n, const SpecParams& params) {
   if (request.ngram) throw std::invalid_argument("an n-gram session has no suffix trees");
-  Draft draft = request.local->speculate(context, n, params, kLocalSequence);
+  Draft draft = request.local->speculate(context, n, params, request.sequence);
   draft.source = kSourceRequest;
-  auto tenant = tenants_.find(request.tenant);
-  if (tenant != tenants_.end()) {
-    Draft global = tenant->second->tree.speculate(context, n, params, id);
+  Tenant* responses = request.responses;
+  if (responses == nullptr) {  // this response is not cached, others of its tenant may be
+    auto tenant = tenants_.find(request.tenant);
+    if (tenant != tenants_.end()) responses = tenant->second.get();
+  }
+  if (responses != nullptr) {
+    Draft global = responses->tree.speculate(context, n, params, request.response);
     if (global.score > draft.score) {  // ties keep the request's own draft
       draft = std::move(global);
       draft.source = kSourceGlobal;
@@ -160,9 +171,9 @@ Draft Cache::propose(int64_t id, Active& request, const int32_t* context, size_t
   return draft;
 }
 
-Draft Cache::speculate(int64_t id, const std::vector<int32_t>& context, const SpecParams& params) {
+Draft Cache::speculate(int64_t id, const int32_t* context, size_t n, const SpecParams& params) {
   std::lock_guard<std::mutex> lock(mutex_);
-  return propose(id, active(id), context.data(), context.size(), params);
+  return propose(active(id), context, n, params);
 }
 
 std::vector<Draft> Cache::step(const std::vector<int64_t>& ids, const std::vector<std::vector<int32_t>>& tokens) {
@@ -173,12 +184,12 @@ std::vector<Draft> Cache::step(const std::vector<int64_t>& ids, const std::vecto
   drafts.reserve(ids.size());
   for (size_t i = 0; i < ids.size(); ++i) {
     Active& request = active_.find(ids[i])->second;
-    append(ids[i], request, tokens[i].data(), tokens[i].size());
+    append(request, tokens[i].data(), tokens[i].size());
     if (request.ngram) {
       drafts.push_back(request.ngram->propose(request.params.spec.max_spec_tokens));
     } else {
       const std::vector<int32_t>& context = request.local->sequence_tokens(kLocalSequence);
-      drafts.push_back(propose(ids[i], request, context.data(), context.size(), request.params.spec));
+      drafts.push_back(propose(request, context.data(), context.size(), request.params.spec));
     }
   }
   return drafts;

@@ -40,10 +40,10 @@ class Cache {
 
   void start_request(int64_t id, const std::vector<int32_t>& prompt, const std::string& tenant,
                      const SessionParams& params);
-  void add_active_response(int64_t id, const std::vector<int32_t>& tokens);
+  void add_active_response(int64_t id, const int32_t* tokens, size_t n);
   void stop_request(int64_t id);
   void evict_cached_response(int64_t id);
-  Draft speculate(int64_t id, const std::vector<int32_t>& context, const SpecParams& params);
+  Draft speculate(int64_t id, const int32_t* context, size_t n, const SpecParams& params);
   // Appends each request's committed tokens, then drafts for it with its own
   // session params from its whole context: one call per decode step of a batch.
   std::vector<Draft> step(const std::vector<int64_t>& ids, const std::vector<std::vector<int32_t>>& tokens);
@@ -61,16 +61,21 @@ class Cache {
   void restore(const std::string& data);
 
  private:
+  struct Tenant {
+    explicit Tenant(int depth) : tree(depth) {}
+    SuffixTree tree;
+    std::list<int64_t> fifo;
+  };
   struct Active {
     std::unique_ptr<SuffixTree> local;
     std::unique_ptr<NgramIndex> ngram;
     std::string tenant;
     SessionParams params;
-  };
-  struct Tenant {
-    explicit Tenant(int depth) : tree(depth) {}
-    SuffixTree tree;
-    std::list<int64_t> fifo;
+    // Handles found once, not per token: the request's sequence in its own
+    // tree, and its response in the tenant's global tree while that is cached.
+    SuffixTree::Sequence* sequence = nullptr;
+    Tenant* responses = nullptr;
+    SuffixTree::Sequence* response = nullptr;
   };
   struct Cached {
     std::string tenant;
@@ -80,10 +85,10 @@ class Cache {
 
   Active& active(int64_t id);
   void add_response(int64_t id, const std::string& tenant);
-  void append(int64_t id, Active& request, const int32_t* tokens, size_t n);
+  void append(Active& request, const int32_t* tokens, size_t n);
   void evict(int64_t id);
   void enforce_token_budget();
-  Draft propose(int64_t id, Active& request, const int32_t* context, size_t n, const SpecParams& params);
+  Draft propose(Active& request, const int32_t* context, size_t n, const SpecParams& params);
 
   int max_depth_;
   int64_t max_cached_requests_;

@@ -17,10 +17,12 @@ namespace speclane {
 
 using Tokens = std::vector<int32_t>;
 
-// The last `keep` items of a sequence of ints (all of them: SIZE_MAX).
-// Lists and tuples are read in place; anything else (a numpy array, a range)
-// is sliced first so that only the kept items are converted.
-inline Tokens tail_of(PyObject* sequence, size_t keep) {
+// Calls fn(tokens, n) with the last `keep` items (all: SIZE_MAX) of a sequence
+// of ints as int32, in a stack buffer when they fit (no allocation on the
+// per-step calls). Lists and tuples are read in place; anything else (a numpy
+// array, a range) is sliced first, so only the kept items are converted.
+template <typename Fn>
+auto with_tail(PyObject* sequence, size_t keep, Fn fn) {
   if (PyUnicode_Check(sequence) || PyBytes_Check(sequence)) throw pybind11::type_error("token ids must be integers");
   pybind11::object owned;
   if (!PyList_Check(sequence) && !PyTuple_Check(sequence)) {
@@ -41,16 +43,23 @@ inline Tokens tail_of(PyObject* sequence, size_t keep) {
   Py_ssize_t size = PySequence_Fast_GET_SIZE(sequence);
   PyObject** items = PySequence_Fast_ITEMS(sequence);
   Py_ssize_t from = size - static_cast<Py_ssize_t>(std::min(static_cast<size_t>(size), keep));
-  Tokens tokens(static_cast<size_t>(size - from));
-  for (Py_ssize_t i = from; i < size; ++i) {
-    long token = PyLong_AsLong(items[i]);
+  const size_t n = static_cast<size_t>(size - from);
+  int32_t small[64];
+  Tokens large;
+  int32_t* tokens = small;
+  if (n > 64) {
+    large.resize(n);
+    tokens = large.data();
+  }
+  for (size_t i = 0; i < n; ++i) {
+    long token = PyLong_AsLong(items[from + static_cast<Py_ssize_t>(i)]);
     if ((token == -1 && PyErr_Occurred()) || token < INT32_MIN || token > INT32_MAX) {
       PyErr_Clear();
       throw pybind11::type_error("token ids must be int32 integers");
     }
-    tokens[static_cast<size_t>(i - from)] = static_cast<int32_t>(token);
+    tokens[i] = static_cast<int32_t>(token);
   }
-  return tokens;
+  return fn(static_cast<const int32_t*>(tokens), n);
 }
 
 inline PyObject* int_list(const Tokens& tokens) {
@@ -85,7 +94,8 @@ struct type_caster<speclane::Tokens> {
   bool load(handle src, bool) {
     if (!src) return false;
     try {
-      value = speclane::tail_of(src.ptr(), SIZE_MAX);
+      value = speclane::with_tail(src.ptr(), SIZE_MAX,
+                                  [](const int32_t* tokens, size_t n) { return speclane::Tokens(tokens, tokens + n); });
     } catch (const type_error&) {
       return false;
     }

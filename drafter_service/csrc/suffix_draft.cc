@@ -7,17 +7,8 @@
 
 namespace speclane {
 
-Draft SuffixTree::speculate(const int32_t* context, size_t n, const SpecParams& params) const {
-  return speculate_along(context, n, params, nullptr);
-}
-
-Draft SuffixTree::speculate(const int32_t* context, size_t n, const SpecParams& params, int64_t along) const {
-  auto it = seqs_.find(along);
-  return speculate_along(context, n, params, it == seqs_.end() ? nullptr : &it->second);
-}
-
-Draft SuffixTree::speculate_along(const int32_t* context, size_t n, const SpecParams& params,
-                                  const Sequence* along) const {
+Draft SuffixTree::speculate(const int32_t* context, size_t n, const SpecParams& params,
+                            const Sequence* along) const {
   if (params.max_spec_factor < 0) throw std::invalid_argument("max_spec_factor must be >= 0");
   // Every suffix of a running sequence ends on a known node (up to max_depth
   // tokens): for the match lengths m the context shares with `along`'s tail,

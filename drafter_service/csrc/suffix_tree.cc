@@ -47,10 +47,13 @@ void SuffixTree::add_sequence(int64_t seq) {
   seqs_.emplace(seq, Sequence{store, {kRoot}});
 }
 
-void SuffixTree::append(int64_t seq, const int32_t* tokens, size_t n) {
+SuffixTree::Sequence& SuffixTree::sequence(int64_t seq) {
   auto it = seqs_.find(seq);
   if (it == seqs_.end()) throw std::out_of_range("unknown sequence " + std::to_string(seq));
-  Sequence& sequence = it->second;
+  return it->second;
+}
+
+void SuffixTree::append(Sequence& sequence, const int32_t* tokens, size_t n) {
   if (sequence.frontier.empty() && n > 0) throw std::invalid_argument("sequence is sealed");
   for (size_t i = 0; i < n; ++i) {
     int32_t token = tokens[i];

@@ -57,31 +57,6 @@ struct SpecParams {
 
 class SuffixTree {
  public:
-  explicit SuffixTree(int max_depth);  // 1..65534
-
-  int max_depth() const { return max_depth_; }
-  bool contains(int64_t seq) const { return seqs_.count(seq) != 0; }
-  size_t sequence_length(int64_t seq) const;
-  const std::vector<int32_t>& sequence_tokens(int64_t seq) const;
-  void add_sequence(int64_t seq);
-  void append(int64_t seq, const int32_t* tokens, size_t n);
-  // No more appends to `seq`: frees its frontier (drafts are unaffected).
-  void seal(int64_t seq);
-  void remove_sequence(int64_t seq);
-  int32_t count(const int32_t* pattern, size_t n) const;
-  Draft speculate(const int32_t* context, size_t n, const SpecParams& params) const;
-  // The same draft; where the context ends like sequence `along` (as a running
-  // request's does), that sequence's frontier gives the position of every
-  // shorter match length, so they are not re-matched from the root.
-  Draft speculate(const int32_t* context, size_t n, const SpecParams& params, int64_t along) const;
-  size_t num_nodes() const { return nodes_.size() - 1 - free_nodes_.size(); }
-  size_t memory_bytes() const;
-
- private:
-  struct Store {
-    std::vector<int32_t> tokens;
-    uint32_t refs = 0;
-  };
   // Where the suffixes shorter than max_depth of a running sequence end: the
   // shorter ones, whose patterns occurred before, at closed nodes
   // (frontier[length], root first); the longer ones, each seen once, at open
@@ -103,6 +78,34 @@ class SuffixTree {
     uint32_t node_of(size_t length) const {
       return length < frontier.size() ? frontier[length] : open[open.size() - 1 - (length - frontier.size())];
     }
+  };
+
+  explicit SuffixTree(int max_depth);  // 1..65534
+
+  int max_depth() const { return max_depth_; }
+  bool contains(int64_t seq) const { return seqs_.count(seq) != 0; }
+  size_t sequence_length(int64_t seq) const;
+  const std::vector<int32_t>& sequence_tokens(int64_t seq) const;
+  void add_sequence(int64_t seq);
+  // A sequence's handle, valid until the sequence is removed.
+  Sequence& sequence(int64_t seq);
+  void append(int64_t seq, const int32_t* tokens, size_t n) { append(sequence(seq), tokens, n); }
+  void append(Sequence& sequence, const int32_t* tokens, size_t n);
+  // No more appends to `seq`: frees its frontier (drafts are unaffected).
+  void seal(int64_t seq);
+  void remove_sequence(int64_t seq);
+  int32_t count(const int32_t* pattern, size_t n) const;
+  // Where the context ends like sequence `along` (as a running request's does),
+  // that sequence's frontier gives the position of every match length up to
+  // max_depth, so they are not re-matched from the root; the draft is the same.
+  Draft speculate(const int32_t* context, size_t n, const SpecParams& params, const Sequence* along = nullptr) const;
+  size_t num_nodes() const { return nodes_.size() - 1 - free_nodes_.size(); }
+  size_t memory_bytes() const;
+
+ private:
+  struct Store {
+    std::vector<int32_t> tokens;
+    uint32_t refs = 0;
   };
   struct Position {
     uint32_t node;
@@ -157,7 +160,6 @@ class SuffixTree {
   void relabel(const std::vector<uint32_t>& path, uint32_t store);
 
   bool match(const int32_t* tokens, size_t start, size_t end, Position* out) const;
-  Draft speculate_along(const int32_t* context, size_t n, const SpecParams& params, const Sequence* along) const;
   Draft draft_path(Position at, int budget, const SpecParams& params, const int32_t* pattern, size_t m) const;
   Draft draft_tree(Position at, int budget, double min_token_prob) const;
 
