@@ -5,6 +5,8 @@ import asyncio
 import pathlib
 import random
 import signal
+import threading
+import time
 
 import grpc
 import numpy as np
@@ -67,6 +69,40 @@ def test_arctic_api_rejects_bad_calls_like_python():
         cache.start_request(["unhashable"], [1])
     draft = cache.speculate("a", np.array([1, 2], dtype=np.int64))  # any sequence; max_spec_tokens defaults to the depth
     assert draft.token_ids == [3] and draft.match_len == 2
+
+
+def longest_stall_of_other_python(work) -> tuple[float, float]:
+    """Runs `work` in a thread; returns how long it took and the longest gap
+    between this thread's loop iterations meanwhile (the whole call if it held the GIL)."""
+    done = threading.Event()
+    timing = {}
+
+    def run():
+        began = time.perf_counter()
+        work()
+        timing["took"] = time.perf_counter() - began
+        done.set()
+
+    worker = threading.Thread(target=run)
+    last, longest = time.perf_counter(), 0.0
+    worker.start()
+    while not done.is_set():
+        now = time.perf_counter()
+        longest, last = max(longest, now - last), now
+    worker.join()
+    return timing["took"], longest
+
+
+def test_work_that_grows_with_its_input_runs_without_the_gil():
+    rng = random.Random(0)
+    cache = SuffixDecodingCache(max_tree_depth=32, max_cached_requests=4)
+    cache.start_request("a", [])
+    long_response = [rng.randrange(50000) for _ in range(300_000)]
+    took, stall = longest_stall_of_other_python(lambda: cache.add_active_response("a", long_response))
+    assert took > 0.05 and stall < took / 2
+    core = _core.Cache(32, 4)
+    took, stall = longest_stall_of_other_python(lambda: core.start_request(1, long_response))
+    assert took > 0.05 and stall < took / 2
 
 
 def test_path_drafts_go_past_the_tree_depth():
