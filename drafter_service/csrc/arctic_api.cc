@@ -217,73 +217,12 @@ class ArcticCache {
   int64_t next_number_ = 0;
 };
 
-// A method's parameter names as interned strings, made once: call sites
-// intern their keyword names too, so matching one is a pointer compare.
-struct Parameters {
-  Parameters(const char* function, std::initializer_list<const char*> names, size_t required)
-      : function(function), required(required) {
-    for (const char* name : names) interned.push_back(PyUnicode_InternFromString(name));  // kept for the process
-  }
-  std::string function;
-  size_t required;
-  std::vector<PyObject*> interned;
-};
-
-size_t index_of(const Parameters& parameters, PyObject* name) {
-  const size_t count = parameters.interned.size();
-  for (size_t i = 0; i < count; ++i)
-    if (parameters.interned[i] == name) return i;
-  for (size_t i = 0; i < count; ++i)  // a name that was not interned
-    if (PyUnicode_Compare(name, parameters.interned[i]) == 0) return i;
-  return count;
-}
-
-// Matches a fastcall's positional and keyword arguments to the parameters:
-// out[i] is the i-th argument, or nullptr when not given.
-void bind_arguments(const Parameters& parameters, PyObject* const* args, Py_ssize_t nargs, PyObject* kwnames,
-                    PyObject** out) {
-  const size_t count = parameters.interned.size();
-  auto fail = [&](const std::string& what) { throw py::type_error(parameters.function + ("() " + what)); };
-  std::fill(out, out + count, nullptr);
-  if (static_cast<size_t>(nargs) > count) fail("takes at most " + std::to_string(count) + " arguments");
-  std::copy(args, args + nargs, out);
-  Py_ssize_t nkw = kwnames ? PyTuple_GET_SIZE(kwnames) : 0;
-  for (Py_ssize_t k = 0; k < nkw; ++k) {
-    PyObject* name = PyTuple_GET_ITEM(kwnames, k);
-    size_t i = index_of(parameters, name);
-    if (i == count) fail(std::string("got an unexpected keyword argument ") + PyUnicode_AsUTF8(name));
-    if (out[i] != nullptr) fail(std::string("got multiple values for ") + PyUnicode_AsUTF8(name));
-    out[i] = args[nargs + k];
-  }
-  for (size_t i = 0; i < parameters.required; ++i)
-    if (out[i] == nullptr) fail(std::string("missing argument ") + PyUnicode_AsUTF8(parameters.interned[i]));
-}
-
 // The C++ object of `self`, which the method descriptor has already checked is
 // an ArcticCache: read off the instance without pybind11's type lookup.
 ArcticCache& cache_of(PyObject* self) {
   py::detail::value_and_holder value = reinterpret_cast<py::detail::instance*>(self)->get_value_and_holder();
   if (!value.holder_constructed()) throw py::type_error("the cache's __init__ was not called");
   return *value.value_ptr<ArcticCache>();
-}
-
-// Runs a fastcall method body, mapping C++ exceptions to Python ones as pybind11 does.
-template <typename Body>
-PyObject* fastcall(Body body) {
-  try {
-    return body();
-  } catch (py::error_already_set& error) {
-    error.restore();
-  } catch (const py::builtin_exception& error) {
-    error.set_error();
-  } catch (const std::invalid_argument& error) {
-    PyErr_SetString(PyExc_ValueError, error.what());
-  } catch (const std::out_of_range& error) {
-    PyErr_SetString(PyExc_IndexError, error.what());
-  } catch (const std::exception& error) {
-    PyErr_SetString(PyExc_RuntimeError, error.what());
-  }
-  return nullptr;
 }
 
 PyObject* speculate(PyObject* self, PyObject* const* args, Py_ssize_t nargs, PyObject* kwnames) {

@@ -1,7 +1,8 @@
 // Python <-> core conversions shared by the bindings (bindings.cc) and the
-// Arctic-compatible class (arctic_api.cc). Token lists cross the boundary on
-// every call, so they are read and built directly with the CPython API
-// instead of element by element through pybind11's generic casters.
+// Arctic-compatible class (arctic_api.cc), and the argument binding of its
+// fastcall methods. Token lists cross the boundary on every call, so they are
+// read and built directly with the CPython API instead of element by element
+// through pybind11's generic casters.
 #pragma once
 
 #include <pybind11/pybind11.h>
@@ -10,7 +11,9 @@
 #include <algorithm>
 #include <climits>
 #include <cstdint>
+#include <initializer_list>
 #include <stdexcept>
+#include <string>
 #include <vector>
 
 namespace speclane {
@@ -81,6 +84,70 @@ inline PyObject* float_list(const std::vector<double>& values) {
     PyList_SET_ITEM(list, static_cast<Py_ssize_t>(i), last);
   }
   return list;
+}
+
+// CPython fastcall methods (METH_FASTCALL | METH_KEYWORDS) for the calls made
+// per decode step: arguments bound without pybind11's dispatch.
+
+// A method's parameter names as interned strings, made once: call sites
+// intern their keyword names too, so matching one is a pointer compare.
+struct Parameters {
+  Parameters(const char* function, std::initializer_list<const char*> names, size_t required)
+      : function(function), required(required) {
+    for (const char* name : names) interned.push_back(PyUnicode_InternFromString(name));  // kept for the process
+  }
+  std::string function;
+  size_t required;
+  std::vector<PyObject*> interned;
+};
+
+inline size_t index_of(const Parameters& parameters, PyObject* name) {
+  const size_t count = parameters.interned.size();
+  for (size_t i = 0; i < count; ++i)
+    if (parameters.interned[i] == name) return i;
+  for (size_t i = 0; i < count; ++i)  // a name that was not interned
+    if (PyUnicode_Compare(name, parameters.interned[i]) == 0) return i;
+  return count;
+}
+
+// Matches a fastcall's positional and keyword arguments to the parameters:
+// out[i] is the i-th argument, or nullptr when not given.
+inline void bind_arguments(const Parameters& parameters, PyObject* const* args, Py_ssize_t nargs,
+                           PyObject* kwnames, PyObject** out) {
+  const size_t count = parameters.interned.size();
+  auto fail = [&](const std::string& what) { throw pybind11::type_error(parameters.function + ("() " + what)); };
+  std::fill(out, out + count, nullptr);
+  if (static_cast<size_t>(nargs) > count) fail("takes at most " + std::to_string(count) + " arguments");
+  std::copy(args, args + nargs, out);
+  Py_ssize_t nkw = kwnames ? PyTuple_GET_SIZE(kwnames) : 0;
+  for (Py_ssize_t k = 0; k < nkw; ++k) {
+    PyObject* name = PyTuple_GET_ITEM(kwnames, k);
+    size_t i = index_of(parameters, name);
+    if (i == count) fail(std::string("got an unexpected keyword argument ") + PyUnicode_AsUTF8(name));
+    if (out[i] != nullptr) fail(std::string("got multiple values for ") + PyUnicode_AsUTF8(name));
+    out[i] = args[nargs + k];
+  }
+  for (size_t i = 0; i < parameters.required; ++i)
+    if (out[i] == nullptr) fail(std::string("missing argument ") + PyUnicode_AsUTF8(parameters.interned[i]));
+}
+
+// Runs a fastcall method body, mapping C++ exceptions to Python ones as pybind11 does.
+template <typename Body>
+PyObject* fastcall(Body body) {
+  try {
+    return body();
+  } catch (pybind11::error_already_set& error) {
+    error.restore();
+  } catch (const pybind11::builtin_exception& error) {
+    error.set_error();
+  } catch (const std::invalid_argument& error) {
+    PyErr_SetString(PyExc_ValueError, error.what());
+  } catch (const std::out_of_range& error) {
+    PyErr_SetString(PyExc_IndexError, error.what());
+  } catch (const std::exception& error) {
+    PyErr_SetString(PyExc_RuntimeError, error.what());
+  }
+  return nullptr;
 }
 
 }  // namespace speclane

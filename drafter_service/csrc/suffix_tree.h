@@ -40,6 +40,8 @@ struct Node {
 static_assert(sizeof(Node) == 24, "node records stay compact");
 
 constexpr uint16_t kOpen = 0xFFFF;
+constexpr uint32_t kRoot = 0;
+constexpr uint32_t kSmall = 8;  // children beyond this many are also found through the EdgeMap, not a scan
 
 struct Kid {
   int32_t token;  // the child's first token
