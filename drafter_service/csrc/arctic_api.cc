@@ -30,9 +30,9 @@ constexpr size_t kLongAppend = 64;
 constexpr const char* kDraftFields[] = {"token_ids", "parents", "probs", "score", "match_len"};
 constexpr size_t kNumDraftFields = 5;
 
-// Builds instances of the draft dataclass. With slots (as ours has) the
-// fields are written to their slots: calling the class would run its Python
-// __init__, about a third of a whole speculate call.
+// Builds instances of the draft dataclass by writing its fields to their
+// slots: calling the class would run its Python __init__, about a third of a
+// whole speculate call.
 class DraftFactory {
  public:
   explicit DraftFactory(py::object type) : type_(std::move(type)) {
@@ -41,10 +41,8 @@ class DraftFactory {
     for (size_t i = 0; i < kNumDraftFields; ++i) {
       PyObject* descr = PyDict_GetItemString(attributes.ptr(), kDraftFields[i]);
       if (descr == nullptr || !Py_IS_TYPE(descr, &PyMemberDescr_Type) ||
-          reinterpret_cast<PyMemberDescrObject*>(descr)->d_member->type != T_OBJECT_EX) {
-        slots_ = false;
-        return;
-      }
+          reinterpret_cast<PyMemberDescrObject*>(descr)->d_member->type != T_OBJECT_EX)
+        throw py::type_error("draft_type must be a slots class with the fields of SuffixDecodingDraft");
       offsets_[i] = reinterpret_cast<PyMemberDescrObject*>(descr)->d_member->offset;
     }
   }
@@ -52,11 +50,6 @@ class DraftFactory {
   PyObject* make(const Draft& draft) const {
     PyObject* fields[kNumDraftFields] = {int_list(draft.token_ids), int_list(draft.parents), float_list(draft.probs),
                                          PyFloat_FromDouble(draft.score), PyLong_FromLong(draft.match_len)};
-    if (!slots_) {
-      PyObject* made = PyObject_Vectorcall(type_.ptr(), fields, kNumDraftFields, nullptr);
-      for (PyObject* field : fields) Py_DECREF(field);
-      return made;
-    }
     PyTypeObject* type = reinterpret_cast<PyTypeObject*>(type_.ptr());
     PyObject* made = type->tp_alloc(type, 0);
     for (size_t i = 0; i < kNumDraftFields; ++i) {
@@ -71,7 +64,6 @@ class DraftFactory {
 
  private:
   py::object type_;
-  bool slots_ = true;
   Py_ssize_t offsets_[kNumDraftFields] = {};
 };
 

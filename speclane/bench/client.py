@@ -2,14 +2,13 @@
 `concurrency` workers replays its next conversation as soon as the previous one
 ends, and every request's timings and `usage.speculation` are recorded."""
 
-import asyncio
 import json
 import time
 from collections.abc import Callable
 
 import httpx
 
-from speclane.bench.conversation import Conversation
+from speclane.bench.conversation import Conversation, replay
 from speclane.bench.stats import RequestResult
 from speclane.log import TENANT_METADATA_KEY
 
@@ -76,35 +75,14 @@ async def stream_chat(client: httpx.AsyncClient, url: str, body: dict, headers: 
 
 async def closed_loop(url: str, conversations: list[Conversation], concurrency: int, request_fields: dict,
                       tenant: str, on_request: Callable[[int], None]) -> tuple[list[RequestResult], float]:
-    """Replays the conversations with `concurrency` workers; returns the results and the wall time.
-
-    `request_fields` go into every request body (model, sampling, speculation).
-    A failed turn ends its conversation: the later turns would replay a history
-    the server never produced. `on_request(n)` reports n requests done or skipped.
-    """
-    queue = list(reversed(conversations))
-    results: list[RequestResult] = []
+    """Replays the conversations with `concurrency` workers (see `conversation.replay`);
+    `request_fields` go into every request body (model, sampling, speculation)."""
     # The tenant keeps this run's responses in a suffix tree of their own, so a
     # run never drafts from another method's answers to the same prompts.
     headers = {TENANT_METADATA_KEY: tenant}
     body = {**request_fields, "stream": True, "stream_options": {"include_usage": True}}
-
-    async def worker(client: httpx.AsyncClient) -> None:
-        while queue:
-            conversation = queue.pop()
-            replies: list[str] = []
-            for _ in conversation.turns:
-                result, reply = await stream_chat(client, url, {**body, "messages": conversation.messages(replies)},
-                                                  headers)
-                results.append(result)
-                on_request(1)
-                if not result.ok:
-                    on_request(len(conversation.turns) - len(replies) - 1)
-                    break
-                replies.append(reply)
-
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
     async with httpx.AsyncClient(timeout=REQUEST_TIMEOUT_SECONDS, limits=limits) as client:
-        start = time.perf_counter()
-        await asyncio.gather(*(worker(client) for _ in range(concurrency)))
-        return results, time.perf_counter() - start
+        return await replay(conversations, concurrency,
+                            lambda messages: stream_chat(client, url, {**body, "messages": messages}, headers),
+                            on_request)

@@ -3,7 +3,14 @@ turns sent one after the other. Each request carries the history with the
 model's own earlier replies, so multi-turn workloads exercise what the server
 generated itself (what suffix decoding learns from)."""
 
+import asyncio
 import dataclasses
+import time
+from collections.abc import Awaitable, Callable
+
+from speclane.bench.stats import RequestResult
+
+Ask = Callable[[list[dict]], Awaitable[tuple[RequestResult, str]]]  # messages -> (result, reply)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -17,3 +24,32 @@ class Conversation:
         history = [message for user, reply in zip(self.turns, replies)
                    for message in ({"role": "user", "content": user}, {"role": "assistant", "content": reply})]
         return [*self.prefix, *history, {"role": "user", "content": self.turns[turn]}]
+
+
+async def replay(conversations: list[Conversation], concurrency: int, ask: Ask,
+                 on_request: Callable[[int], None]) -> tuple[list[RequestResult], float]:
+    """Replays the conversations with `concurrency` workers, each taking the next
+    conversation as soon as its previous one ends; returns the results and the wall time.
+
+    A failed turn ends its conversation: the later turns would replay a history
+    the server never produced. `on_request(n)` reports n requests done or skipped.
+    """
+    queue = list(reversed(conversations))
+    results: list[RequestResult] = []
+
+    async def worker() -> None:
+        while queue:
+            conversation = queue.pop()
+            replies: list[str] = []
+            for _ in conversation.turns:
+                result, reply = await ask(conversation.messages(replies))
+                results.append(result)
+                on_request(1)
+                if not result.ok:
+                    on_request(len(conversation.turns) - len(replies) - 1)
+                    break
+                replies.append(reply)
+
+    start = time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    return results, time.perf_counter() - start

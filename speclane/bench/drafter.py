@@ -100,18 +100,25 @@ def _replay_request(cache, number: int, prompt: list, response: list, k: int, re
     cache.stop_request(number)
 
 
+def _turns(players: int, total: int, block: int):
+    """(player, first, stop): `players` take turns over items first..stop-1,
+    `block` items at a time, alternating which goes first."""
+    for first in range(0, total, block):
+        order = range(players) if (first // block) % 2 == 0 else reversed(range(players))
+        for which in order:
+            yield which, first, min(first + block, total)
+
+
 def replay(caches: list, requests, k: int, block: int = 16) -> list[dict]:
     """Greedy replay through the Arctic API of each cache. The caches take turns
     every `block` requests (alternating which goes first), so the machine's
     drifts hit all alike while each keeps its own working set warm, as it would
     serving alone. Returns each cache's timings and acceptance."""
     results = [dict(hits=[], misses=[], appends=[], steps=0, drafted=0, accepted=0) for _ in caches]
-    for first in range(0, len(requests), block):
-        order = range(len(caches)) if (first // block) % 2 == 0 else reversed(range(len(caches)))
-        for which in order:
-            for number in range(first, min(first + block, len(requests))):
-                prompt, response = requests[number]
-                _replay_request(caches[which], number, prompt, response, k, results[which])
+    for which, first, stop in _turns(len(caches), len(requests), block):
+        for number in range(first, stop):
+            prompt, response = requests[number]
+            _replay_request(caches[which], number, prompt, response, k, results[which])
     tokens = sum(len(response) for _, response in requests)
     return [dict(hits=r["hits"], misses=r["misses"], append=statistics.mean(r["appends"]),
                  tokens_per_step=tokens / r["steps"], acceptance=r["accepted"] / max(r["drafted"], 1))
@@ -149,14 +156,12 @@ def batch_cpu(makes: list, requests, batch: int, k: int, depth: int, steps: int 
     chosen = [requests[i % len(requests)] for i in range(batch)]
     steppers = [_batch_stepper(make, chosen, k, depth) for make in makes]
     spent = [0.0] * len(makes)
-    for first in range(0, steps + block, block):
-        order = range(len(makes)) if (first // block) % 2 == 0 else reversed(range(len(makes)))
-        for which in order:
-            began = time.process_time()
-            for step in range(first, first + block):
-                steppers[which](step)
-            if first > 0:
-                spent[which] += time.process_time() - began
+    for which, first, stop in _turns(len(makes), steps + block, block):
+        began = time.process_time()
+        for step in range(first, stop):
+            steppers[which](step)
+        if first > 0:
+            spent[which] += time.process_time() - began
     return [total / steps for total in spent]
 
 

@@ -2,6 +2,7 @@
 `generate`, plain and with prompt lookup (`prompt_lookup_num_tokens=k`), run
 in-process on the same model and conversations, one request at a time."""
 
+import asyncio
 import time
 from collections.abc import Callable
 
@@ -10,7 +11,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.utils import logging as transformers_logging
 from transformers.generation.streamers import BaseStreamer
 
-from speclane.bench.conversation import Conversation
+from speclane.bench.conversation import Conversation, replay
 from speclane.bench.stats import RequestResult
 
 PEER_METHODS = ("hf-generate", "hf-prompt-lookup")
@@ -79,19 +80,10 @@ class HfPeer:
     def run(self, conversations: list[Conversation], method: str,
             on_request: Callable[[int], None]) -> tuple[list[RequestResult], float]:
         """Replays the conversations one request at a time, as the closed loop does at concurrency 1."""
-        results = []
-        start = time.perf_counter()
-        for conversation in conversations:
-            replies: list[str] = []
-            for _ in conversation.turns:
-                try:
-                    result, reply = self.generate(conversation.messages(replies), method == "hf-prompt-lookup")
-                except (RuntimeError, ValueError) as error:
-                    result, reply = RequestResult(ok=False, error=f"{type(error).__name__}: {error}"), ""
-                results.append(result)
-                on_request(1)
-                if not result.ok:
-                    on_request(len(conversation.turns) - len(replies) - 1)
-                    break
-                replies.append(reply)
-        return results, time.perf_counter() - start
+        async def ask(messages: list[dict]) -> tuple[RequestResult, str]:
+            try:
+                return self.generate(messages, method == "hf-prompt-lookup")
+            except (RuntimeError, ValueError) as error:
+                return RequestResult(ok=False, error=f"{type(error).__name__}: {error}"), ""
+
+        return asyncio.run(replay(conversations, 1, ask, on_request))
