@@ -3,6 +3,7 @@ stream per sequence to the verifier, and one to the drafter."""
 
 import asyncio
 import time
+from collections.abc import Sequence
 
 import grpc
 import structlog
@@ -126,7 +127,7 @@ class DrafterSession:
         )
         await self._guard(self._call.write(drafter_pb2.SessionRequest(start=start)))
 
-    async def propose(self, committed: list[int], committed_len: int) -> common_pb2.Draft | None:
+    async def propose(self, committed: Sequence[int], committed_len: int) -> common_pb2.Draft | None:
         """Commits the new tokens and returns the next draft, or None if the drafter failed."""
         step = drafter_pb2.Step(committed_token_ids=committed, committed_len=committed_len)
 

@@ -71,7 +71,7 @@ async def _next_draft(drafter: DrafterSession | None, last, remaining_tokens: in
     """Asks for a draft continuing the committed tokens, trimmed to what can still be emitted."""
     if drafter is None or not drafter.alive:
         return _NO_DRAFT
-    draft = await drafter.propose(list(last.token_ids), last.committed_len)
+    draft = await drafter.propose(last.token_ids, last.committed_len)  # copied once, into the Step
     if draft is None:
         return _NO_DRAFT
     # A verify step emits the accepted tokens plus one of the target's own. A
