@@ -1,4 +1,3 @@
-import sys
-from speclane.cli import main
+from drafter_service.server import main
 
-main(["drafter", *sys.argv[1:]])
+main()

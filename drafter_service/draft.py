@@ -2,6 +2,11 @@
 
 from dataclasses import dataclass
 
+# Which structure a draft came from (`Draft.source`).
+SOURCE_REQUEST = "suffix-request"  # the sequence's own suffix tree (prompt + output)
+SOURCE_GLOBAL = "suffix-global"  # the tree over earlier responses
+SOURCE_NGRAM = "ngram"  # prompt lookup
+
 
 @dataclass(frozen=True)
 class Draft:
@@ -34,7 +39,3 @@ class Draft:
     def is_chain(self) -> bool:
         return all(parent == index - 1 for index, parent in enumerate(self.parents))
 
-
-def chain_parents(length: int) -> tuple[int, ...]:
-    """Parents of a single path: each token follows the previous one."""
-    return tuple(range(-1, length - 1))

@@ -7,10 +7,8 @@ import itertools
 from collections.abc import Sequence
 
 from drafter_service import _core
-from drafter_service.draft import Draft
-from drafter_service.ngram import SOURCE_NGRAM
+from drafter_service.draft import SOURCE_GLOBAL, SOURCE_NGRAM, SOURCE_REQUEST, Draft
 from drafter_service.proposer import METHOD_NGRAM, ProposerParams
-from drafter_service.suffix_decoding import SOURCE_GLOBAL, SOURCE_REQUEST
 
 _SOURCES = {_core.SOURCE_REQUEST: SOURCE_REQUEST, _core.SOURCE_GLOBAL: SOURCE_GLOBAL, _core.SOURCE_NGRAM: SOURCE_NGRAM}
 _CORE_METHODS = {METHOD_NGRAM: _core.METHOD_NGRAM}

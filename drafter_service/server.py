@@ -9,10 +9,11 @@ import grpc
 import structlog
 
 from drafter_service import snapshot
-from drafter_service.config import DrafterConfig
+from drafter_service.config import ENV_PREFIX, DrafterConfig
 from drafter_service.engine import DraftEngine
 from drafter_service.service import SERVICE_NAME, DrafterServicer
 from protos.drafter.v1 import drafter_pb2_grpc
+from speclane.config import parse_config
 from speclane.grpc_server import serve
 from speclane.log import configure_logging
 
@@ -67,3 +68,7 @@ async def run(config: DrafterConfig, ready: Callable[[int], None] | None = None)
              snapshot_path=config.snapshot_path or None)
     await serve(address=config.address, add_servicers=add_servicers, warmup=warmup, on_shutdown=on_shutdown,
                 max_concurrent_rpcs=config.max_concurrent_rpcs, ready=ready)
+
+
+def main(argv: list[str] | None = None, prog: str = "python -m drafter_service") -> None:
+    asyncio.run(run(parse_config(DrafterConfig, ENV_PREFIX, argv, prog, "the drafter service")))

@@ -1,5 +1,3 @@
-import sys
+from gateway.server import main
 
-from speclane.cli import main
-
-main(["gateway", *sys.argv[1:]])
+main()

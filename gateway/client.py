@@ -11,15 +11,9 @@ from collections.abc import Iterator
 
 import grpc
 
-from protos.common.v1 import common_pb2
+from protos.conventions import FINISH_REASON_NAMES
 from protos.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from speclane.grpc_server import CHANNEL_OPTIONS, request_metadata
-
-_FINISH_REASONS = {
-    common_pb2.FINISH_REASON_STOP: "stop",
-    common_pb2.FINISH_REASON_LENGTH: "length",
-    common_pb2.FINISH_REASON_ABORT: "abort",
-}
 
 
 @dataclasses.dataclass
@@ -65,7 +59,7 @@ class GenerationClient:
             pieces.append(last.text)
         usage = last.usage
         return Generation(
-            token_ids=token_ids, text="".join(pieces), finish_reason=_FINISH_REASONS.get(last.finish_reason, ""),
+            token_ids=token_ids, text="".join(pieces), finish_reason=FINISH_REASON_NAMES.get(last.finish_reason, ""),
             prompt_tokens=usage.prompt_tokens, draft_tokens=usage.speculation.draft_tokens,
             accepted_tokens=usage.speculation.accepted_tokens, verify_steps=usage.speculation.verify_steps,
         )

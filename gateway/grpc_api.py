@@ -15,16 +15,11 @@ from gateway.serving import (
     build_generation_request,
     generate_text,
 )
-from protos.common.v1 import common_pb2
+from protos.conventions import FINISH_REASONS_BY_NAME
 from protos.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from speclane.grpc_server import bind_request_id_from
 from speclane.log import TENANT_METADATA_KEY, metadata_value
 
-_FINISH_REASONS = {
-    "stop": common_pb2.FINISH_REASON_STOP,
-    "length": common_pb2.FINISH_REASON_LENGTH,
-    "abort": common_pb2.FINISH_REASON_ABORT,
-}
 _OPTIONAL_SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed")
 
 
@@ -51,7 +46,7 @@ def _prompt(request: gateway_pb2.GenerateRequest) -> dict:
 def _response(delta: TextDelta, prompt_tokens: int, completion_tokens: int) -> gateway_pb2.GenerateResponse:
     response = gateway_pb2.GenerateResponse(token_ids=delta.token_ids, text=delta.text)
     if delta.finish_reason:
-        response.finish_reason = _FINISH_REASONS[delta.finish_reason]
+        response.finish_reason = FINISH_REASONS_BY_NAME[delta.finish_reason]
         usage = delta.speculation
         response.usage.CopyFrom(gateway_pb2.Usage(
             prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,

@@ -7,19 +7,15 @@ from collections.abc import AsyncIterator
 import grpc
 import structlog
 
-from gateway.clients import DrafterClient, DrafterSession, VerifierPool, speculation_enabled
+from gateway.backends import DrafterClient, DrafterSession, VerifierPool, speculation_enabled
 from gateway.metrics import GatewayMetrics
 from gateway.serving import InvalidRequest, Overloaded
 from gateway.types import GenerationRequest, SpeculationUsage, TokenDelta
 from protos.common.v1 import common_pb2
+from protos.conventions import FINISH_REASON_NAMES
 
 log = structlog.get_logger()
 
-_FINISH_REASONS = {
-    common_pb2.FINISH_REASON_STOP: "stop",
-    common_pb2.FINISH_REASON_LENGTH: "length",
-    common_pb2.FINISH_REASON_ABORT: "abort",
-}
 _NO_DRAFT = common_pb2.Draft()
 
 
@@ -54,7 +50,7 @@ class Orchestrator:
             if drafter is not None:
                 self._finish_in_background(drafter, list(result.token_ids), result.committed_len)
                 drafter = None
-            yield TokenDelta(list(result.token_ids), _FINISH_REASONS[result.finish_reason], usage)
+            yield TokenDelta(list(result.token_ids), FINISH_REASON_NAMES[result.finish_reason], usage)
         finally:
             verifier.close()
             self._verifiers.release(index)

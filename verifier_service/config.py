@@ -1,13 +1,16 @@
-"""Configuration of the verifier service (flags, or SPECLANE_VERIFIER_* env vars)."""
+"""Configuration of the verifier service (flags, or SPECLANE_VERIFIER_* env vars).
+
+No torch here: a launcher builds and checks this config without the model's libraries."""
 
 import os
+import re
 from dataclasses import dataclass
 
 from speclane.config import option
 from speclane.log import check_log_level
-from verifier_service.device import DEVICE_PATTERN, DTYPES
-
 ENV_PREFIX = "SPECLANE_VERIFIER_"
+DEVICE_PATTERN = re.compile(r"^(auto|cpu|cuda(:\d+)?|npu(:\d+)?)$")
+DTYPES = ("float32", "bfloat16", "float16")  # torch dtype names
 
 
 @dataclass(frozen=True)

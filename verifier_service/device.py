@@ -7,14 +7,12 @@ the selection logic is testable without either backend.
 """
 
 import importlib
-import re
 from collections.abc import Callable
 from types import ModuleType
 
 import torch
 
-DEVICE_PATTERN = re.compile(r"^(auto|cpu|cuda(:\d+)?|npu(:\d+)?)$")
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+from verifier_service.config import DEVICE_PATTERN, DTYPES
 
 
 class DeviceError(RuntimeError):
@@ -74,7 +72,7 @@ def resolve_dtype(requested: str, device: str, *, cuda=torch.cuda) -> torch.dtyp
     if requested != "auto":
         if requested not in DTYPES:
             raise ValueError(f"unknown dtype {requested!r}; use auto, {', '.join(DTYPES)}")
-        return DTYPES[requested]
+        return getattr(torch, requested)
     if device == "cpu":
         return torch.float32
     if device.startswith("npu"):

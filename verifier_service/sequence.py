@@ -10,7 +10,8 @@ import torch
 
 from verifier_service.errors import InvalidRequest
 from verifier_service.sampling import SamplingParams
-from verifier_service.tree import chain_parents, check_parents, depths, keep_nodes
+from protos.conventions import chain_parents
+from verifier_service.tree import check_parents, depths, keep_nodes
 
 
 class FinishReason(enum.Enum):

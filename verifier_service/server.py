@@ -1,14 +1,16 @@
 """Verifier process: load the model on the model thread (with its follower
 ranks under tensor parallelism), then serve gRPC."""
 
+import asyncio
 from collections.abc import Callable
 
 from transformers.utils import logging as transformers_logging
 
+from speclane.config import parse_config
 from speclane.grpc_server import serve
 from speclane.log import configure_logging
 from verifier_service.async_engine import AsyncEngine
-from verifier_service.config import VerifierConfig
+from verifier_service.config import ENV_PREFIX, VerifierConfig
 from verifier_service.device import set_threads
 from verifier_service.metrics import VerifierMetrics
 from verifier_service.service import VerifierServicer, add_to_server
@@ -41,3 +43,7 @@ async def run(config: VerifierConfig, *, ready: Callable[[int], None] | None = N
         max_concurrent_rpcs=config.max_concurrent_rpcs,
         ready=ready,
     )
+
+
+def main(argv: list[str] | None = None, prog: str = "python -m verifier_service") -> None:
+    asyncio.run(run(parse_config(VerifierConfig, ENV_PREFIX, argv, prog, "the verifier service")))

@@ -6,10 +6,6 @@ a tree. Positions are prefix + depth; a node sees only its ancestors."""
 import torch
 
 
-def chain_parents(length: int) -> tuple[int, ...]:
-    return tuple(range(-1, length - 1))
-
-
 def is_chain(parents) -> bool:
     return all(parent == i - 1 for i, parent in enumerate(parents))
 

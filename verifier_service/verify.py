@@ -11,7 +11,8 @@ from dataclasses import dataclass, field
 import torch
 
 from verifier_service.sampling import sample
-from verifier_service.tree import chain_parents, children
+from protos.conventions import chain_parents
+from verifier_service.tree import children
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,6 @@ broadcasts None (or dies)."""
 import argparse
 import dataclasses
 import json
-import socket
 import subprocess
 import sys
 
@@ -15,6 +14,7 @@ import torch.distributed as dist
 from transformers import AutoConfig
 from transformers.utils import logging as transformers_logging
 
+from speclane.net import free_port
 from speclane.log import configure_logging
 from verifier_service.config import VerifierConfig
 from verifier_service.device import (free_memory_bytes, kv_budget_tokens, resolve_device, resolve_dtype,
@@ -61,7 +61,7 @@ class Rank0:
         device = resolve_device(config.device)
         if config.tensor_parallel_size > 1:
             check_shardable(AutoConfig.from_pretrained(config.model).get_text_config(), config.tensor_parallel_size)
-            port = _free_port()
+            port = free_port()
             self.followers = [_spawn(config, rank, port) for rank in range(1, config.tensor_parallel_size)]
             self.tp = init_tensor_parallel(device, 0, config.tensor_parallel_size, port)
         runner = build_runner(config, device, self.tp)
@@ -89,11 +89,6 @@ class Rank0:
         if dist.is_initialized():
             dist.destroy_process_group()
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _spawn(config: VerifierConfig, rank: int, port: int) -> subprocess.Popen:

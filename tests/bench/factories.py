@@ -1,6 +1,6 @@
 """Canned requests and runs for the statistics and report tests."""
 
-from speclane.bench.stats import RequestResult, RunStats
+from speclane_cli.bench.stats import RequestResult, RunStats
 
 
 def ok(output_tokens=10, ttft=0.5, e2e=1.4, input_tokens=100, draft=0, accepted=0, steps=None):

@@ -4,8 +4,8 @@ batch measurements it is built from."""
 import pytest
 
 from drafter_service import SuffixDecodingCache
-from speclane.bench import drafter
-from speclane.cli import main
+from speclane_cli.bench import drafter
+from speclane_cli.main import main
 
 FILE = list(range(2000, 2060))
 REQUESTS = [([1, 2, 3], FILE), ([1, 2, 3], FILE), ([4, 5], FILE[:30] + [7, 8, 9] + FILE[30:])]

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from speclane.cli import main
+from speclane_cli.main import main
 from speclane.models import DEFAULT_MODEL, resolve_model
 from tests.e2e.stack import free_port, start_stack
 

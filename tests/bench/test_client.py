@@ -5,7 +5,7 @@ import json
 
 import httpx
 
-from speclane.bench.client import api_base, stream_chat
+from speclane_cli.bench.client import api_base, stream_chat
 
 URL = "http://server:8000"
 

@@ -1,9 +1,9 @@
 import json
 
-from speclane.bench.plots import write_plots
-from speclane.bench.report import markdown_table, terminal_table, write_results
-from speclane.bench.serve import command_line
-from speclane.bench.stats import comparisons
+from speclane_cli.bench.plots import write_plots
+from speclane_cli.bench.report import markdown_table, terminal_table, write_results
+from speclane_cli.bench.serve import command_line
+from speclane_cli.bench.stats import comparisons
 from tests.bench.factories import run
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

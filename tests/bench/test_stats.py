@@ -2,7 +2,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from speclane.bench.stats import Comparison, RequestResult, comparisons, summarize
+from speclane_cli.bench.stats import Comparison, RequestResult, comparisons, summarize
 from tests.bench.factories import ok, run
 
 

@@ -2,10 +2,10 @@ import json
 
 import pytest
 
-from speclane.bench.agentic import code_changes
-from speclane.bench.conversation import Conversation
-from speclane.bench.workloads import BUILT_IN, SHAREGPT_MAX_TURN_CHARS, load_workload
-from speclane.datasets import humaneval_problems
+from speclane_cli.bench.agentic import code_changes
+from speclane_cli.bench.conversation import Conversation
+from speclane_cli.bench.workloads import BUILT_IN, SHAREGPT_MAX_TURN_CHARS, load_workload
+from speclane_cli.datasets import humaneval_problems
 
 
 def test_each_turn_carries_the_history_with_the_models_own_replies():

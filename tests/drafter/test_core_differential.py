@@ -7,9 +7,9 @@ from hypothesis import strategies as st
 from drafter_service import SuffixDecodingCache as ArcticApiCache
 from drafter_service import _core
 from drafter_service.engine import draft_from_core
-from drafter_service.ngram import propose_ngram
-from drafter_service.suffix_decoding import SuffixDecodingCache
-from drafter_service.suffix_tree import SuffixTree
+from drafter_service.reference.ngram import propose_ngram
+from drafter_service.reference.suffix_decoding import SuffixDecodingCache
+from drafter_service.reference.suffix_tree import SuffixTree
 
 tokens = st.lists(st.integers(0, 3), max_size=8)
 spec_args = st.tuples(

@@ -4,7 +4,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from drafter_service.ngram import propose_ngram
+from drafter_service.reference.ngram import propose_ngram
 
 
 def oracle(context, k, min_n, max_n) -> tuple[tuple[int, ...], int]:

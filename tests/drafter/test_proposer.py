@@ -6,7 +6,7 @@ import pytest
 
 from drafter_service.engine import DraftEngine
 from drafter_service.proposer import CommittedLengthMismatch, ProposerParams, SequenceProposer
-from drafter_service.suffix_decoding import SOURCE_REQUEST
+from drafter_service.draft import SOURCE_REQUEST
 
 
 def make_proposer(method="suffix", **params):

@@ -1,6 +1,7 @@
 """SuffixDecodingCache: per-request trees, per-tenant global response trees, FIFO eviction."""
 
-from drafter_service.suffix_decoding import SOURCE_GLOBAL, SOURCE_REQUEST, SuffixDecodingCache
+from drafter_service.draft import SOURCE_GLOBAL, SOURCE_REQUEST
+from drafter_service.reference.suffix_decoding import SuffixDecodingCache
 
 RESPONSE = list(range(100, 120))
 

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from drafter_service.draft import Draft
-from drafter_service.suffix_tree import SuffixTree
+from drafter_service.reference.suffix_tree import SuffixTree
 
 tokens = st.integers(min_value=0, max_value=3)
 operations = st.lists(

@@ -2,7 +2,7 @@
 
 import itertools
 
-from speclane.datasets import humaneval_problems, sharegpt_conversations
+from speclane_cli.datasets import humaneval_problems, sharegpt_conversations
 
 _MAX_PROMPT_CHARS = 800
 

@@ -4,7 +4,6 @@ import dataclasses
 import os
 import pathlib
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -15,16 +14,12 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from drafter_service.config import DrafterConfig
 from gateway.config import GatewayConfig
+from speclane.net import free_port
 from speclane.config import to_argv
 from verifier_service.config import VerifierConfig
 
 _START_TIMEOUT_SECONDS = 180
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def grpc_health(address: str) -> int:

@@ -3,7 +3,6 @@ gives the same greedy tokens as one rank; backend, device and shardability
 rules; Ascend memory and KV budget logic without torch_npu."""
 
 import asyncio
-import socket
 import subprocess
 import sys
 from types import SimpleNamespace
@@ -17,6 +16,7 @@ from .test_engine import GREEDY, PROMPT
 from verifier_service.device import free_memory_bytes, kv_budget_tokens
 from verifier_service.distributed import backend_for, check_shardable, rank_device
 from verifier_service.sequence import Draft, GenerationParams
+from speclane.net import free_port
 
 TREE = (common_pb2.Draft(token_ids=[45, 18, 30, 38], parents=[-1, 0, 0, 1]),
         common_pb2.Draft(token_ids=[1, 2], parents=[-1, -1]), common_pb2.Draft())
@@ -44,11 +44,6 @@ def test_kv_budget_from_memory(tmp_path):
     assert kv_budget_tokens(0, 0.5, free, 1000) == 512
     assert kv_budget_tokens(4096, 0.5, free, 1000) == 4096
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 async def _generate(port: int) -> tuple[int, list[int]]:
@@ -83,7 +78,7 @@ def test_two_ranks_give_the_same_greedy_tokens_as_one(tiny_model_dir, engine):
         draft = TREE[step % 3]
         expected += engine.verify(seq, Draft(tuple(draft.token_ids), tuple(draft.parents))).token_ids
         step += 1
-    port = _free_port()
+    port = free_port()
     server = subprocess.Popen([sys.executable, "-m", "verifier_service", "--model", tiny_model_dir,
                                "--device", "cpu", "--address", f"127.0.0.1:{port}", "--threads", "1",
                                "--tensor-parallel-size", "2", "--max-kv-tokens", "4096", "--log-level", "warning"])

@@ -6,9 +6,9 @@ import json
 import pathlib
 import random
 
-from speclane.bench.agentic import agent_loop, code_edit
-from speclane.bench.conversation import Conversation
-from speclane.datasets import humaneval_problems, sharegpt_conversations
+from speclane_cli.bench.agentic import agent_loop, code_edit
+from speclane_cli.bench.conversation import Conversation
+from speclane_cli.datasets import humaneval_problems, sharegpt_conversations
 
 # ShareGPT turns longer than this are skipped: prefill on a CPU would dominate the run.
 SHAREGPT_MAX_TURN_CHARS = 1200

@@ -20,6 +20,7 @@ import time
 
 import torch
 
+from speclane.net import free_port
 from speclane.models import DEFAULT_MODEL, resolve_model
 
 MODES = {"none": {"method": "none"}, "suffix": {"method": "suffix"},
@@ -120,7 +121,7 @@ def kv_budget(num_seqs: int = 64, seq_tokens: int = 1024, prompt_len: int = 1000
 
 
 def _humaneval_messages(count: int) -> list[list[dict]]:
-    from speclane.datasets import humaneval_problems
+    from speclane_cli.datasets import humaneval_problems
 
     return [[{"role": "user", "content": f"Complete this Python function.\n```python\n{p['prompt']}```"}]
             for p in humaneval_problems()[:count]]
@@ -151,14 +152,6 @@ async def _run_requests(url: str, model: str, prompts, speculation: dict, concur
             "acceptance": round(accepted / drafts, 3) if drafts else None}
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _wait_http(url: str, process: subprocess.Popen, timeout: float = 600) -> None:
     import urllib.request
 
@@ -179,10 +172,10 @@ def _wait_http(url: str, process: subprocess.Popen, timeout: float = 600) -> Non
 def throughput(model: str, concurrency: int, max_tokens: int, serve_args: list[str]) -> dict:
     """Starts `speclane serve`, then per speculation mode runs the same prompts one
     at a time and `concurrency` at a time."""
-    port = _free_port()
+    port = free_port()
     url = f"http://127.0.0.1:{port}"
-    command = [sys.executable, "-c", "import sys; from speclane.cli import main; main(sys.argv[1:])", "serve",
-               "--model", model, "--port", str(port), "--grpc-port", str(_free_port()), "--log-level", "warning",
+    command = [sys.executable, "-m", "speclane_cli", "serve",
+               "--model", model, "--port", str(port), "--grpc-port", str(free_port()), "--log-level", "warning",
                *serve_args]
     process = subprocess.Popen(command, start_new_session=True)
     results = {}

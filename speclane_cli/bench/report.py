@@ -4,7 +4,7 @@ import json
 import pathlib
 from collections.abc import Callable, Sequence
 
-from speclane.bench.stats import Comparison, RunStats
+from speclane_cli.bench.stats import Comparison, RunStats
 
 Cell = Callable[[Comparison], str]
 

@@ -8,7 +8,7 @@ import dataclasses
 import time
 from collections.abc import Awaitable, Callable
 
-from speclane.bench.stats import RequestResult
+from speclane_cli.bench.stats import RequestResult
 
 Ask = Callable[[list[dict]], Awaitable[tuple[RequestResult, str]]]  # messages -> (result, reply)
 

@@ -24,7 +24,7 @@ from bisect import bisect_left, insort
 from collections.abc import Iterable, Sequence
 
 from drafter_service.draft import Draft
-from drafter_service.suffix_draft import draft_path, draft_tree
+from drafter_service.reference.suffix_draft import draft_path, draft_tree
 
 
 class _Node:

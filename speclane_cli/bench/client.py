@@ -8,8 +8,8 @@ from collections.abc import Callable
 
 import httpx
 
-from speclane.bench.conversation import Conversation, replay
-from speclane.bench.stats import RequestResult
+from speclane_cli.bench.conversation import Conversation, replay
+from speclane_cli.bench.stats import RequestResult
 from speclane.log import TENANT_METADATA_KEY
 
 REQUEST_TIMEOUT_SECONDS = 600.0

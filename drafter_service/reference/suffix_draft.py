@@ -7,7 +7,8 @@ taken with probability c.count / n.count.
 import heapq
 from collections.abc import Sequence
 
-from drafter_service.draft import Draft, chain_parents
+from drafter_service.draft import Draft
+from protos.conventions import chain_parents
 
 
 def draft_path(node, offset: int, budget: int, min_token_prob: float, match_len: int,

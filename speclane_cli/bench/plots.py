@@ -9,7 +9,7 @@ import matplotlib
 matplotlib.use("Agg")  # files only, no display
 import matplotlib.pyplot as plt  # noqa: E402
 
-from speclane.bench.stats import BASELINE_METHODS, RunStats  # noqa: E402
+from speclane_cli.bench.stats import BASELINE_METHODS, RunStats  # noqa: E402
 
 
 def _ordered(values) -> list:

@@ -3,7 +3,6 @@ gRPC over localhost, supervised together and stopped together."""
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -11,9 +10,15 @@ import urllib.request
 
 import structlog
 
+from drafter_service.config import DrafterConfig
+from gateway.config import ENV_PREFIX as GATEWAY_ENV
+from gateway.config import GatewayConfig
 from speclane import config as config_flags
 from speclane.log import configure_logging
 from speclane.models import DEFAULT_MODEL, resolve_model
+from speclane.net import free_port
+from verifier_service.config import ENV_PREFIX as VERIFIER_ENV
+from verifier_service.config import VerifierConfig
 
 log = structlog.get_logger()
 
@@ -23,30 +28,26 @@ _STOP_TIMEOUT_SECONDS = 20.0
 _DRAFTER_RESTART_DELAY_SECONDS = 1.0
 
 
-def add_serve_arguments(parser) -> None:
-    from gateway.config import ENV_PREFIX as GATEWAY_ENV, GatewayConfig
-    from verifier_service.config import ENV_PREFIX as VERIFIER_ENV, VerifierConfig
-
+def add_arguments(parser) -> None:
     config_flags.add_arguments(parser, GatewayConfig, GATEWAY_ENV,
                                exclude=frozenset({"grpc_address", "drafter_address", "verifier_addresses"}))
     config_flags.add_arguments(parser, VerifierConfig, VERIFIER_ENV, exclude=_VERIFIER_OWN_FLAGS)
     parser.add_argument("--grpc-port", type=int, default=50060, help="port of the public gRPC Generate API")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def run(args) -> int:
+    try:
+        configs = configs_from_args(args)
+    except ValueError as exc:  # the configs validate themselves: this is the user's input
+        print(f"speclane serve: error: {exc}", file=sys.stderr)
+        return 2
+    return serve(*configs)
 
 
 def configs_from_args(args):
     """Builds the three services' configs; internal services get free localhost ports."""
-    from drafter_service.config import DrafterConfig
-    from gateway.config import GatewayConfig
-    from verifier_service.config import VerifierConfig
-
-    drafter_address = f"127.0.0.1:{_free_port()}"
-    verifier_address = f"127.0.0.1:{_free_port()}"
+    drafter_address = f"127.0.0.1:{free_port()}"
+    verifier_address = f"127.0.0.1:{free_port()}"
     model_name = args.served_model_name or (args.model if args.model == DEFAULT_MODEL else os.path.basename(
         os.path.normpath(args.model)))
     model_dir = str(resolve_model(args.model))

@@ -14,11 +14,9 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
-from drafter_service.draft import Draft
-from drafter_service.suffix_tree import SuffixTree
+from drafter_service.draft import SOURCE_GLOBAL, SOURCE_REQUEST, Draft
+from drafter_service.reference.suffix_tree import SuffixTree
 
-SOURCE_REQUEST = "suffix-request"
-SOURCE_GLOBAL = "suffix-global"
 _LOCAL_SEQUENCE = 0  # the one sequence of a per-request tree: prompt + output
 
 

@@ -45,7 +45,7 @@ def _arctic_cache():
 def _streams(args) -> tuple[list, list]:
     from transformers import AutoTokenizer
 
-    from speclane.datasets import humaneval_problems, sharegpt_conversations
+    from speclane_cli.datasets import humaneval_problems, sharegpt_conversations
     from speclane.models import resolve_model
 
     tokenizer = AutoTokenizer.from_pretrained(str(resolve_model("smollm2-135m-instruct")))

@@ -12,8 +12,8 @@ import ast
 import json
 import random
 
-from speclane.bench.conversation import Conversation
-from speclane.datasets import humaneval_problems
+from speclane_cli.bench.conversation import Conversation
+from speclane_cli.datasets import humaneval_problems
 
 NEW_FUNCTION_NAMES = ("solve", "compute", "run_task", "process", "evaluate", "transform")
 NEW_PARAMETER_NAMES = ("data", "items", "value_in", "source", "arg", "payload")

@@ -15,8 +15,8 @@ import uuid
 
 from tqdm import tqdm
 
-from speclane.bench.conversation import Conversation
-from speclane.bench.stats import RunStats, comparisons, summarize
+from speclane_cli.bench.conversation import Conversation
+from speclane_cli.bench.stats import RunStats, comparisons, summarize
 
 DEFAULT_METHODS = "none,ngram,suffix"
 PEERS = ("hf-prompt-lookup",)
@@ -104,11 +104,11 @@ def request_fields(settings: dict, method: str) -> dict:
 
 
 def _run_all(settings: dict, workloads: dict[str, list[Conversation]]) -> list[RunStats]:
-    from speclane.bench.client import closed_loop
+    from speclane_cli.bench.client import closed_loop
 
     peer_methods = []
     if settings["peer"]:
-        from speclane.bench.hf_peer import PEER_METHODS
+        from speclane_cli.bench.hf_peer import PEER_METHODS
 
         peer_methods = list(PEER_METHODS)
     plan = [(dataset, concurrency, method) for dataset in workloads for concurrency in settings["concurrency"]
@@ -133,7 +133,7 @@ def _run_all(settings: dict, workloads: dict[str, list[Conversation]]) -> list[R
 
 
 def _load_peer(settings: dict):
-    from speclane.bench.hf_peer import HfPeer
+    from speclane_cli.bench.hf_peer import HfPeer
     from speclane.models import resolve_model
 
     fields = request_fields(settings, "none")
@@ -141,10 +141,10 @@ def _load_peer(settings: dict):
 
 
 def run(args) -> int:
-    from speclane.bench.client import ServerUnreachable, served_models
-    from speclane.bench.plots import write_plots
-    from speclane.bench.report import failure_lines, terminal_table, write_results
-    from speclane.bench.workloads import load_workload
+    from speclane_cli.bench.client import ServerUnreachable, served_models
+    from speclane_cli.bench.plots import write_plots
+    from speclane_cli.bench.report import failure_lines, terminal_table, write_results
+    from speclane_cli.bench.workloads import load_workload
 
     try:
         settings = _settings(args)

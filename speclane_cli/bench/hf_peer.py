@@ -11,8 +11,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.utils import logging as transformers_logging
 from transformers.generation.streamers import BaseStreamer
 
-from speclane.bench.conversation import Conversation, replay
-from speclane.bench.stats import RequestResult
+from speclane_cli.bench.conversation import Conversation, replay
+from speclane_cli.bench.stats import RequestResult
 
 PEER_METHODS = ("hf-generate", "hf-prompt-lookup")
 

@@ -9,9 +9,9 @@ position is the length of the longest suffix of the context occurring there.
 
 from collections.abc import Sequence
 
-from drafter_service.draft import Draft, chain_parents
+from drafter_service.draft import SOURCE_NGRAM, Draft
+from protos.conventions import chain_parents
 
-SOURCE_NGRAM = "ngram"
 
 
 def _failure_function(pattern: Sequence[int]) -> list[int]:

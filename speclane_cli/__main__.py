@@ -1,0 +1,5 @@
+import sys
+
+from speclane_cli.main import main
+
+sys.exit(main())

@@ -1,0 +1,16 @@
+"""`speclane bench <name>`: benchmarks. Each is a module in this package with
+`add_arguments(parser)` and `run(args) -> int` (the exit code), imported only
+when it runs."""
+
+from speclane_cli.main import dispatch
+
+# name -> (module, one-line help)
+BENCHMARKS: dict[str, tuple[str, str]] = {
+    "serve": ("speclane_cli.bench.serve", "seeds-style benchmark table against an OpenAI-compatible endpoint"),
+    "drafter": ("speclane_cli.bench.drafter", "suffix/n-gram drafter microbenchmark vs Arctic Inference"),
+    "verifier": ("speclane_cli.bench.verifier", "verifier engine: batching throughput, verify overhead, KV budget"),
+}
+
+
+def main(argv: list[str], prog: str) -> int:
+    return dispatch(prog, "benchmarks", BENCHMARKS, argv)
