@@ -2,9 +2,9 @@
 
 from dataclasses import dataclass
 
-from drafter_service.proposer import MAX_TREE_DEPTH
 from speclane.config import option
 from speclane.log import check_log_level
+from speclane.speculation import MAX_TREE_DEPTH, DrafterLimits
 
 ENV_PREFIX = "SPECLANE_DRAFTER_"
 
@@ -12,10 +12,11 @@ ENV_PREFIX = "SPECLANE_DRAFTER_"
 @dataclass(frozen=True)
 class DrafterConfig:
     address: str = option("127.0.0.1:50061", "host:port the gRPC server listens on")
-    max_tree_depth: int = option(24, "depth of the global suffix trees, and of per-request trees "
-                                     "unless a session asks for another")
+    max_tree_depth: int = option(24, "depth of every suffix tree, per-request and global "
+                                     "(vLLM's suffix_decoding_max_tree_depth)")
     max_cached_requests: int = option(10000, "responses kept per tenant in the global suffix tree, "
-                                             "evicted first in first out; 0 disables the global tree")
+                                             "evicted first in first out; 0 disables the global tree "
+                                             "(vLLM's suffix_decoding_max_cached_requests)")
     max_cached_tokens: int = option(0, "response tokens kept in all global suffix trees together, evicting "
                                        "the oldest responses first; 0 means no token budget")
     share_tenants: bool = option(False, "one global tree for all tenants instead of one per tenant")
@@ -40,3 +41,7 @@ class DrafterConfig:
         if self.max_concurrent_rpcs < 1:
             raise ValueError("max_concurrent_rpcs must be >= 1")
         check_log_level(self.log_level)
+
+    @property
+    def limits(self) -> DrafterLimits:
+        return DrafterLimits(max_tree_depth=self.max_tree_depth, max_cached_requests=self.max_cached_requests)

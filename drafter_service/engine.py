@@ -8,10 +8,10 @@ from collections.abc import Sequence
 
 from drafter_service import _core
 from drafter_service.draft import SOURCE_GLOBAL, SOURCE_NGRAM, SOURCE_REQUEST, Draft
-from drafter_service.proposer import METHOD_NGRAM, ProposerParams
+from speclane.speculation import SpeculationSettings
 
 _SOURCES = {_core.SOURCE_REQUEST: SOURCE_REQUEST, _core.SOURCE_GLOBAL: SOURCE_GLOBAL, _core.SOURCE_NGRAM: SOURCE_NGRAM}
-_CORE_METHODS = {METHOD_NGRAM: _core.METHOD_NGRAM}
+_CORE_METHODS = {"suffix": _core.METHOD_SUFFIX, "ngram": _core.METHOD_NGRAM}
 
 
 def draft_from_core(result: tuple) -> Draft:
@@ -32,15 +32,16 @@ class DraftEngine:
         self.core.restore(data)
         self._ids = itertools.count(max(self.core.cached_requests(), default=-1) + 1)
 
-    def start(self, prompt_token_ids: Sequence[int], params: ProposerParams, tenant: str) -> int:
+    def start(self, prompt_token_ids: Sequence[int], settings: SpeculationSettings, tenant: str) -> int:
         seq_id = next(self._ids)
         self.core.start_request(
             seq_id, list(prompt_token_ids), "" if self._share_tenants else tenant,
-            method=_CORE_METHODS.get(params.method, _core.METHOD_SUFFIX),
-            max_spec_tokens=params.num_speculative_tokens, max_spec_factor=params.max_spec_factor,
-            max_spec_offset=params.max_spec_offset, min_token_prob=params.min_token_prob,
-            use_tree_spec=params.use_tree_spec, max_tree_depth=params.max_tree_depth,
-            prompt_lookup_min=params.prompt_lookup_min, prompt_lookup_max=params.prompt_lookup_max)
+            method=_CORE_METHODS[settings.method], max_spec_tokens=settings.num_speculative_tokens,
+            max_spec_factor=settings.suffix_decoding_max_spec_factor,
+            max_spec_offset=settings.suffix_decoding_max_spec_offset,
+            min_token_prob=settings.suffix_decoding_min_token_prob,
+            use_tree_spec=settings.suffix_decoding_use_tree_spec,
+            prompt_lookup_min=settings.prompt_lookup_min, prompt_lookup_max=settings.prompt_lookup_max)
         return seq_id
 
     async def step(self, seq_id: int, token_ids: Sequence[int]) -> Draft:

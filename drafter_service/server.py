@@ -44,7 +44,7 @@ async def run(config: DrafterConfig, ready: Callable[[int], None] | None = None)
     tasks: list[asyncio.Task] = []
 
     def add_servicers(server: grpc.aio.Server) -> list[str]:
-        drafter_pb2_grpc.add_DrafterServicer_to_server(DrafterServicer(engine, config.max_tree_depth), server)
+        drafter_pb2_grpc.add_DrafterServicer_to_server(DrafterServicer(engine, config), server)
         return [SERVICE_NAME]
 
     async def warmup() -> None:

@@ -3,9 +3,9 @@
 import dataclasses
 from dataclasses import dataclass
 
-from gateway.types import SpeculationSettings
 from speclane.config import option
 from speclane.log import check_log_level
+from speclane.speculation import SpeculationSettings, parse_speculative_config
 
 ENV_PREFIX = "SPECLANE_GATEWAY_"
 
@@ -24,6 +24,9 @@ class GatewayConfig:
     max_concurrent_requests: int = option(64, "requests in flight before new ones get HTTP 429 / RESOURCE_EXHAUSTED")
     log_level: str = option("info", "debug, info, warning or error")
     speculation: SpeculationSettings = dataclasses.field(init=False, repr=False)
+    # Drafter-wide keys of --speculative-config (tree depth, cached requests): the
+    # drafter's own flags set them; `speclane serve` passes these on to it.
+    drafter_wide_speculation: dict = dataclasses.field(init=False, repr=False)
 
     def __post_init__(self):
         if not 0 < self.port < 65536:
@@ -35,4 +38,6 @@ class GatewayConfig:
         if self.max_concurrent_requests < 1:
             raise ValueError("max_concurrent_requests must be >= 1")
         check_log_level(self.log_level)
-        object.__setattr__(self, "speculation", SpeculationSettings.from_json(self.speculative_config))
+        speculation, drafter_wide = parse_speculative_config(self.speculative_config)
+        object.__setattr__(self, "speculation", speculation)
+        object.__setattr__(self, "drafter_wide_speculation", drafter_wide)

@@ -5,16 +5,8 @@ import contextlib
 
 import grpc
 
-from gateway.serving import (
-    GenerationParams,
-    InvalidRequest,
-    ModelNotFound,
-    Overloaded,
-    ServingContext,
-    TextDelta,
-    build_generation_request,
-    generate_text,
-)
+from gateway.errors import InvalidRequest, ModelNotFound, Overloaded
+from gateway.serving import GenerationParams, ServingContext, TextDelta, build_generation_request, generate_text
 from protos.conventions import FINISH_REASONS_BY_NAME
 from protos.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from speclane.grpc_server import bind_request_id_from

@@ -25,8 +25,9 @@ from gateway.openai_protocol import (
     completion_prompt,
     validation_message,
 )
-from gateway.serving import (MAX_SEED, GenerationParams, InvalidRequest, ModelNotFound, Overloaded,
-                             ServingContext, TextDelta, build_generation_request, generate_text)
+from gateway.errors import InvalidRequest, ModelNotFound, Overloaded
+from gateway.serving import (MAX_SEED, GenerationParams, ServingContext, TextDelta, build_generation_request,
+                             generate_text)
 from gateway.types import SpeculationUsage
 from speclane.log import TENANT_METADATA_KEY, bind_request_id
 
@@ -65,8 +66,7 @@ class UsageTally:
     def add(self, delta: TextDelta) -> None:
         self.completion_tokens += len(delta.token_ids)
         if delta.speculation is not None:
-            for key in ("draft_tokens", "accepted_tokens", "verify_steps"):
-                setattr(self.speculation, key, getattr(self.speculation, key) + getattr(delta.speculation, key))
+            self.speculation += delta.speculation
 
     def as_dict(self) -> dict:
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,

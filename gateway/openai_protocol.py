@@ -5,7 +5,7 @@ from typing import Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict
 
-from gateway.serving import InvalidRequest
+from gateway.errors import InvalidRequest
 
 LEGACY_DEFAULT_MAX_TOKENS = 16  # /v1/completions' default in OpenAI's API (and vLLM's)
 # Values of refused fields that ask for nothing, so clients sending defaults still work.

@@ -7,10 +7,11 @@ from collections.abc import AsyncIterator
 import grpc
 import structlog
 
-from gateway.backends import DrafterClient, DrafterSession, VerifierPool, speculation_enabled
+from gateway.drafter_client import DrafterClient, DrafterSession
+from gateway.errors import InvalidRequest, Overloaded
 from gateway.metrics import GatewayMetrics
-from gateway.serving import InvalidRequest, Overloaded
 from gateway.types import GenerationRequest, SpeculationUsage, TokenDelta
+from gateway.verifier_pool import VerifierPool
 from protos.common.v1 import common_pb2
 from protos.conventions import FINISH_REASON_NAMES
 
@@ -31,22 +32,19 @@ class Orchestrator:
         """Yields each step's committed tokens; closing the generator aborts the sequence."""
         index, verifier = self._verifiers.open(request.request_id)
         drafter: DrafterSession | None = None
-        usage = SpeculationUsage()
+        usage = SpeculationUsage()  # immutable: each delta carries its own snapshot
         try:
-            if self._drafter is not None and speculation_enabled(request.speculation):
+            if self._drafter is not None and request.speculation.uses_drafter:
                 # Sent before prefill so the drafter indexes the prompt while the verifier prefills.
                 drafter = await self._drafter.open(request)
             result = await _checked(verifier.prefill(request))
-            generated = len(result.token_ids)
             while result.finish_reason == common_pb2.FINISH_REASON_UNSPECIFIED:
+                # Drafted before the tokens go out: a drafter that refuses the request makes it a 400.
+                draft = await _next_draft(drafter, result)
                 yield TokenDelta(list(result.token_ids), speculation=usage)
-                draft = await _next_draft(drafter, result, request.max_tokens - generated)
                 result = await _checked(verifier.verify(draft))
-                generated += len(result.token_ids)
-                usage.verify_steps += 1
-                usage.draft_tokens += len(draft.token_ids)
-                usage.accepted_tokens += result.num_accepted_draft_tokens
-                self._metrics.record_verify_step(len(draft.token_ids), result.num_accepted_draft_tokens)
+                usage += SpeculationUsage(result.num_draft_tokens, result.num_accepted_draft_tokens, verify_steps=1)
+                self._metrics.record_verify_step(result.num_draft_tokens, result.num_accepted_draft_tokens)
             if drafter is not None:
                 self._finish_in_background(drafter, list(result.token_ids), result.committed_len)
                 drafter = None
@@ -63,22 +61,12 @@ class Orchestrator:
         task.add_done_callback(self._finishing.discard)
 
 
-async def _next_draft(drafter: DrafterSession | None, last, remaining_tokens: int) -> common_pb2.Draft:
-    """Asks for a draft continuing the committed tokens, trimmed to what can still be emitted."""
+async def _next_draft(drafter: DrafterSession | None, last) -> common_pb2.Draft:
+    """A draft continuing the committed tokens; the verifier cuts it to what can still be committed."""
     if drafter is None or not drafter.alive:
         return _NO_DRAFT
     draft = await drafter.propose(last.token_ids, last.committed_len)  # copied once, into the Step
-    if draft is None:
-        return _NO_DRAFT
-    # A verify step emits the accepted tokens plus one of the target's own. A
-    # tree may hold more nodes than that: the verifier cuts it by depth.
-    budget = max(remaining_tokens - 1, 0)
-    if not draft.parents and len(draft.token_ids) > budget:
-        del draft.token_ids[budget:]
-        del draft.parents[budget:]
-        del draft.confidences[budget:]
-        del draft.proposals[budget:]
-    return draft
+    return _NO_DRAFT if draft is None else draft
 
 
 async def _checked(call):

@@ -9,7 +9,8 @@ import sys
 import structlog
 import uvicorn
 
-from gateway.backends import DrafterClient, VerifierPool
+from gateway.drafter_client import DrafterClient
+from gateway.verifier_pool import VerifierPool
 from gateway.config import ENV_PREFIX, GatewayConfig
 from gateway.grpc_api import add_generation_servicer
 from gateway.metrics import GatewayMetrics
@@ -20,6 +21,7 @@ from speclane import grpc_server
 from speclane.config import parse_config
 from speclane.log import configure_logging
 from speclane.models import resolve_model
+from speclane.speculation import DRAFTER_WIDE_KEYS
 
 log = structlog.get_logger()
 
@@ -30,6 +32,19 @@ class _EmbeddedHttpServer(uvicorn.Server):
     @contextlib.contextmanager
     def capture_signals(self):
         yield
+
+
+async def _check_drafter(drafter: DrafterClient, drafter_wide: dict) -> None:
+    """Learns the drafter's limits; warns where --speculative-config expects other drafter-wide values."""
+    limits = await drafter.refresh_limits()
+    if limits is None:
+        log.warning("drafter_not_reached", address=drafter.address, action="generating without drafts until it is")
+        return
+    for key, value in drafter_wide.items():
+        actual = getattr(limits, DRAFTER_WIDE_KEYS[key])
+        if value != actual:
+            log.warning("drafter_setting_differs", key=key, configured=value, drafter=actual,
+                        action="the drafter's value applies; set it with the drafter's own flags")
 
 
 async def run(config: GatewayConfig) -> None:
@@ -47,6 +62,8 @@ async def run(config: GatewayConfig) -> None:
     log.info("waiting_for_verifier", addresses=config.verifier_addresses)
     await verifiers.wait_ready()
     info = await verifiers.model_info()
+    if drafter is not None:
+        await _check_drafter(drafter, config.drafter_wide_speculation)
     context = ServingContext(
         model_name=model_name,
         tokenizer=tokenizer,
@@ -56,6 +73,7 @@ async def run(config: GatewayConfig) -> None:
         max_concurrent_requests=config.max_concurrent_requests,
         metrics=metrics,
         ready=verifiers.ready,
+        drafter_limits=(lambda: drafter.limits) if drafter is not None else (lambda: None),
     )
     http = _EmbeddedHttpServer(uvicorn.Config(
         create_app(context), host=config.host, port=config.port, log_config=None, access_log=False,

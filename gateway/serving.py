@@ -3,7 +3,6 @@ into a validated GenerationRequest, a concurrency limit, and running the
 propose/verify loop with detokenization and stop strings on top."""
 
 import contextlib
-import dataclasses
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
@@ -11,29 +10,15 @@ from dataclasses import dataclass, field
 import jinja2
 
 from gateway.detokenizer import IncrementalDetokenizer
+from gateway.errors import InvalidRequest, ModelNotFound, Overloaded
 from gateway.metrics import GatewayMetrics
 from gateway.stop_strings import StopStringMatcher
-from gateway.types import GenerationRequest, SpeculationSettings, SpeculationUsage, TokenDelta
+from gateway.types import GenerationRequest, SpeculationUsage, TokenDelta
+from speclane.speculation import DrafterLimits, SpeculationSettings
 
 MAX_STOP_STRINGS = 4  # OpenAI's limit
 CHAT_ROLES = ("system", "developer", "user", "assistant")
 MAX_SEED = 2**64  # seeds travel as uint64
-
-
-class InvalidRequest(ValueError):
-    """Bad input from the client: HTTP 400 / INVALID_ARGUMENT."""
-
-    def __init__(self, message: str, param: str | None = None):
-        super().__init__(message)
-        self.param = param
-
-
-class ModelNotFound(InvalidRequest):
-    """The request names a model we do not serve: HTTP 404 / NOT_FOUND."""
-
-
-class Overloaded(Exception):
-    """Too many generations in flight: HTTP 429 / RESOURCE_EXHAUSTED."""
 
 
 class ConcurrencyLimiter:
@@ -69,6 +54,8 @@ class ServingContext:
     max_concurrent_requests: int
     metrics: GatewayMetrics
     ready: Callable[[], Awaitable[bool]]
+    # What the drafter reported of itself (None until reached): requests are checked against it.
+    drafter_limits: Callable[[], DrafterLimits | None] = lambda: None
     limiter: ConcurrencyLimiter = field(init=False)
 
     def __post_init__(self):
@@ -182,7 +169,7 @@ def build_generation_request(ctx: ServingContext, request_id: str, params: Gener
     if not prompt_ids:
         raise InvalidRequest("the prompt must not be empty", "prompt")
     try:
-        speculation = ctx.default_speculation.override(params.speculation or {})
+        speculation = ctx.default_speculation.merged(params.speculation or {}, ctx.drafter_limits())
     except ValueError as error:
         raise InvalidRequest(str(error), "speculation") from error
     stop_token_ids = _check_token_ids(ctx, params.stop_token_ids, "stop_token_ids")
@@ -255,7 +242,7 @@ async def generate_text(ctx: ServingContext, request: GenerationRequest,
             async with contextlib.aclosing(ctx.generate(request)) as deltas:
                 async for delta in deltas:
                     if delta.speculation is not None:
-                        usage = dataclasses.replace(delta.speculation)  # a snapshot; the source may mutate
+                        usage = delta.speculation
                     if generated == 0 and delta.token_ids:
                         ctx.metrics.record_first_token(time.perf_counter() - started)
                     token_ids, text, stopped = stream.advance(delta.token_ids)

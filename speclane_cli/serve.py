@@ -17,6 +17,7 @@ from speclane import config as config_flags
 from speclane.log import configure_logging
 from speclane.models import DEFAULT_MODEL, resolve_model
 from speclane.net import free_port
+from speclane.speculation import DRAFTER_WIDE_KEYS
 from verifier_service.config import ENV_PREFIX as VERIFIER_ENV
 from verifier_service.config import VerifierConfig
 
@@ -60,13 +61,9 @@ def configs_from_args(args):
         VerifierConfig, args, model=model_dir, model_name=model_name, address=verifier_address,
         log_level=args.log_level,
     )
-    speculation = gateway.speculation
-    drafter = DrafterConfig(
-        address=drafter_address,
-        max_tree_depth=speculation.suffix_decoding_max_tree_depth,
-        max_cached_requests=speculation.suffix_decoding_max_cached_requests,
-        log_level=args.log_level,
-    )
+    # The drafter-wide keys of --speculative-config configure the drafter itself.
+    drafter_wide = {DRAFTER_WIDE_KEYS[key]: value for key, value in gateway.drafter_wide_speculation.items()}
+    drafter = DrafterConfig(address=drafter_address, log_level=args.log_level, **drafter_wide)
     return drafter, verifier, gateway
 
 

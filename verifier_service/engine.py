@@ -96,8 +96,7 @@ class Engine:
             done(exc)
             return
         self._live.add(seq)
-        # Drafts deeper than the budget could never be committed (nor fit the context).
-        self.scheduler.add(Work(seq, draft.trimmed(len(draft.token_ids), seq.budget()), done))
+        self.scheduler.add(Work(seq, draft.trimmed(len(draft.token_ids), seq.max_draft_depth()), done))
 
     def close(self, seq: Sequence) -> None:
         """Forgets the sequence: queued work dropped, KV back to the pool."""

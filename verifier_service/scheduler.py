@@ -117,12 +117,12 @@ class Scheduler:
         pending = _pending(seq)
         chunk = min(pending, tokens_left)
         final = chunk == pending
-        draft = work.draft.trimmed(tokens_left - chunk, seq.budget()) if final else Draft()
+        draft = work.draft.trimmed(tokens_left - chunk, seq.max_draft_depth()) if final else Draft()
         base = seq.num_cached + chunk
         while not self.pool.grow(seq.slot, base + len(draft.token_ids)):
             room = self.pool.reachable(seq.slot) - base
             if room >= 0:
-                draft = draft.trimmed(room, seq.budget())
+                draft = draft.trimmed(room, seq.max_draft_depth())
                 continue
             if not self._preempt_one(spare={seq, *(e.work.seq for e in picked)}):
                 if not picked and len(self.admitted) == 1:

@@ -101,6 +101,7 @@ class StepResult:
     num_accepted: int  # how many of them came from the draft
     committed_len: int  # prompt + output after this step
     finish_reason: FinishReason
+    num_draft_tokens: int = 0  # draft tokens verified in this step
 
 
 class Sequence:
@@ -137,6 +138,11 @@ class Sequence:
         """How many more tokens may be committed."""
         return min(self.params.max_new_tokens - self.num_generated, self.max_len - len(self.tokens))
 
+    def max_draft_depth(self) -> int:
+        """How deep a draft can still pay off: a step commits the accepted tokens
+        plus one of the target's own, so a deeper node could never add a token."""
+        return self.budget() - 1
+
     def commit(self, token_ids: list[int], num_accepted: int, num_draft_tokens: int = 0) -> StepResult:
         """Appends a step's tokens, cut after the first stop token or at the budget."""
         kept = token_ids[: self.budget()]
@@ -152,4 +158,4 @@ class Sequence:
         self.num_steps += 1
         self.num_draft_tokens += num_draft_tokens
         self.num_accepted_tokens += num_accepted
-        return StepResult(kept, num_accepted, len(self.tokens), self.finish_reason)
+        return StepResult(kept, num_accepted, len(self.tokens), self.finish_reason, num_draft_tokens)

@@ -57,6 +57,7 @@ def response_from(result: StepResult) -> verifier_pb2.SessionResponse:
         num_accepted_draft_tokens=result.num_accepted,
         committed_len=result.committed_len,
         finish_reason=FINISH_REASONS[result.finish_reason],
+        num_draft_tokens=result.num_draft_tokens,
     )
 
 

@@ -19,6 +19,7 @@ from drafter_service.config import DrafterConfig
 from drafter_service.engine import DraftEngine
 from protos.drafter.v1 import drafter_pb2_grpc
 from tests.drafter.test_drafter_service import run_session, start
+from speclane.speculation import SpeculationSettings
 
 FILE = list(range(1000, 1100))  # an agent re-emitting a file
 
@@ -161,8 +162,7 @@ def test_share_tenants_lets_tenants_learn_from_each_other():
 
 
 def params():
-    from drafter_service.proposer import ProposerParams
-    return ProposerParams("suffix", 4)
+    return SpeculationSettings("suffix", 4)
 
 
 def warm_engine() -> DraftEngine:

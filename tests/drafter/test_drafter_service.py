@@ -16,14 +16,15 @@ from protos.drafter.v1 import drafter_pb2, drafter_pb2_grpc
 from speclane.grpc_server import CHANNEL_OPTIONS
 
 REPEATED = [11, 12, 13, 14, 15]
+CONFIG = DrafterConfig(max_tree_depth=24, max_cached_requests=100)
 RESPONSE = list(range(100, 116))
 
 
 @contextlib.asynccontextmanager
-async def drafter(engine: DraftEngine | None = None):
-    engine = engine or DraftEngine(max_tree_depth=24, max_cached_requests=100)
+async def drafter(engine: DraftEngine | None = None, config: DrafterConfig = CONFIG):
+    engine = engine or DraftEngine(config.max_tree_depth, config.max_cached_requests)
     grpc_server = grpc.aio.server()
-    drafter_pb2_grpc.add_DrafterServicer_to_server(DrafterServicer(engine, default_tree_depth=24), grpc_server)
+    drafter_pb2_grpc.add_DrafterServicer_to_server(DrafterServicer(engine, config), grpc_server)
     port = grpc_server.add_insecure_port("127.0.0.1:0")
     await grpc_server.start()
     try:
@@ -97,8 +98,8 @@ def test_ngram_session_drafts_by_prompt_lookup():
 
 def test_tree_spec_returns_parents():
     async def main():
-        async with drafter() as stub:
-            # Depth 2 keeps the tree to "token -> next token": after 1 come 2 and 3.
+        # Depth 2 keeps the tree to "token -> next token": after 1 come 2 and 3.
+        async with drafter(config=DrafterConfig(max_tree_depth=2)) as stub:
             return await run_session(stub, start([1, 2, 50, 1, 3, 60, 1], k=4, max_spec_offset=3, max_tree_depth=2,
                                                  use_tree_spec=True), [[]])
 
@@ -114,6 +115,8 @@ def test_tree_spec_returns_parents():
     [start([1, 2], k=0)],
     [start([1, 2], k=65)],
     [start([1, 2], prompt_lookup_min=4, prompt_lookup_max=2)],
+    [start([1, 2], min_token_prob=1.5)],
+    [start([1, 2], max_tree_depth=32)],  # the drafter's trees are 24 deep, for every session
     [start([1, -2])],
     [start([1, 2]), step([-1], 3)],
     [start([1, 2]), start([1, 2])],
@@ -125,6 +128,18 @@ def test_bad_input_is_invalid_argument(messages):
             return await expect_error(stub, messages)
 
     assert asyncio.run(main()) == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_get_info_reports_the_server_wide_settings_and_bounds():
+    async def main():
+        config = DrafterConfig(max_tree_depth=32, max_cached_requests=7, max_cached_tokens=1000, share_tenants=True)
+        async with drafter(config=config) as stub:
+            return await stub.GetInfo(drafter_pb2.GetInfoRequest())
+
+    info = asyncio.run(main())
+    assert (info.max_tree_depth, info.max_cached_requests, info.max_cached_tokens) == (32, 7, 1000)
+    assert info.share_tenants and info.max_speculative_tokens == 64
+    assert set(info.methods) == {drafter_pb2.METHOD_SUFFIX, drafter_pb2.METHOD_NGRAM}
 
 
 def test_committed_len_mismatch_is_failed_precondition():

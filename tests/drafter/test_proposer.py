@@ -1,17 +1,18 @@
-"""SequenceProposer on the compiled engine, and ProposerParams, without gRPC."""
+"""SequenceProposer on the compiled engine, without gRPC."""
 
 import asyncio
 
 import pytest
 
 from drafter_service.engine import DraftEngine
-from drafter_service.proposer import CommittedLengthMismatch, ProposerParams, SequenceProposer
+from drafter_service.proposer import CommittedLengthMismatch, SequenceProposer
 from drafter_service.draft import SOURCE_REQUEST
+from speclane.speculation import SpeculationSettings
 
 
 def make_proposer(method="suffix", **params):
     engine = DraftEngine(max_tree_depth=16, max_cached_requests=10)
-    return engine, SequenceProposer(engine, ProposerParams(method, 4, **params))
+    return engine, SequenceProposer(engine, SpeculationSettings(method, 4, **params))
 
 
 def test_suffix_session_commits_and_drafts():
@@ -48,7 +49,7 @@ def test_ngram_session_leaves_the_suffix_cache_alone():
 def test_steps_of_one_loop_turn_share_one_batch():
     async def main():
         engine = DraftEngine(max_tree_depth=16, max_cached_requests=10)
-        proposers = [SequenceProposer(engine, ProposerParams("suffix", 4)) for _ in range(3)]
+        proposers = [SequenceProposer(engine, SpeculationSettings("suffix", 4)) for _ in range(3)]
         for offset, proposer in enumerate(proposers):
             proposer.start([offset, 1, 2, 3, 1, 2])
         calls = []
@@ -70,19 +71,3 @@ def test_length_mismatch_is_refused_and_changes_nothing():
     assert proposer.committed_len == 3
     proposer.commit([4, 5], committed_len=5)
     assert proposer.committed_len == 5
-
-
-@pytest.mark.parametrize("kwargs", [
-    dict(method="eagle"),
-    dict(num_speculative_tokens=0),
-    dict(num_speculative_tokens=65),
-    dict(prompt_lookup_min=4, prompt_lookup_max=3),
-    dict(prompt_lookup_min=0),
-    dict(min_token_prob=1.5),
-    dict(max_spec_factor=float("nan")),
-    dict(max_tree_depth=0),
-])
-def test_invalid_params_are_rejected(kwargs):
-    values = dict(method="suffix", num_speculative_tokens=4) | kwargs
-    with pytest.raises(ValueError):
-        ProposerParams(**values)

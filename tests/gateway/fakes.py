@@ -11,7 +11,8 @@ from transformers import PreTrainedTokenizerFast
 
 from gateway.metrics import GatewayMetrics
 from gateway.serving import ServingContext
-from gateway.types import SpeculationSettings, SpeculationUsage, TokenDelta
+from gateway.types import SpeculationUsage, TokenDelta
+from speclane.speculation import SpeculationSettings
 
 SMOLLM2_DIR = pathlib.Path.home() / ".cache/speclane/models/smollm2-135m-instruct"
 CHATML_TEMPLATE = (

@@ -6,7 +6,7 @@ import openai
 import pytest
 
 from gateway.openai_api import create_app
-from gateway.serving import Overloaded
+from gateway.errors import Overloaded
 from gateway.types import TokenDelta
 from tests.gateway.fakes import COMPLETION, MODEL_NAME, ScriptedEngine, call_asgi, make_context
 

@@ -1,7 +1,7 @@
 import pytest
 
-from gateway.serving import (GenerationParams, InvalidRequest, ModelNotFound, Overloaded, build_generation_request,
-                             generate_text)
+from gateway.errors import InvalidRequest, ModelNotFound, Overloaded
+from gateway.serving import GenerationParams, build_generation_request, generate_text
 from gateway.types import SpeculationUsage
 from tests.gateway.fakes import COMPLETION, MODEL_NAME, ScriptedEngine, make_context
 

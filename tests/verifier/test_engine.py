@@ -121,13 +121,14 @@ def test_eos_stops_unless_ignored(engine, hf_model, runner, monkeypatch):
     assert seq.tokens[len(PROMPT):] == ref
 
 
-def test_max_new_tokens_cuts_an_accepted_draft(engine, hf_model):
+def test_max_new_tokens_cuts_the_draft_to_what_can_be_committed(engine, hf_model):
     ref = reference(hf_model, PROMPT, 5)
     seq = engine.open("s", PROMPT, GenerationParams(GREEDY, max_new_tokens=5, ignore_eos=True))
     engine.prefill(seq)
     step = engine.verify(seq, Draft(tuple(ref[1:]) + (1, 2, 3)))
     assert step.token_ids == ref[1:]
-    assert step.num_accepted == 4
+    # 4 tokens left: 3 draft tokens and the target's own; a 4th draft token could add nothing.
+    assert (step.num_draft_tokens, step.num_accepted) == (3, 3)
     assert step.finish_reason is FinishReason.LENGTH
     assert seq.slot is None
 

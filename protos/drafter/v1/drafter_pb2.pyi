@@ -72,3 +72,23 @@ class SessionResponse(_message.Message):
     DRAFT_FIELD_NUMBER: _ClassVar[int]
     draft: _common_pb2.Draft
     def __init__(self, draft: _Optional[_Union[_common_pb2.Draft, _Mapping]] = ...) -> None: ...
+
+class GetInfoRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class DrafterInfo(_message.Message):
+    __slots__ = ("methods", "max_speculative_tokens", "max_tree_depth", "max_cached_requests", "max_cached_tokens", "share_tenants")
+    METHODS_FIELD_NUMBER: _ClassVar[int]
+    MAX_SPECULATIVE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MAX_TREE_DEPTH_FIELD_NUMBER: _ClassVar[int]
+    MAX_CACHED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    MAX_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SHARE_TENANTS_FIELD_NUMBER: _ClassVar[int]
+    methods: _containers.RepeatedScalarFieldContainer[Method]
+    max_speculative_tokens: int
+    max_tree_depth: int
+    max_cached_requests: int
+    max_cached_tokens: int
+    share_tenants: bool
+    def __init__(self, methods: _Optional[_Iterable[_Union[Method, str]]] = ..., max_speculative_tokens: _Optional[int] = ..., max_tree_depth: _Optional[int] = ..., max_cached_requests: _Optional[int] = ..., max_cached_tokens: _Optional[int] = ..., share_tenants: _Optional[bool] = ...) -> None: ...

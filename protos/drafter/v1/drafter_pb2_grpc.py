@@ -39,6 +39,11 @@ class DrafterStub:
                 request_serializer=protos_dot_drafter_dot_v1_dot_drafter__pb2.SessionRequest.SerializeToString,
                 response_deserializer=protos_dot_drafter_dot_v1_dot_drafter__pb2.SessionResponse.FromString,
                 _registered_method=True)
+        self.GetInfo = channel.unary_unary(
+                '/speclane.drafter.v1.Drafter/GetInfo',
+                request_serializer=protos_dot_drafter_dot_v1_dot_drafter__pb2.GetInfoRequest.SerializeToString,
+                response_deserializer=protos_dot_drafter_dot_v1_dot_drafter__pb2.DrafterInfo.FromString,
+                _registered_method=True)
 
 
 class DrafterServicer:
@@ -54,6 +59,14 @@ class DrafterServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetInfo(self, request, context):
+        """The drafter's server-wide settings and the bounds it checks session
+        params against, so a client can refuse a bad request before it starts.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DrafterServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -61,6 +74,11 @@ def add_DrafterServicer_to_server(servicer, server):
                     servicer.Session,
                     request_deserializer=protos_dot_drafter_dot_v1_dot_drafter__pb2.SessionRequest.FromString,
                     response_serializer=protos_dot_drafter_dot_v1_dot_drafter__pb2.SessionResponse.SerializeToString,
+            ),
+            'GetInfo': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetInfo,
+                    request_deserializer=protos_dot_drafter_dot_v1_dot_drafter__pb2.GetInfoRequest.FromString,
+                    response_serializer=protos_dot_drafter_dot_v1_dot_drafter__pb2.DrafterInfo.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -90,6 +108,33 @@ class Drafter:
             '/speclane.drafter.v1.Drafter/Session',
             protos_dot_drafter_dot_v1_dot_drafter__pb2.SessionRequest.SerializeToString,
             protos_dot_drafter_dot_v1_dot_drafter__pb2.SessionResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetInfo(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/speclane.drafter.v1.Drafter/GetInfo',
+            protos_dot_drafter_dot_v1_dot_drafter__pb2.GetInfoRequest.SerializeToString,
+            protos_dot_drafter_dot_v1_dot_drafter__pb2.DrafterInfo.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,18 @@
+"""Errors meant for the client, raised anywhere in the gateway; each front end
+maps them to its status codes (HTTP 400/404/429, gRPC INVALID_ARGUMENT/NOT_FOUND/RESOURCE_EXHAUSTED)."""
+
+
+class InvalidRequest(ValueError):
+    """Bad input from the client: HTTP 400 / INVALID_ARGUMENT."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
+
+
+class ModelNotFound(InvalidRequest):
+    """The request names a model we do not serve: HTTP 404 / NOT_FOUND."""
+
+
+class Overloaded(Exception):
+    """Too many generations in flight: HTTP 429 / RESOURCE_EXHAUSTED."""

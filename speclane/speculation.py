@@ -1,0 +1,174 @@
+"""Speculation settings: vLLM's --speculative-config keys, their defaults and
+bounds, and the one validation that both the gateway (its flags, each request)
+and the drafter (each session) run, so a setting one accepts the other never
+refuses. Server-wide values belong to the drafter, which reports them (its
+GetInfo RPC) as DrafterLimits; requests are checked against those. The
+mapping to and from the drafter's messages is here too, for both ends."""
+
+import dataclasses
+import json
+import math
+from dataclasses import dataclass
+
+from protos.drafter.v1 import drafter_pb2
+
+METHODS = ("suffix", "ngram", "none")
+DRAFTER_METHODS = ("suffix", "ngram")  # what the drafter service proposes with
+MAX_SPECULATIVE_TOKENS = 64
+# Appending costs O(depth) per token and tree, so a drafter's depth is bounded.
+MAX_TREE_DEPTH = 256
+# vLLM keys that shape the drafter's shared trees: configured on the drafter, for
+# all sequences (key -> DrafterLimits field). A request may only repeat the value.
+DRAFTER_WIDE_KEYS = {
+    "suffix_decoding_max_tree_depth": "max_tree_depth",
+    "suffix_decoding_max_cached_requests": "max_cached_requests",
+}
+
+
+@dataclass(frozen=True)
+class DrafterLimits:
+    """A drafter's server-wide settings, as its GetInfo RPC reports them."""
+
+    max_tree_depth: int = 24
+    max_cached_requests: int = 10000
+    max_speculative_tokens: int = MAX_SPECULATIVE_TOKENS
+
+
+@dataclass(frozen=True)
+class SpeculationSettings:
+    """One sequence's speculation settings (vLLM --speculative-config keys, plus
+    our `suffix_decoding_max_spec_offset` and `suffix_decoding_use_tree_spec`)."""
+
+    method: str = "suffix"
+    num_speculative_tokens: int = 8
+    prompt_lookup_min: int = 2
+    prompt_lookup_max: int = 5
+    # suffix: draft budget = min(k, factor * match_len + offset); stop below min_token_prob
+    suffix_decoding_max_spec_factor: float = 1.0
+    suffix_decoding_max_spec_offset: float = 0.0
+    suffix_decoding_min_token_prob: float = 0.1
+    # Ask for a token tree (several continuations verified in one pass).
+    suffix_decoding_use_tree_spec: bool = False
+
+    def __post_init__(self):
+        if self.method not in METHODS:
+            raise ValueError(f"method must be one of {', '.join(METHODS)}, got {self.method!r}")
+        if not 1 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
+            raise ValueError(f"num_speculative_tokens must be between 1 and {MAX_SPECULATIVE_TOKENS}, "
+                             f"got {self.num_speculative_tokens}")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ValueError(f"need 1 <= prompt_lookup_min <= prompt_lookup_max, got "
+                             f"{self.prompt_lookup_min} and {self.prompt_lookup_max}")
+        for name in ("suffix_decoding_max_spec_factor", "suffix_decoding_max_spec_offset",
+                     "suffix_decoding_min_token_prob"):
+            if not math.isfinite(getattr(self, name)):
+                raise ValueError(f"{name} must be a finite number")
+        if self.suffix_decoding_max_spec_factor < 0:
+            raise ValueError("suffix_decoding_max_spec_factor must be >= 0")
+        if not 0 <= self.suffix_decoding_min_token_prob <= 1:
+            raise ValueError("suffix_decoding_min_token_prob must be in [0, 1]")
+
+    def merged(self, values: dict, limits: DrafterLimits | None = None) -> "SpeculationSettings":
+        """These settings with `values` (speculative-config keys) on top, checked
+        against a drafter's `limits` when known. Raises ValueError naming the key.
+
+        As in vLLM, when only one of prompt_lookup_min/max is given the other takes its value.
+        """
+        if not isinstance(values, dict):
+            raise ValueError("speculation must be an object")
+        values = dict(values)
+        for key, limit_name in DRAFTER_WIDE_KEYS.items():
+            if key in values:
+                value = values.pop(key)
+                fixed = getattr(limits, limit_name) if limits is not None else value
+                if value != fixed:
+                    raise ValueError(f"{key} is fixed by the drafter ({fixed}); configure it there")
+        fields = {field.name: field for field in dataclasses.fields(self)}
+        for key, value in values.items():
+            if key not in fields:
+                raise ValueError(f"unknown speculation key {key!r}")
+            values[key] = _typed(key, value, type(getattr(self, key)))
+        if "prompt_lookup_min" in values and "prompt_lookup_max" not in values:
+            values["prompt_lookup_max"] = values["prompt_lookup_min"]
+        elif "prompt_lookup_max" in values and "prompt_lookup_min" not in values:
+            values["prompt_lookup_min"] = values["prompt_lookup_max"]
+        settings = dataclasses.replace(self, **values)
+        if limits is not None and settings.num_speculative_tokens > limits.max_speculative_tokens:
+            raise ValueError(f"num_speculative_tokens must be at most {limits.max_speculative_tokens} "
+                             "on this drafter")
+        return settings
+
+    @property
+    def uses_drafter(self) -> bool:
+        return self.method in DRAFTER_METHODS
+
+
+def _typed(key: str, value, expected: type):
+    if expected is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if not isinstance(value, expected) or (isinstance(value, bool) and expected is not bool):
+        raise ValueError(f"speculation.{key} must be of type {expected.__name__}")
+    return value
+
+
+def parse_speculative_config(text: str) -> tuple[SpeculationSettings, dict[str, int]]:
+    """A vLLM --speculative-config JSON object (empty: the defaults): the
+    per-sequence settings, and the drafter-wide values it names (for the drafter)."""
+    if not text.strip():
+        return SpeculationSettings(), {}
+    try:
+        values = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"speculative config is not valid JSON: {exc}") from None
+    if not isinstance(values, dict):
+        raise ValueError("speculative config must be a JSON object")
+    drafter_wide = {key: values.pop(key) for key in DRAFTER_WIDE_KEYS if key in values}
+    for key, value in drafter_wide.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"{key} must be a non-negative integer")
+    return SpeculationSettings().merged(values), drafter_wide
+
+
+_PROTO_METHODS = {"suffix": drafter_pb2.METHOD_SUFFIX, "ngram": drafter_pb2.METHOD_NGRAM}
+# ProposerParams field -> speculative-config key
+_PROTO_KEYS = {
+    "prompt_lookup_min": "prompt_lookup_min",
+    "prompt_lookup_max": "prompt_lookup_max",
+    "max_spec_factor": "suffix_decoding_max_spec_factor",
+    "max_spec_offset": "suffix_decoding_max_spec_offset",
+    "min_token_prob": "suffix_decoding_min_token_prob",
+    "use_tree_spec": "suffix_decoding_use_tree_spec",
+    "max_tree_depth": "suffix_decoding_max_tree_depth",
+}
+
+
+def settings_to_proto(settings: SpeculationSettings) -> drafter_pb2.ProposerParams:
+    """What a client sends the drafter for these settings (method suffix or ngram)."""
+    return drafter_pb2.ProposerParams(
+        method=_PROTO_METHODS[settings.method], num_speculative_tokens=settings.num_speculative_tokens,
+        **{field: getattr(settings, key) for field, key in _PROTO_KEYS.items() if key not in DRAFTER_WIDE_KEYS},
+    )
+
+
+def settings_from_proto(message: drafter_pb2.ProposerParams, limits: DrafterLimits) -> SpeculationSettings:
+    """The drafter's reading of a session's params: absent optional fields take
+    the defaults; raises ValueError with the checks the gateway runs."""
+    methods = {value: name for name, value in _PROTO_METHODS.items()}
+    if message.method not in methods:
+        raise ValueError(f"params.method must be one of {', '.join(DRAFTER_METHODS)}")
+    given = {_PROTO_KEYS[field.name]: value for field, value in message.ListFields() if field.name in _PROTO_KEYS}
+    values = {**given, "method": methods[message.method], "num_speculative_tokens": message.num_speculative_tokens}
+    return SpeculationSettings().merged(values, limits)
+
+
+def info_to_proto(limits: DrafterLimits, max_cached_tokens: int, share_tenants: bool) -> drafter_pb2.DrafterInfo:
+    return drafter_pb2.DrafterInfo(
+        methods=list(_PROTO_METHODS.values()), max_speculative_tokens=limits.max_speculative_tokens,
+        max_tree_depth=limits.max_tree_depth, max_cached_requests=limits.max_cached_requests,
+        max_cached_tokens=max_cached_tokens, share_tenants=share_tenants,
+    )
+
+
+def limits_from_proto(info: drafter_pb2.DrafterInfo) -> DrafterLimits:
+    return DrafterLimits(max_tree_depth=info.max_tree_depth, max_cached_requests=info.max_cached_requests,
+                         max_speculative_tokens=info.max_speculative_tokens)

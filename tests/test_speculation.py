@@ -1,0 +1,107 @@
+"""Speculation settings have one owner (speclane/speculation.py): the gateway's
+config and request checks and the drafter's session checks are the same code,
+so a setting the gateway accepts is never refused by the drafter."""
+
+import dataclasses
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from speclane.speculation import (
+    DrafterLimits,
+    SpeculationSettings,
+    parse_speculative_config,
+    settings_from_proto,
+    settings_to_proto,
+)
+
+LIMITS = DrafterLimits(max_tree_depth=24, max_cached_requests=100, max_speculative_tokens=16)
+
+
+def test_empty_config_gives_the_defaults():
+    assert parse_speculative_config("") == (SpeculationSettings(), {})
+
+
+def test_vllm_config_splits_per_sequence_and_drafter_wide_keys():
+    settings, drafter_wide = parse_speculative_config(
+        '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, '
+        '"suffix_decoding_max_tree_depth": 32, "suffix_decoding_max_cached_requests": 0}')
+    assert (settings.method, settings.num_speculative_tokens) == ("ngram", 4)
+    assert drafter_wide == {"suffix_decoding_max_tree_depth": 32, "suffix_decoding_max_cached_requests": 0}
+
+
+@pytest.mark.parametrize("given_bounds, expected", [
+    ({"prompt_lookup_min": 3}, (3, 3)),
+    ({"prompt_lookup_max": 4}, (4, 4)),
+    ({"prompt_lookup_min": 1, "prompt_lookup_max": 4}, (1, 4)),
+])
+def test_one_lookup_bound_rule_for_config_and_requests(given_bounds, expected):
+    """vLLM's rule: when only one bound is given, the other takes its value."""
+    from_config, _ = parse_speculative_config(str(given_bounds).replace("'", '"'))
+    from_request = SpeculationSettings().merged(given_bounds, LIMITS)
+    assert (from_config.prompt_lookup_min, from_config.prompt_lookup_max) == expected
+    assert (from_request.prompt_lookup_min, from_request.prompt_lookup_max) == expected
+
+
+def test_a_request_may_repeat_a_drafter_wide_value_but_not_change_it():
+    assert SpeculationSettings().merged({"suffix_decoding_max_tree_depth": 24}, LIMITS) == SpeculationSettings()
+    with pytest.raises(ValueError, match="fixed by the drafter"):
+        SpeculationSettings().merged({"suffix_decoding_max_tree_depth": 32}, LIMITS)
+    with pytest.raises(ValueError, match="fixed by the drafter"):
+        SpeculationSettings().merged({"suffix_decoding_max_cached_requests": 5}, LIMITS)
+
+
+def test_the_drafters_limit_bounds_the_draft_length():
+    assert SpeculationSettings().merged({"num_speculative_tokens": 16}, LIMITS).num_speculative_tokens == 16
+    with pytest.raises(ValueError, match="at most 16"):
+        SpeculationSettings().merged({"num_speculative_tokens": 17}, LIMITS)
+
+
+@pytest.mark.parametrize("values", [
+    {"method": "eagle"},
+    {"num_speculative_tokens": 0},
+    {"num_speculative_tokens": 65},
+    {"num_speculative_tokens": "8"},
+    {"prompt_lookup_min": 4, "prompt_lookup_max": 3},
+    {"prompt_lookup_min": 0},
+    {"suffix_decoding_min_token_prob": 1.5},
+    {"suffix_decoding_max_spec_factor": float("nan")},
+    {"suffix_decoding_max_spec_factor": -1.0},
+    {"suffix_decoding_use_tree_spec": 1},
+    {"bogus": 1},
+])
+def test_bad_values_are_refused(values):
+    with pytest.raises(ValueError):
+        SpeculationSettings().merged(values)
+
+
+def test_bad_config_json_is_refused():
+    for text in ("{", "[1]", '{"suffix_decoding_max_tree_depth": -1}', '{"method": "eagle"}'):
+        with pytest.raises(ValueError):
+            parse_speculative_config(text)
+
+
+_OVERRIDES = st.fixed_dictionaries({}, optional={
+    "method": st.sampled_from(["suffix", "ngram", "none", "eagle"]),
+    "num_speculative_tokens": st.integers(-1, 70),
+    "prompt_lookup_min": st.integers(0, 8),
+    "prompt_lookup_max": st.integers(0, 8),
+    "suffix_decoding_max_spec_factor": st.sampled_from([-1.0, 0.0, 0.5, 1.0, 2.0]),
+    "suffix_decoding_max_spec_offset": st.sampled_from([-2.0, 0.0, 3.0]),
+    "suffix_decoding_min_token_prob": st.sampled_from([0.0, 0.25, 1.0, 1.5]),
+    "suffix_decoding_use_tree_spec": st.booleans(),
+    "suffix_decoding_max_tree_depth": st.sampled_from([16, 24]),
+    "suffix_decoding_max_cached_requests": st.sampled_from([100, 200]),
+})
+
+
+@given(_OVERRIDES)
+def test_what_the_gateway_accepts_the_drafter_accepts_unchanged(overrides):
+    try:
+        settings = SpeculationSettings().merged(overrides, LIMITS)
+    except ValueError:
+        return
+    if settings.uses_drafter:
+        received = settings_from_proto(settings_to_proto(settings), LIMITS)  # floats cross as float32
+        assert dataclasses.asdict(received) == pytest.approx(dataclasses.asdict(settings))
