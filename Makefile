@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 INSTALLED := $(VENV)/.installed
 ARGS ?=
 
-.PHONY: install serve test protos clean
+.PHONY: install serve test lint protos clean
 
 # Editing the C++ drafter core re-runs the install, which rebuilds it.
 $(INSTALLED): pyproject.toml setup.py $(wildcard drafter_service/csrc/*)
@@ -21,6 +21,9 @@ serve: install
 test: install
 	$(BIN)/speclane pull smollm2-135m-instruct
 	$(BIN)/python -m pytest -q -p no:cacheprovider $(ARGS)
+
+lint: install
+	$(BIN)/ruff check .
 
 protos: install
 	$(BIN)/python -m protos.build

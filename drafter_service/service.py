@@ -75,7 +75,8 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
                     await context.abort(grpc.StatusCode.INVALID_ARGUMENT, detail)
                 step = request.step
                 if _has_negative(step.committed_token_ids):
-                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "step.committed_token_ids must not be negative")
+                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                        "step.committed_token_ids must not be negative")
                 try:
                     proposer.commit(step.committed_token_ids, step.committed_len)
                 except CommittedLengthMismatch as exc:

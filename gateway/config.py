@@ -12,14 +12,16 @@ ENV_PREFIX = "SPECLANE_GATEWAY_"
 
 @dataclass(frozen=True)
 class GatewayConfig:
-    model: str = option("smollm2-135m-instruct", "packaged model name or Hugging Face directory (tokenizer, chat template)")
+    model: str = option("smollm2-135m-instruct",
+                        "packaged model name or Hugging Face directory (tokenizer, chat template)")
     served_model_name: str = option("", "model name clients use; defaults to the model's name")
     host: str = option("127.0.0.1", "HTTP listen address")
     port: int = option(8000, "HTTP port (OpenAI-compatible API)")
     grpc_address: str = option("127.0.0.1:50060", "listen address of the gRPC Generate API")
     drafter_address: str = option("127.0.0.1:50061", "drafter service address; empty disables speculation")
     verifier_addresses: tuple[str, ...] = option(("127.0.0.1:50062",), "comma-separated verifier addresses")
-    speculative_config: str = option("", "vLLM-style JSON, e.g. '{\"method\": \"suffix\", \"num_speculative_tokens\": 8}'")
+    speculative_config: str = option(
+        "", "vLLM-style JSON, e.g. '{\"method\": \"suffix\", \"num_speculative_tokens\": 8}'")
     draft_timeout_ms: int = option(200, "a draft slower than this is skipped and the drafter given a rest")
     max_concurrent_requests: int = option(64, "requests in flight before new ones get HTTP 429 / RESOURCE_EXHAUSTED")
     log_level: str = option("info", "debug, info, warning or error")

@@ -7,6 +7,7 @@ import dataclasses
 import json
 import time
 import uuid
+
 import anyio
 import structlog
 from fastapi import FastAPI, Request
@@ -14,6 +15,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
+from gateway.errors import InvalidRequest, ModelNotFound, Overloaded
 from gateway.metrics import CONTENT_TYPE
 from gateway.openai_protocol import (
     LEGACY_DEFAULT_MAX_TOKENS,
@@ -25,9 +27,14 @@ from gateway.openai_protocol import (
     completion_prompt,
     validation_message,
 )
-from gateway.errors import InvalidRequest, ModelNotFound, Overloaded
-from gateway.serving import (MAX_SEED, GenerationParams, ServingContext, TextDelta, build_generation_request,
-                             generate_text)
+from gateway.serving import (
+    MAX_SEED,
+    GenerationParams,
+    ServingContext,
+    TextDelta,
+    build_generation_request,
+    generate_text,
+)
 from gateway.types import SpeculationUsage
 from speclane.log import TENANT_METADATA_KEY, bind_request_id
 
@@ -97,13 +104,18 @@ def error_for(ctx: ServingContext, error: Exception) -> tuple[int, dict]:
 async def choice_events(ctx: ServingContext, requests, stop_strings):
     """(choice index, TextDelta) from the n generations as they come; holds n limiter slots."""
     with ctx.limiter.acquire(len(requests)):
+        if len(requests) == 1:  # the common case needs no task and no queue
+            async with contextlib.aclosing(generate_text(ctx, requests[0], stop_strings)) as deltas:
+                async for delta in deltas:
+                    yield 0, delta
+            return
         queue = asyncio.Queue()
 
         async def pump(index, request):
             try:
                 async for delta in generate_text(ctx, request, stop_strings):
                     queue.put_nowait((index, delta, None))
-            except Exception as error:
+            except Exception as error:  # noqa: BLE001 - handed to the consumer, which raises it
                 queue.put_nowait((index, None, error))
 
         tasks = [asyncio.create_task(pump(index, request)) for index, request in enumerate(requests)]
@@ -174,7 +186,7 @@ class ResponseWriter:
                         yield chunk
                 if include_usage:
                     yield self.event([], include_usage, self.usage.as_dict())
-            except Exception as error:  # headers are gone: report in-band, as OpenAI and vLLM do
+            except Exception as error:  # noqa: BLE001 - headers are gone: report in-band, as OpenAI and vLLM do
                 yield f"data: {json.dumps(error_for(self.ctx, error)[1])}\n\n"
         yield "data: [DONE]\n\n"
 
@@ -260,7 +272,7 @@ def create_app(ctx: ServingContext) -> FastAPI:
                 log.info("client disconnected")
                 return Response(status_code=499)  # nobody reads it; nginx's "client closed request"
             return JSONResponse(result, headers=headers)
-        except Exception as error:
+        except Exception as error:  # noqa: BLE001 - every failure gets an OpenAI error body (5xx if unexpected)
             status, error_json = error_for(ctx, error)
             return JSONResponse(error_json, status_code=status, headers=headers)
 
@@ -283,7 +295,7 @@ def create_app(ctx: ServingContext) -> FastAPI:
     async def health():
         try:
             ready = await ctx.ready()
-        except Exception as error:
+        except Exception as error:  # noqa: BLE001 - a failing check means not ready
             log.warning("readiness check failed", error=str(error))
             ready = False
         return Response(status_code=200 if ready else 503)

@@ -5,7 +5,6 @@ import asyncio
 from collections.abc import AsyncIterator
 
 import grpc
-import structlog
 
 from gateway.drafter_client import DrafterClient, DrafterSession
 from gateway.errors import InvalidRequest, Overloaded
@@ -15,7 +14,6 @@ from gateway.verifier_pool import VerifierPool
 from protos.common.v1 import common_pb2
 from protos.conventions import FINISH_REASON_NAMES
 
-log = structlog.get_logger()
 
 _NO_DRAFT = common_pb2.Draft()
 

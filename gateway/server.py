@@ -9,14 +9,14 @@ import sys
 import structlog
 import uvicorn
 
-from gateway.drafter_client import DrafterClient
-from gateway.verifier_pool import VerifierPool
 from gateway.config import ENV_PREFIX, GatewayConfig
+from gateway.drafter_client import DrafterClient
 from gateway.grpc_api import add_generation_servicer
 from gateway.metrics import GatewayMetrics
 from gateway.openai_api import create_app
 from gateway.orchestrator import Orchestrator
 from gateway.serving import ServingContext
+from gateway.verifier_pool import VerifierPool
 from speclane import grpc_server
 from speclane.config import parse_config
 from speclane.log import configure_logging

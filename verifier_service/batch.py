@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from verifier_service.kv_cache import KVOp
+from verifier_service.kv_store import KVOp
 from verifier_service.tree import ancestor_mask, depths
 
 

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from speclane.config import option
 from speclane.log import check_log_level
+
 ENV_PREFIX = "SPECLANE_VERIFIER_"
 DEVICE_PATTERN = re.compile(r"^(auto|cpu|cuda(:\d+)?|npu(:\d+)?)$")
 DTYPES = ("float32", "bfloat16", "float16")  # torch dtype names

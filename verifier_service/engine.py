@@ -15,8 +15,8 @@ import torch
 
 from verifier_service.batch import StepPlan
 from verifier_service.errors import InvalidRequest, SequenceFinished, StaleDraft
-from verifier_service.kv_cache import Keep
 from verifier_service.kv_pool import KVPool
+from verifier_service.kv_store import Keep
 from verifier_service.model_runner import ModelRunner
 from verifier_service.sampling import make_generator, target_probs
 from verifier_service.scheduler import BatchLimits, Scheduled, Scheduler, Work

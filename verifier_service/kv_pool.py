@@ -12,7 +12,7 @@ in `ops` and reach every rank with the next forward pass.
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from verifier_service.kv_cache import Free, KVOp
+from verifier_service.kv_store import Free, KVOp
 
 
 @dataclass(frozen=True)
@@ -63,9 +63,6 @@ class KVPool:
 
     def fits_ever(self, num_tokens: int) -> bool:
         return self.blocks_for(num_tokens) <= self.num_blocks
-
-    def capacity(self, slot: int) -> int:
-        return self._held[slot] * self.block_size
 
     def allocate(self, num_tokens: int, headroom_blocks: int = 0) -> int | None:
         """A new slot with room for `num_tokens`, or None when the budget is full

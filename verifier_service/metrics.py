@@ -65,6 +65,3 @@ class VerifierMetrics:
     def serve(self, port: int, host: str = "0.0.0.0") -> None:
         """Serves /metrics from a daemon thread."""
         prometheus_client.start_http_server(port, addr=host, registry=self.registry)
-
-    def exposition(self) -> bytes:
-        return prometheus_client.generate_latest(self.registry)

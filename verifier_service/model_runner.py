@@ -1,5 +1,5 @@
 """The target model: Hugging Face weights and layers, run over ragged batches
-with our attention (attention.py) and KV store (kv_cache.py). Under tensor
+with our attention (attention.py) and KV store (kv_store.py). Under tensor
 parallelism every rank holds one; rank 0's broadcasts each plan first."""
 
 import os
@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM
 from verifier_service.attention import register as register_attention
 from verifier_service.batch import StepPlan, prepare
 from verifier_service.distributed import TensorParallel
-from verifier_service.kv_cache import KVStore
+from verifier_service.kv_store import KVStore
 
 log = structlog.get_logger()
 

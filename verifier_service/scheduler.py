@@ -1,9 +1,10 @@
 """Which sequences run in the next forward pass, and how much of each.
 
 Sequences wait for admission (a KV slot holding their whole prompt, with a
-block of headroom left for each running sequence) in arrival order; one that waits longer than `max_queue_wait` or could never fit
-is refused. Among admitted sequences with work, decode/verify steps go first
-and prompt prefills fill the rest of the token budget in chunks, so a long
+block of headroom left for each running sequence) in arrival order; one that
+waits longer than `max_queue_wait` or could never fit is refused. Among
+admitted sequences with work, decode/verify steps go first and prompt
+prefills fill the rest of the token budget in chunks, so a long
 prompt never holds decoding up. When a step's KV cannot grow, its draft is
 cut (drafts are optional); failing that the most recently admitted other
 sequence is preempted: its KV goes back to the pool and it is prefilled again
@@ -12,8 +13,8 @@ later from its tokens, so nothing it committed is lost.
 
 import time
 from collections import deque
-from dataclasses import dataclass, field, replace
 from collections.abc import Callable
+from dataclasses import dataclass, field, replace
 
 from verifier_service.batch import Segment
 from verifier_service.errors import ResourceExhausted

@@ -8,9 +8,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from protos.conventions import chain_parents
 from verifier_service.errors import InvalidRequest
 from verifier_service.sampling import SamplingParams
-from protos.conventions import chain_parents
 from verifier_service.tree import check_parents, depths, keep_nodes
 
 

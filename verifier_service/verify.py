@@ -10,8 +10,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from verifier_service.sampling import sample
 from protos.conventions import chain_parents
+from verifier_service.sampling import sample
 from verifier_service.tree import children
 
 

@@ -14,13 +14,17 @@ import torch.distributed as dist
 from transformers import AutoConfig
 from transformers.utils import logging as transformers_logging
 
-from speclane.net import free_port
 from speclane.log import configure_logging
+from speclane.net import free_port
 from verifier_service.config import VerifierConfig
-from verifier_service.device import (free_memory_bytes, kv_budget_tokens, resolve_device, resolve_dtype,
-                                     set_threads)
-from verifier_service.distributed import (TensorParallel, check_shardable, exit_with_parent,
-                                          init_tensor_parallel, rank_device)
+from verifier_service.device import free_memory_bytes, kv_budget_tokens, resolve_device, resolve_dtype, set_threads
+from verifier_service.distributed import (
+    TensorParallel,
+    check_shardable,
+    exit_with_parent,
+    init_tensor_parallel,
+    rank_device,
+)
 from verifier_service.engine import Engine
 from verifier_service.kv_pool import KVPool
 from verifier_service.model_runner import ModelRunner

@@ -13,7 +13,6 @@ from drafter_service.draft import SOURCE_NGRAM, Draft
 from protos.conventions import chain_parents
 
 
-
 def _failure_function(pattern: Sequence[int]) -> list[int]:
     """fail[i]: length of the longest proper border of pattern[:i + 1]."""
     fail = [0] * len(pattern)

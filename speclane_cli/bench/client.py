@@ -8,9 +8,9 @@ from collections.abc import Callable
 
 import httpx
 
+from speclane.log import TENANT_METADATA_KEY
 from speclane_cli.bench.conversation import Conversation, replay
 from speclane_cli.bench.stats import RequestResult
-from speclane.log import TENANT_METADATA_KEY
 
 REQUEST_TIMEOUT_SECONDS = 600.0
 

@@ -45,8 +45,8 @@ def _arctic_cache():
 def _streams(args) -> tuple[list, list]:
     from transformers import AutoTokenizer
 
-    from speclane_cli.datasets import humaneval_problems, sharegpt_conversations
     from speclane.models import resolve_model
+    from speclane_cli.datasets import humaneval_problems, sharegpt_conversations
 
     tokenizer = AutoTokenizer.from_pretrained(str(resolve_model("smollm2-135m-instruct")))
     encode = lambda text: tokenizer.encode(text, add_special_tokens=False)[:args.max_response]  # noqa: E731
@@ -66,7 +66,8 @@ def _streams(args) -> tuple[list, list]:
             edited = list(version)
             for _ in range(3):  # a few small edits per re-emission
                 at = rng.randrange(len(edited))
-                edited[at:at + rng.randint(0, 2)] = [rng.randrange(tokenizer.vocab_size) for _ in range(rng.randint(1, 3))]
+                inserted = [rng.randrange(tokenizer.vocab_size) for _ in range(rng.randint(1, 3))]
+                edited[at:at + rng.randint(0, 2)] = inserted
             agent.append((version, edited))
             version = edited
     return corpus, agent

@@ -8,8 +8,8 @@ from collections.abc import Callable
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
-from transformers.utils import logging as transformers_logging
 from transformers.generation.streamers import BaseStreamer
+from transformers.utils import logging as transformers_logging
 
 from speclane_cli.bench.conversation import Conversation, replay
 from speclane_cli.bench.stats import RequestResult

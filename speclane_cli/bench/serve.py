@@ -133,8 +133,8 @@ def _run_all(settings: dict, workloads: dict[str, list[Conversation]]) -> list[R
 
 
 def _load_peer(settings: dict):
-    from speclane_cli.bench.hf_peer import HfPeer
     from speclane.models import resolve_model
+    from speclane_cli.bench.hf_peer import HfPeer
 
     fields = request_fields(settings, "none")
     return HfPeer(resolve_model(settings["peer_model"]), settings["num_speculative_tokens"], fields)

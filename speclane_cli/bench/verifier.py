@@ -20,8 +20,8 @@ import time
 
 import torch
 
-from speclane.net import free_port
 from speclane.models import DEFAULT_MODEL, resolve_model
+from speclane.net import free_port
 
 MODES = {"none": {"method": "none"}, "suffix": {"method": "suffix"},
          "suffix-tree": {"method": "suffix", "suffix_decoding_use_tree_spec": True}}

@@ -5,8 +5,8 @@ import json
 
 import pytest
 
-from speclane_cli.main import main
 from speclane.models import DEFAULT_MODEL, resolve_model
+from speclane_cli.main import main
 from tests.e2e.stack import free_port, start_stack
 
 

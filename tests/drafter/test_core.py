@@ -18,8 +18,8 @@ from drafter_service import SuffixDecodingCache, SuffixDecodingDraft, _core, ser
 from drafter_service.config import DrafterConfig
 from drafter_service.engine import DraftEngine
 from protos.drafter.v1 import drafter_pb2_grpc
-from tests.drafter.test_drafter_service import run_session, start
 from speclane.speculation import SpeculationSettings
+from tests.drafter.test_drafter_service import run_session, start
 
 FILE = list(range(1000, 1100))  # an agent re-emitting a file
 
@@ -68,7 +68,8 @@ def test_arctic_api_rejects_bad_calls_like_python():
         cache.add_active_response("a", [2**40])
     with pytest.raises(TypeError):
         cache.start_request(["unhashable"], [1])
-    draft = cache.speculate("a", np.array([1, 2], dtype=np.int64))  # any sequence; max_spec_tokens defaults to the depth
+    # Any sequence type; max_spec_tokens defaults to the depth.
+    draft = cache.speculate("a", np.array([1, 2], dtype=np.int64))
     assert draft.token_ids == [3] and draft.match_len == 2
 
 

@@ -10,8 +10,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from drafter_service import server
 from drafter_service.config import DrafterConfig
-from drafter_service.service import DrafterServicer
 from drafter_service.engine import DraftEngine
+from drafter_service.service import DrafterServicer
 from protos.drafter.v1 import drafter_pb2, drafter_pb2_grpc
 from speclane.grpc_server import CHANNEL_OPTIONS
 

@@ -4,9 +4,9 @@ import asyncio
 
 import pytest
 
+from drafter_service.draft import SOURCE_REQUEST
 from drafter_service.engine import DraftEngine
 from drafter_service.proposer import CommittedLengthMismatch, SequenceProposer
-from drafter_service.draft import SOURCE_REQUEST
 from speclane.speculation import SpeculationSettings
 
 

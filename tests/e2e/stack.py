@@ -14,8 +14,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from drafter_service.config import DrafterConfig
 from gateway.config import GatewayConfig
-from speclane.net import free_port
 from speclane.config import to_argv
+from speclane.net import free_port
 from verifier_service.config import VerifierConfig
 
 _START_TIMEOUT_SECONDS = 180

@@ -5,8 +5,8 @@ import httpx
 import openai
 import pytest
 
-from gateway.openai_api import create_app
 from gateway.errors import Overloaded
+from gateway.openai_api import create_app
 from gateway.types import TokenDelta
 from tests.gateway.fakes import COMPLETION, MODEL_NAME, ScriptedEngine, call_asgi, make_context
 

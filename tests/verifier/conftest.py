@@ -6,8 +6,8 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from verifier_service.engine import Engine
-from verifier_service.kv_cache import KVStore
 from verifier_service.kv_pool import KVPool
+from verifier_service.kv_store import KVStore
 from verifier_service.model_runner import ModelRunner
 from verifier_service.scheduler import BatchLimits
 

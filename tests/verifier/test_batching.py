@@ -3,10 +3,11 @@ and prefill stages share forward passes and still decode exactly as alone."""
 
 import pytest
 
-from .conftest import make_engine
-from .test_engine import GREEDY, check_cache, reference, wrong
 from verifier_service.scheduler import BatchLimits
 from verifier_service.sequence import Draft, GenerationParams
+
+from .conftest import make_engine
+from .test_engine import GREEDY, check_cache, reference, wrong
 
 PROMPTS = [[5, 17, 9, 40, 22, 8, 31], [3] * 40, [60, 2, 7], [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21]]
 DRAFTERS = [

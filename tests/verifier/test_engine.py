@@ -7,12 +7,13 @@ import torch
 from scipy.stats import chisquare
 from transformers import DynamicCache, GenerationConfig
 
-from .conftest import MAX_CONTEXT, VOCAB
 from verifier_service import engine as engine_module
 from verifier_service.errors import InvalidRequest, SequenceFinished, StaleDraft
 from verifier_service.sampling import SamplingParams, sample
 from verifier_service.sequence import Draft, FinishReason, GenerationParams, Proposal
 from verifier_service.verify import Verdict
+
+from .conftest import MAX_CONTEXT, VOCAB
 
 PROMPT = [5, 17, 9, 40, 22, 8, 31]
 GREEDY = SamplingParams()
@@ -84,7 +85,7 @@ def assert_kv_matches_a_fresh_forward(runner, hf_model, seq) -> None:
     with torch.no_grad():
         hf_model(torch.tensor([seq.tokens[:-1]]), past_key_values=cache, use_cache=True)
     for layer, clean in enumerate(cache.layers):
-        keys, values = runner.store.rows(seq.slot, layer, seq.num_cached)
+        keys, values = (rows[:, :seq.num_cached] for rows in runner.store._slots[seq.slot][layer])
         assert torch.allclose(keys, clean.keys[0], atol=1e-5)
         assert torch.allclose(values, clean.values[0], atol=1e-5)
 

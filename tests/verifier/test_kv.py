@@ -5,12 +5,13 @@ the pool is empty again at the end. Preemption and prefix reuse are lossless."""
 import pytest
 import torch
 
-from .conftest import make_engine, save_tiny_llama
-from .test_engine import GREEDY, reference
 from verifier_service.errors import ResourceExhausted
 from verifier_service.model_runner import ModelRunner
 from verifier_service.scheduler import BatchLimits
 from verifier_service.sequence import Draft, GenerationParams
+
+from .conftest import make_engine, save_tiny_llama
+from .test_engine import GREEDY, reference
 
 SEQ_TOKENS = 1024
 PROMPT_LEN = 1000

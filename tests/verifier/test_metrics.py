@@ -3,14 +3,16 @@
 import asyncio
 
 import grpc
+import prometheus_client
 
-from .conftest import make_engine
-from .test_service import prefill, running_verifier, session_error, wait_serving
-from .test_engine import GREEDY, PROMPT
 from verifier_service.async_engine import AsyncEngine
 from verifier_service.metrics import VerifierMetrics
 from verifier_service.scheduler import BatchLimits
 from verifier_service.sequence import Draft, GenerationParams
+
+from .conftest import make_engine
+from .test_engine import GREEDY, PROMPT
+from .test_service import prefill, running_verifier, session_error, wait_serving
 
 
 def sample(metrics: VerifierMetrics, name: str) -> float:
@@ -31,7 +33,7 @@ def test_each_pass_is_recorded(runner):
     assert sample(metrics, "speclane:verifier_batch_tokens_sum") == 3 * len(PROMPT)
     assert sample(metrics, "speclane:verifier_queue_wait_seconds_count") == 3
     assert sample(metrics, "speclane:verifier_kv_used_tokens") == 3 * 16
-    assert b"vllm:kv_cache_usage_perc" in metrics.exposition()
+    assert b"vllm:kv_cache_usage_perc" in prometheus_client.generate_latest(metrics.registry)
 
 
 def test_a_full_budget_is_resource_exhausted(tiny_model_dir):

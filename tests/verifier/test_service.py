@@ -14,13 +14,14 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from protos.common.v1 import common_pb2
 from protos.verifier.v1 import verifier_pb2, verifier_pb2_grpc
 from speclane.grpc_server import CHANNEL_OPTIONS, serve
-from .conftest import BLOCK, GENERATION_EOS, MAX_CONTEXT, VOCAB, make_engine
 from verifier_service import server
-from verifier_service.config import VerifierConfig
 from verifier_service.async_engine import AsyncEngine
+from verifier_service.config import VerifierConfig
 from verifier_service.model_runner import ModelRunner
 from verifier_service.sequence import Draft
 from verifier_service.service import VerifierServicer, add_to_server, params_from_proto
+
+from .conftest import BLOCK, GENERATION_EOS, MAX_CONTEXT, VOCAB, make_engine
 
 PROMPT = [5, 17, 9, 40, 22, 8, 31]
 SERVICE = "speclane.verifier.v1.Verifier"
@@ -30,8 +31,10 @@ OK_SAMPLING = verifier_pb2.SamplingParams(max_new_tokens=8, ignore_eos=True)
 @contextlib.asynccontextmanager
 async def running_verifier(model_dir: str, warm: asyncio.Event | None = None, **engine_args):
     """Serves the verifier on port 0; yields (channel, engine). `warm` holds the warm-up back."""
-    engine = AsyncEngine(lambda: make_engine(ModelRunner(model_dir, "cpu", torch.float32, block_size=BLOCK), **engine_args),
-                         threads=1)
+    def load():
+        return make_engine(ModelRunner(model_dir, "cpu", torch.float32, block_size=BLOCK), **engine_args)
+
+    engine = AsyncEngine(load, threads=1)
 
     async def warmup():
         if warm is not None:

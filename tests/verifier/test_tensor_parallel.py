@@ -12,11 +12,12 @@ import pytest
 
 from protos.common.v1 import common_pb2
 from protos.verifier.v1 import verifier_pb2, verifier_pb2_grpc
-from .test_engine import GREEDY, PROMPT
+from speclane.net import free_port
 from verifier_service.device import free_memory_bytes, kv_budget_tokens
 from verifier_service.distributed import backend_for, check_shardable, rank_device
 from verifier_service.sequence import Draft, GenerationParams
-from speclane.net import free_port
+
+from .test_engine import GREEDY, PROMPT
 
 TREE = (common_pb2.Draft(token_ids=[45, 18, 30, 38], parents=[-1, 0, 0, 1]),
         common_pb2.Draft(token_ids=[1, 2], parents=[-1, -1]), common_pb2.Draft())

@@ -8,13 +8,23 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from .conftest import VOCAB
-from .test_engine import (GREEDY, PROMPT, SAMPLING_PROMPT, SAMPLING_TRIALS, assert_kv_matches_a_fresh_forward,
-                          exact_second_token, p_value, reference, wrong)
 from verifier_service.sampling import SamplingParams
 from verifier_service.sequence import Draft, GenerationParams, Proposal
 from verifier_service.tree import ancestor_mask, depths, keep_nodes
 from verifier_service.verify import verify_greedy
+
+from .conftest import VOCAB
+from .test_engine import (
+    GREEDY,
+    PROMPT,
+    SAMPLING_PROMPT,
+    SAMPLING_TRIALS,
+    assert_kv_matches_a_fresh_forward,
+    exact_second_token,
+    p_value,
+    reference,
+    wrong,
+)
 
 
 def decoy_tree(future: list[int]) -> Draft:

@@ -71,8 +71,3 @@ class KVStore:
         current[0][:, start:end] = keys
         current[1][:, start:end] = values
         return current[0][:, :end], current[1][:, :end]
-
-    def rows(self, slot: int, layer: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The first `length` cached keys and values of a slot (for tests and benchmarks)."""
-        keys, values = self._slots[slot][layer]
-        return keys[:, :length], values[:, :length]
