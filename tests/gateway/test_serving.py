@@ -3,6 +3,7 @@ import pytest
 from gateway.errors import InvalidRequest, ModelNotFound, Overloaded
 from gateway.serving import GenerationParams, build_generation_request, generate_text
 from gateway.types import SpeculationUsage
+from speclane.speculation import DrafterLimits
 from tests.gateway.fakes import COMPLETION, MODEL_NAME, ScriptedEngine, make_context
 
 USER = [{"role": "user", "content": "Say hello"}]
@@ -43,6 +44,18 @@ def test_speculation_overrides_the_default(ctx):
     request = build(ctx, GenerationParams(speculation={"method": "ngram", "num_speculative_tokens": 3}))
     assert (request.speculation.method, request.speculation.num_speculative_tokens) == ("ngram", 3)
     assert build(ctx).speculation == ctx.default_speculation
+
+
+def test_requests_are_checked_against_the_drafters_limits(ctx):
+    ctx.drafter_limits = lambda: DrafterLimits(max_tree_depth=32, max_cached_requests=10, max_speculative_tokens=16)
+    repeated = {"suffix_decoding_max_tree_depth": 32, "num_speculative_tokens": 16}
+    same = build(ctx, GenerationParams(speculation=repeated))
+    assert same.speculation.num_speculative_tokens == 16
+    for speculation, message in [({"suffix_decoding_max_tree_depth": 24}, "fixed by the drafter \\(32\\)"),
+                                 ({"num_speculative_tokens": 17}, "at most 16")]:
+        with pytest.raises(InvalidRequest, match=message) as raised:
+            build(ctx, GenerationParams(speculation=speculation))
+        assert raised.value.param == "speculation"
 
 
 @pytest.mark.parametrize("params, prompt, param, message", [
