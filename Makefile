@@ -10,7 +10,7 @@ ARGS ?=
 # Editing the C++ drafter core re-runs the install, which rebuilds it.
 $(INSTALLED): pyproject.toml setup.py $(wildcard drafter_service/csrc/*)
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e '.[test]'
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e '.[all,test]'
 	touch $@
 
 install: $(INSTALLED)

@@ -12,8 +12,8 @@ ENV_PREFIX = "SPECLANE_GATEWAY_"
 
 @dataclass(frozen=True)
 class GatewayConfig:
-    model: str = option("smollm2-135m-instruct",
-                        "packaged model name or Hugging Face directory (tokenizer, chat template)")
+    model: str = option("", "packaged model name or Hugging Face directory to read the tokenizer and chat "
+                            "template from; empty: fetch them from the verifier")
     served_model_name: str = option("", "model name clients use; defaults to the model's name")
     host: str = option("127.0.0.1", "HTTP listen address")
     port: int = option(8000, "HTTP port (OpenAI-compatible API)")

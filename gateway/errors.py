@@ -1,5 +1,6 @@
 """Errors meant for the client, raised anywhere in the gateway; each front end
-maps them to its status codes (HTTP 400/404/429, gRPC INVALID_ARGUMENT/NOT_FOUND/RESOURCE_EXHAUSTED)."""
+maps them to its status codes (HTTP 400/404/429/503, gRPC INVALID_ARGUMENT/
+NOT_FOUND/RESOURCE_EXHAUSTED/UNAVAILABLE)."""
 
 
 class InvalidRequest(ValueError):
@@ -16,3 +17,7 @@ class ModelNotFound(InvalidRequest):
 
 class Overloaded(Exception):
     """Too many generations in flight: HTTP 429 / RESOURCE_EXHAUSTED."""
+
+
+class Unavailable(Exception):
+    """No verifier can take the request now (dead, restarting, loading): HTTP 503 / UNAVAILABLE."""

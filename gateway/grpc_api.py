@@ -5,7 +5,7 @@ import contextlib
 
 import grpc
 
-from gateway.errors import InvalidRequest, ModelNotFound, Overloaded
+from gateway.errors import InvalidRequest, ModelNotFound, Overloaded, Unavailable
 from gateway.serving import GenerationParams, ServingContext, TextDelta, build_generation_request, generate_text
 from protos.conventions import FINISH_REASONS_BY_NAME
 from protos.gateway.v1 import gateway_pb2, gateway_pb2_grpc
@@ -71,6 +71,8 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
         except Overloaded as error:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(error))
+        except Unavailable as error:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(error))
 
 
 def add_generation_servicer(server: grpc.aio.Server, context: ServingContext) -> str:

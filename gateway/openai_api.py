@@ -15,7 +15,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
-from gateway.errors import InvalidRequest, ModelNotFound, Overloaded
+from gateway.errors import InvalidRequest, ModelNotFound, Overloaded, Unavailable
 from gateway.metrics import CONTENT_TYPE
 from gateway.openai_protocol import (
     LEGACY_DEFAULT_MAX_TOKENS,
@@ -93,6 +93,8 @@ def error_for(ctx: ServingContext, error: Exception) -> tuple[int, dict]:
         status, kind, code, label = 400, "invalid_request_error", None, "invalid_request"
     elif isinstance(error, Overloaded):
         status, kind, code, label = 429, "rate_limit_error", "overloaded", "overloaded"
+    elif isinstance(error, Unavailable):
+        status, kind, code, label = 503, "service_unavailable_error", "verifier_unavailable", "unavailable"
     else:
         log.error("request failed", exc_info=error)
         ctx.metrics.record_error("internal")

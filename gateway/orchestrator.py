@@ -7,13 +7,12 @@ from collections.abc import AsyncIterator
 import grpc
 
 from gateway.drafter_client import DrafterClient, DrafterSession
-from gateway.errors import InvalidRequest, Overloaded
+from gateway.errors import InvalidRequest, Overloaded, Unavailable
 from gateway.metrics import GatewayMetrics
 from gateway.types import GenerationRequest, SpeculationUsage, TokenDelta
 from gateway.verifier_pool import VerifierPool
 from protos.common.v1 import common_pb2
 from protos.conventions import FINISH_REASON_NAMES
-
 
 _NO_DRAFT = common_pb2.Draft()
 
@@ -47,6 +46,9 @@ class Orchestrator:
                 self._finish_in_background(drafter, list(result.token_ids), result.committed_len)
                 drafter = None
             yield TokenDelta(list(result.token_ids), FINISH_REASON_NAMES[result.finish_reason], usage)
+        except Unavailable:
+            self._verifiers.mark_down(index)
+            raise
         finally:
             verifier.close()
             self._verifiers.release(index)
@@ -76,4 +78,6 @@ async def _checked(call):
             raise InvalidRequest(exc.details()) from None
         if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
             raise Overloaded(exc.details()) from None
+        if exc.code() == grpc.StatusCode.UNAVAILABLE:  # gone, restarting or still loading
+            raise Unavailable(f"the verifier is unavailable: {exc.details()}") from None
         raise

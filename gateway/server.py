@@ -2,9 +2,7 @@
 
 import asyncio
 import contextlib
-import os
 import pathlib
-import sys
 
 import structlog
 import uvicorn
@@ -16,6 +14,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.openai_api import create_app
 from gateway.orchestrator import Orchestrator
 from gateway.serving import ServingContext
+from gateway.tokenizer import hide_torch, load_tokenizer, tokenizer_from_verifier
 from gateway.verifier_pool import VerifierPool
 from speclane import grpc_server
 from speclane.config import parse_config
@@ -49,19 +48,21 @@ async def _check_drafter(drafter: DrafterClient, drafter_wide: dict) -> None:
 
 async def run(config: GatewayConfig) -> None:
     configure_logging("gateway", config.log_level)
-    # Pulling converts weights with torch, which the gateway does without: `speclane pull` does it.
-    model_dir = resolve_model(config.model, pull_if_missing=False)
-    model_name = config.served_model_name or pathlib.Path(model_dir).name
-    from transformers import AutoTokenizer  # after main() hid torch from it
-
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
     verifiers = VerifierPool(config.verifier_addresses)
     drafter = DrafterClient(config.drafter_address, config.draft_timeout_ms / 1000) if config.drafter_address else None
-    metrics = GatewayMetrics(model_name)
-    orchestrator = Orchestrator(verifiers, drafter, metrics)
     log.info("waiting_for_verifier", addresses=config.verifier_addresses)
     await verifiers.wait_ready()
     info = await verifiers.model_info()
+    if config.model:
+        # Pulling converts weights with torch, which the gateway does without: `speclane pull` does it.
+        model_dir = resolve_model(config.model, pull_if_missing=False)
+        model_name = config.served_model_name or pathlib.Path(model_dir).name
+        tokenizer = load_tokenizer(model_dir)
+    else:
+        model_name = config.served_model_name or info.model_name
+        tokenizer = await tokenizer_from_verifier(verifiers)
+    metrics = GatewayMetrics(model_name)
+    orchestrator = Orchestrator(verifiers, drafter, metrics)
     if drafter is not None:
         await _check_drafter(drafter, config.drafter_wide_speculation)
     context = ServingContext(
@@ -80,6 +81,7 @@ async def run(config: GatewayConfig) -> None:
         timeout_graceful_shutdown=5,
     ))
     http_task = asyncio.ensure_future(http.serve())
+    watching = asyncio.ensure_future(verifiers.watch())  # a restarted verifier gets work again
 
     async def wait_for_http():
         while not http.started:
@@ -91,6 +93,7 @@ async def run(config: GatewayConfig) -> None:
                  speculation=config.speculation.method)
 
     async def shutdown():
+        watching.cancel()
         http.should_exit = True
         await http_task
         if drafter is not None:
@@ -105,14 +108,6 @@ async def run(config: GatewayConfig) -> None:
     )
 
 
-def hide_torch() -> None:
-    """transformers imports torch whenever it is installed, though a tokenizer and
-    a chat template need none of it; in the gateway that would cost ~3 s of
-    start-up and ~270 MB of memory. Call before transformers is first imported."""
-    sys.modules.setdefault("torch", None)  # `import torch` now fails: transformers takes torch as absent
-    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")  # no "PyTorch was not found" warning
-
-
 def main(argv: list[str] | None = None, prog: str = "python -m gateway") -> None:
-    hide_torch()
+    hide_torch()  # before transformers is first imported
     asyncio.run(run(parse_config(GatewayConfig, ENV_PREFIX, argv, prog, "the gateway")))

@@ -5,12 +5,16 @@ that picks a verifier for each new sequence."""
 import asyncio
 
 import grpc
+import structlog
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from gateway.errors import Unavailable
 from gateway.types import GenerationRequest
 from protos.common.v1 import common_pb2
 from protos.verifier.v1 import verifier_pb2, verifier_pb2_grpc
 from speclane.grpc_server import CHANNEL_OPTIONS, request_metadata
+
+log = structlog.get_logger()
 
 
 class VerifierSession:
@@ -52,40 +56,72 @@ class VerifierSession:
 
 
 class VerifierPool:
-    """Verifiers serving the same model; each new sequence goes to the least busy one."""
+    """Verifiers serving the same model; each new sequence goes to the least busy
+    one that is serving. A verifier counts as serving until a health check or a
+    broken session says otherwise, and again once a health check says SERVING."""
 
     def __init__(self, addresses: tuple[str, ...]):
         self._channels = [grpc.aio.insecure_channel(a, options=CHANNEL_OPTIONS) for a in addresses]
         self._stubs = [verifier_pb2_grpc.VerifierStub(c) for c in self._channels]
         self._health = [health_pb2_grpc.HealthStub(c) for c in self._channels]
         self._in_flight = [0] * len(addresses)
+        self._serving = [True] * len(addresses)
         self.addresses = addresses
 
     def open(self, request_id: str) -> tuple[int, VerifierSession]:
-        index = min(range(len(self._stubs)), key=self._in_flight.__getitem__)
+        """Raises Unavailable when no verifier is serving."""
+        index = min(self._serving_indices(), key=self._in_flight.__getitem__)
         self._in_flight[index] += 1
         return index, VerifierSession(self._stubs[index].Session(metadata=request_metadata(request_id)))
 
     def release(self, index: int) -> None:
         self._in_flight[index] -= 1
 
+    def mark_down(self, index: int) -> None:
+        """A session found the verifier gone: no new sequences until its health says SERVING."""
+        if self._serving[index]:
+            log.warning("verifier_unavailable", address=self.addresses[index])
+        self._serving[index] = False
+
+    def _serving_indices(self) -> list[int]:
+        serving = [index for index, up in enumerate(self._serving) if up]
+        if not serving:
+            raise Unavailable("no verifier is serving right now; retry shortly")
+        return serving
+
     async def model_info(self) -> verifier_pb2.ModelInfo:
-        return await self._stubs[0].GetModelInfo(verifier_pb2.GetModelInfoRequest(), timeout=10)
+        stub = self._stubs[self._serving_indices()[0]]
+        return await stub.GetModelInfo(verifier_pb2.GetModelInfoRequest(), timeout=10)
+
+    async def tokenizer_files(self) -> dict[str, bytes]:
+        stub = self._stubs[self._serving_indices()[0]]
+        reply = await stub.GetTokenizer(verifier_pb2.GetTokenizerRequest(), timeout=30)
+        return dict(reply.files)
+
+    async def check(self) -> None:
+        """Asks every verifier's health service; updates which ones are serving."""
+        replies = await asyncio.gather(*(stub.Check(health_pb2.HealthCheckRequest(), timeout=2)
+                                         for stub in self._health), return_exceptions=True)
+        for index, reply in enumerate(replies):
+            up = not isinstance(reply, BaseException) and reply.status == health_pb2.HealthCheckResponse.SERVING
+            if up and not self._serving[index]:
+                log.info("verifier_serving", address=self.addresses[index])
+            self._serving[index] = up
 
     async def ready(self) -> bool:
         """True when at least one verifier reports SERVING."""
-        for stub in self._health:
-            try:
-                reply = await stub.Check(health_pb2.HealthCheckRequest(), timeout=2)
-            except grpc.aio.AioRpcError:
-                continue
-            if reply.status == health_pb2.HealthCheckResponse.SERVING:
-                return True
-        return False
+        await self.check()
+        return any(self._serving)
 
     async def wait_ready(self, poll_seconds: float = 0.5) -> None:
         while not await self.ready():
             await asyncio.sleep(poll_seconds)
+
+    async def watch(self, poll_seconds: float = 1.0) -> None:
+        """Keeps the serving flags fresh (until cancelled)."""
+        while True:
+            await asyncio.sleep(poll_seconds)
+            await self.check()
 
     async def close(self) -> None:
         for channel in self._channels:

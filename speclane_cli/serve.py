@@ -1,12 +1,12 @@
 """`speclane serve`: drafter, verifier and gateway as three processes talking
-gRPC over localhost, supervised together and stopped together."""
+gRPC over localhost, each restarted when it dies, stopped together."""
 
 import os
 import signal
 import subprocess
 import sys
-import time
 import urllib.request
+from collections.abc import Callable
 
 import structlog
 
@@ -18,6 +18,7 @@ from speclane.log import configure_logging
 from speclane.models import DEFAULT_MODEL, resolve_model
 from speclane.net import free_port
 from speclane.speculation import DRAFTER_WIDE_KEYS
+from speclane_cli.supervisor import Child, supervise
 from verifier_service.config import ENV_PREFIX as VERIFIER_ENV
 from verifier_service.config import VerifierConfig
 
@@ -25,13 +26,14 @@ log = structlog.get_logger()
 
 # Verifier flags `speclane serve` passes through; the rest it sets itself.
 _VERIFIER_OWN_FLAGS = frozenset({"model", "model_name", "address", "log_level"})
-_STOP_TIMEOUT_SECONDS = 20.0
-_DRAFTER_RESTART_DELAY_SECONDS = 1.0
 
 
 def add_arguments(parser) -> None:
+    parser.add_argument("--model", default=os.environ.get("SPECLANE_MODEL", DEFAULT_MODEL),
+                        help="packaged model name or Hugging Face model directory (env SPECLANE_MODEL; "
+                             f"default {DEFAULT_MODEL!r})")
     config_flags.add_arguments(parser, GatewayConfig, GATEWAY_ENV,
-                               exclude=frozenset({"grpc_address", "drafter_address", "verifier_addresses"}))
+                               exclude=frozenset({"model", "grpc_address", "drafter_address", "verifier_addresses"}))
     config_flags.add_arguments(parser, VerifierConfig, VERIFIER_ENV, exclude=_VERIFIER_OWN_FLAGS)
     parser.add_argument("--grpc-port", type=int, default=50060, help="port of the public gRPC Generate API")
 
@@ -67,9 +69,10 @@ def configs_from_args(args):
     return drafter, verifier, gateway
 
 
-def _spawn(module: str, config) -> subprocess.Popen:
+def _spawn(module: str, config) -> Callable[[], subprocess.Popen]:
     # Own session: Ctrl-C reaches only the supervisor, which stops the services in order.
-    return subprocess.Popen([sys.executable, "-m", module, *config_flags.to_argv(config)], start_new_session=True)
+    return lambda: subprocess.Popen([sys.executable, "-m", module, *config_flags.to_argv(config)],
+                                    start_new_session=True)
 
 
 def _http_ready(host: str, port: int) -> bool:
@@ -80,22 +83,12 @@ def _http_ready(host: str, port: int) -> bool:
         return False
 
 
-def _stop(processes: dict[str, subprocess.Popen]) -> None:
-    # The gateway first, so no request reaches a service that is already gone.
-    for name in ("gateway", "verifier", "drafter"):
-        process = processes[name]
-        if process.poll() is None:
-            process.send_signal(signal.SIGTERM)
-            try:
-                process.wait(_STOP_TIMEOUT_SECONDS)
-            except subprocess.TimeoutExpired:
-                log.warning("service_killed", service=name)
-                process.kill()
-                process.wait()
-
-
 def serve(drafter, verifier, gateway) -> int:
-    """Runs until Ctrl-C/SIGTERM or until the verifier or gateway dies; returns the exit code."""
+    """Runs the three services until Ctrl-C/SIGTERM, restarting any that dies; returns the exit code.
+
+    A dead drafter only slows generation down; while the verifier is away the
+    gateway answers 503; a dead gateway drops its connections. Each comes back.
+    """
     configure_logging("serve", gateway.log_level)
     stopping = False
 
@@ -105,28 +98,17 @@ def serve(drafter, verifier, gateway) -> int:
 
     signal.signal(signal.SIGINT, request_stop)
     signal.signal(signal.SIGTERM, request_stop)
-    modules = {"drafter": ("drafter_service", drafter), "verifier": ("verifier_service", verifier),
-               "gateway": ("gateway", gateway)}
-    processes = {name: _spawn(module, cfg) for name, (module, cfg) in modules.items()}
+    # Started in this order and stopped in reverse: the gateway first, so no
+    # request reaches a service that is already gone.
+    children = [Child("drafter", _spawn("drafter_service", drafter)),
+                Child("verifier", _spawn("verifier_service", verifier)),
+                Child("gateway", _spawn("gateway", gateway))]
     announced = False
-    exit_code = 0
-    try:
-        while not stopping:
-            time.sleep(0.5)
-            if processes["drafter"].poll() is not None:
-                # A dead drafter only slows generation down; bring it back.
-                log.warning("drafter_exited", returncode=processes["drafter"].returncode)
-                time.sleep(_DRAFTER_RESTART_DELAY_SECONDS)
-                processes["drafter"] = _spawn(*modules["drafter"])
-            failed = [n for n in ("verifier", "gateway") if processes[n].poll() is not None]
-            if failed:
-                log.error("service_exited", services=failed)
-                exit_code = 1
-                break
-            if not announced and _http_ready(gateway.host, gateway.port):
-                announced = True
-                log.info("ready", url=f"http://{gateway.host}:{gateway.port}/v1",
-                         model=gateway.served_model_name)
-    finally:
-        _stop(processes)
-    return exit_code
+
+    def announce_once() -> None:
+        nonlocal announced
+        if not announced and _http_ready(gateway.host, gateway.port):
+            announced = True
+            log.info("ready", url=f"http://{gateway.host}:{gateway.port}/v1", model=gateway.served_model_name)
+
+    return supervise(children, lambda: stopping, on_tick=announce_once)

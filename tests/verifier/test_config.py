@@ -16,9 +16,14 @@ def test_defaults(tiny_model_dir):
     assert config.max_concurrent_rpcs == 256
 
 
+def test_a_packaged_model_name_is_a_model():
+    config = VerifierConfig(model="smollm2-135m-instruct")
+    assert config.model_name == "smollm2-135m-instruct"
+
+
 @pytest.mark.parametrize("overrides, message", [
     ({"model": ""}, "model is required"),
-    ({"model": "/nonexistent"}, "not a Hugging Face model directory"),
+    ({"model": "/nonexistent"}, "neither a packaged model"),
     ({"device": "gpu"}, "device"),
     ({"dtype": "fp8"}, "dtype"),
     ({"threads": -1}, "threads"),

@@ -4,6 +4,7 @@ real channel."""
 import asyncio
 import contextlib
 import os
+import pathlib
 import signal
 
 import grpc
@@ -47,7 +48,7 @@ async def running_verifier(model_dir: str, warm: asyncio.Event | None = None, **
     port = asyncio.get_running_loop().create_future()
     serving = asyncio.ensure_future(serve(
         address="127.0.0.1:0",
-        add_servicers=lambda s: add_to_server(s, VerifierServicer(engine, "tiny")),
+        add_servicers=lambda s: add_to_server(s, VerifierServicer(engine, "tiny", model_dir)),
         warmup=warmup, on_shutdown=shutdown, ready=port.set_result,
     ))
     await asyncio.wait([port, serving], return_when=asyncio.FIRST_COMPLETED)
@@ -183,7 +184,7 @@ def test_health_waits_for_warm_up_and_cancel_frees_the_sequence(tiny_model_dir):
     asyncio.run(main())
 
 
-def test_server_run_serves_model_info(tiny_model_dir):
+def test_server_run_serves_model_info_and_tokenizer_files(tiny_model_dir):
     config = VerifierConfig(model=tiny_model_dir, address="127.0.0.1:0", device="cpu", threads=1)
 
     async def main():
@@ -193,10 +194,17 @@ def test_server_run_serves_model_info(tiny_model_dir):
         try:
             async with grpc.aio.insecure_channel(f"127.0.0.1:{port.result()}") as channel:
                 await wait_serving(channel)
-                info = await verifier_pb2_grpc.VerifierStub(channel).GetModelInfo(verifier_pb2.GetModelInfoRequest())
+                stub = verifier_pb2_grpc.VerifierStub(channel)
+                info = await stub.GetModelInfo(verifier_pb2.GetModelInfoRequest())
+                files = (await stub.GetTokenizer(verifier_pb2.GetTokenizerRequest())).files
         finally:
             os.kill(os.getpid(), signal.SIGTERM)
             await running
+        # What a gateway on another host needs, byte for byte, and never the weights.
+        model_dir = pathlib.Path(tiny_model_dir)
+        assert {"config.json", "generation_config.json"} <= set(files)
+        assert all(files[name] == (model_dir / name).read_bytes() for name in files)
+        assert not [name for name in files if name.endswith(".safetensors")]
         assert info.model_name == os.path.basename(tiny_model_dir)
         assert info.vocab_size == VOCAB
         assert info.max_context_len == MAX_CONTEXT

@@ -25,13 +25,15 @@ _sym_db = _symbol_database.Default()
 from protos.common.v1 import common_pb2 as protos_dot_common_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!protos/verifier/v1/verifier.proto\x12\x14speclane.verifier.v1\x1a\x1dprotos/common/v1/common.proto\"\xd6\x01\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x03\x88\x01\x01\x12\x16\n\x0emax_new_tokens\x18\x05 \x01(\r\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\x05\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seed\"p\n\x07Prefill\x12\x13\n\x0bsequence_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x36\n\x08sampling\x18\x03 \x01(\x0b\x32$.speclane.verifier.v1.SamplingParams\"2\n\x06Verify\x12(\n\x05\x64raft\x18\x01 \x01(\x0b\x32\x19.speclane.common.v1.Draft\"z\n\x0eSessionRequest\x12\x30\n\x07prefill\x18\x01 \x01(\x0b\x32\x1d.speclane.verifier.v1.PrefillH\x00\x12.\n\x06verify\x18\x02 \x01(\x0b\x32\x1c.speclane.verifier.v1.VerifyH\x00\x42\x06\n\x04kind\"\xb1\x01\n\x0fSessionResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12!\n\x19num_accepted_draft_tokens\x18\x02 \x01(\r\x12\x15\n\rcommitted_len\x18\x03 \x01(\x04\x12\x37\n\rfinish_reason\x18\x04 \x01(\x0e\x32 .speclane.common.v1.FinishReason\x12\x18\n\x10num_draft_tokens\x18\x05 \x01(\r\"\x15\n\x13GetModelInfoRequest\"\xa0\x01\n\tModelInfo\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\r\x12\x17\n\x0fmax_context_len\x18\x03 \x01(\r\x12\x15\n\reos_token_ids\x18\x04 \x03(\x05\x12\x0e\n\x06\x64\x65vice\x18\x05 \x01(\t\x12\r\n\x05\x64type\x18\x06 \x01(\t\x12\x1c\n\x14tensor_parallel_size\x18\x07 \x01(\r2\xc2\x01\n\x08Verifier\x12Z\n\x07Session\x12$.speclane.verifier.v1.SessionRequest\x1a%.speclane.verifier.v1.SessionResponse(\x01\x30\x01\x12Z\n\x0cGetModelInfo\x12).speclane.verifier.v1.GetModelInfoRequest\x1a\x1f.speclane.verifier.v1.ModelInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!protos/verifier/v1/verifier.proto\x12\x14speclane.verifier.v1\x1a\x1dprotos/common/v1/common.proto\"\xd6\x01\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x03\x88\x01\x01\x12\x16\n\x0emax_new_tokens\x18\x05 \x01(\r\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\x05\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seed\"p\n\x07Prefill\x12\x13\n\x0bsequence_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x36\n\x08sampling\x18\x03 \x01(\x0b\x32$.speclane.verifier.v1.SamplingParams\"2\n\x06Verify\x12(\n\x05\x64raft\x18\x01 \x01(\x0b\x32\x19.speclane.common.v1.Draft\"z\n\x0eSessionRequest\x12\x30\n\x07prefill\x18\x01 \x01(\x0b\x32\x1d.speclane.verifier.v1.PrefillH\x00\x12.\n\x06verify\x18\x02 \x01(\x0b\x32\x1c.speclane.verifier.v1.VerifyH\x00\x42\x06\n\x04kind\"\xb1\x01\n\x0fSessionResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12!\n\x19num_accepted_draft_tokens\x18\x02 \x01(\r\x12\x15\n\rcommitted_len\x18\x03 \x01(\x04\x12\x37\n\rfinish_reason\x18\x04 \x01(\x0e\x32 .speclane.common.v1.FinishReason\x12\x18\n\x10num_draft_tokens\x18\x05 \x01(\r\"\x15\n\x13GetModelInfoRequest\"\xa0\x01\n\tModelInfo\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\r\x12\x17\n\x0fmax_context_len\x18\x03 \x01(\r\x12\x15\n\reos_token_ids\x18\x04 \x03(\x05\x12\x0e\n\x06\x64\x65vice\x18\x05 \x01(\t\x12\r\n\x05\x64type\x18\x06 \x01(\t\x12\x1c\n\x14tensor_parallel_size\x18\x07 \x01(\r\"\x15\n\x13GetTokenizerRequest\"~\n\x0eTokenizerFiles\x12>\n\x05\x66iles\x18\x01 \x03(\x0b\x32/.speclane.verifier.v1.TokenizerFiles.FilesEntry\x1a,\n\nFilesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x0c:\x02\x38\x01\x32\xa3\x02\n\x08Verifier\x12Z\n\x07Session\x12$.speclane.verifier.v1.SessionRequest\x1a%.speclane.verifier.v1.SessionResponse(\x01\x30\x01\x12Z\n\x0cGetModelInfo\x12).speclane.verifier.v1.GetModelInfoRequest\x1a\x1f.speclane.verifier.v1.ModelInfo\x12_\n\x0cGetTokenizer\x12).speclane.verifier.v1.GetTokenizerRequest\x1a$.speclane.verifier.v1.TokenizerFilesb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'protos.verifier.v1.verifier_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
+  _globals['_TOKENIZERFILES_FILESENTRY']._loaded_options = None
+  _globals['_TOKENIZERFILES_FILESENTRY']._serialized_options = b'8\001'
   _globals['_SAMPLINGPARAMS']._serialized_start=91
   _globals['_SAMPLINGPARAMS']._serialized_end=305
   _globals['_PREFILL']._serialized_start=307
@@ -46,6 +48,12 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GETMODELINFOREQUEST']._serialized_end=798
   _globals['_MODELINFO']._serialized_start=801
   _globals['_MODELINFO']._serialized_end=961
-  _globals['_VERIFIER']._serialized_start=964
-  _globals['_VERIFIER']._serialized_end=1158
+  _globals['_GETTOKENIZERREQUEST']._serialized_start=963
+  _globals['_GETTOKENIZERREQUEST']._serialized_end=984
+  _globals['_TOKENIZERFILES']._serialized_start=986
+  _globals['_TOKENIZERFILES']._serialized_end=1112
+  _globals['_TOKENIZERFILES_FILESENTRY']._serialized_start=1068
+  _globals['_TOKENIZERFILES_FILESENTRY']._serialized_end=1112
+  _globals['_VERIFIER']._serialized_start=1115
+  _globals['_VERIFIER']._serialized_end=1406
 # @@protoc_insertion_point(module_scope)

@@ -44,6 +44,11 @@ class VerifierStub:
                 request_serializer=protos_dot_verifier_dot_v1_dot_verifier__pb2.GetModelInfoRequest.SerializeToString,
                 response_deserializer=protos_dot_verifier_dot_v1_dot_verifier__pb2.ModelInfo.FromString,
                 _registered_method=True)
+        self.GetTokenizer = channel.unary_unary(
+                '/speclane.verifier.v1.Verifier/GetTokenizer',
+                request_serializer=protos_dot_verifier_dot_v1_dot_verifier__pb2.GetTokenizerRequest.SerializeToString,
+                response_deserializer=protos_dot_verifier_dot_v1_dot_verifier__pb2.TokenizerFiles.FromString,
+                _registered_method=True)
 
 
 class VerifierServicer:
@@ -70,6 +75,15 @@ class VerifierServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetTokenizer(self, request, context):
+        """The model's tokenizer, chat template and generation config files, so a
+        gateway on another host tokenizes exactly as this model does without a
+        copy of the model directory.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_VerifierServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -82,6 +96,11 @@ def add_VerifierServicer_to_server(servicer, server):
                     servicer.GetModelInfo,
                     request_deserializer=protos_dot_verifier_dot_v1_dot_verifier__pb2.GetModelInfoRequest.FromString,
                     response_serializer=protos_dot_verifier_dot_v1_dot_verifier__pb2.ModelInfo.SerializeToString,
+            ),
+            'GetTokenizer': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetTokenizer,
+                    request_deserializer=protos_dot_verifier_dot_v1_dot_verifier__pb2.GetTokenizerRequest.FromString,
+                    response_serializer=protos_dot_verifier_dot_v1_dot_verifier__pb2.TokenizerFiles.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -138,6 +157,33 @@ class Verifier:
             '/speclane.verifier.v1.Verifier/GetModelInfo',
             protos_dot_verifier_dot_v1_dot_verifier__pb2.GetModelInfoRequest.SerializeToString,
             protos_dot_verifier_dot_v1_dot_verifier__pb2.ModelInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetTokenizer(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/speclane.verifier.v1.Verifier/GetTokenizer',
+            protos_dot_verifier_dot_v1_dot_verifier__pb2.GetTokenizerRequest.SerializeToString,
+            protos_dot_verifier_dot_v1_dot_verifier__pb2.TokenizerFiles.FromString,
             options,
             channel_credentials,
             insecure,
