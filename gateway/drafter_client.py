@@ -69,15 +69,20 @@ class DrafterSession:
             return None
         try:
             return await asyncio.wait_for(awaitable, self._timeout)
-        except grpc.aio.AioRpcError as exc:
+        except Exception as exc:  # noqa: BLE001 - whatever breaks the drafter must not break the request
+            refusal = await self._refusal()
             self._end()
-            if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
-                raise InvalidRequest(f"the drafter refused the speculation settings: {exc.details()}",
+            if refusal is not None:
+                raise InvalidRequest(f"the drafter refused the speculation settings: {refusal}",
                                      "speculation") from None
             self._on_failure(exc)
-        except Exception as exc:  # noqa: BLE001 - whatever breaks the drafter must not break the request
-            self._end()
-            self._on_failure(exc)
+        return None
+
+    async def _refusal(self) -> str | None:
+        """Why the drafter refused the session's settings, if it did. Its status may
+        come before our next write, which then fails with a local error instead."""
+        if self._call.done() and await self._call.code() == grpc.StatusCode.INVALID_ARGUMENT:
+            return await self._call.details()
         return None
 
     def _end(self) -> None:

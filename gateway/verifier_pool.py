@@ -26,10 +26,8 @@ class VerifierSession:
     async def _exchange(self, message: verifier_pb2.SessionRequest) -> verifier_pb2.SessionResponse:
         await self._call.write(message)
         response = await self._call.read()
-        if response is grpc.aio.EOF:
-            # The server ended the stream without an answer; its status says why.
-            await self._call
-            raise RuntimeError("verifier closed the session without a status")
+        if response is grpc.aio.EOF:  # an error status would have raised in read()
+            raise RuntimeError("the verifier ended the session without answering")
         return response
 
     async def prefill(self, request: GenerationRequest) -> verifier_pb2.SessionResponse:

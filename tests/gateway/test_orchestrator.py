@@ -1,0 +1,236 @@
+"""The propose/verify loop, the drafter and verifier clients and the Generate
+API, over fake drafter and verifier servers in this process (fake_services.py)."""
+
+import asyncio
+
+import grpc
+import pytest
+
+from gateway.errors import InvalidRequest, Overloaded, Unavailable
+from gateway.types import SpeculationUsage
+from protos.common.v1 import common_pb2
+from protos.gateway.v1 import gateway_pb2
+from tests.gateway.fake_services import (
+    PROMPT,
+    FakeDrafter,
+    FakeVerifier,
+    collect,
+    eventually,
+    gateway,
+    generation,
+    generation_api,
+    target_tokens,
+    tokens_of,
+)
+from tests.gateway.fakes import MODEL_NAME
+
+pytestmark = pytest.mark.anyio
+Code = grpc.StatusCode
+TARGET = target_tokens(0, 10)  # what a 10-token generation commits, drafts or not
+# A stream the client cancels between steps may end either way on the server (a race inside gRPC).
+CLOSED = {"ended", "cancelled"}
+
+
+# Draft handling
+
+async def test_verifier_gets_drafts_untrimmed_and_usage_counts_the_verified_draft_tokens():
+    verifier = FakeVerifier(accept=4)
+    async with gateway([verifier], FakeDrafter(draft_len=6)) as gw:
+        deltas = await collect(gw, generation(max_tokens=10))
+    assert tokens_of(deltas) == TARGET
+    # Step 1 verifies all 6 drafted tokens (4 accepted); step 2 has 4 tokens left, so the
+    # verifier cuts its 6-token draft to 3 (all accepted): 9 verified, not the 12 drafted.
+    assert verifier.drafts == [target_tokens(1, 6), target_tokens(6, 6)]
+    assert deltas[-1].finish_reason == "length"
+    assert deltas[-1].speculation == SpeculationUsage(draft_tokens=9, accepted_tokens=7, verify_steps=2)
+    text = gw.metrics.render().decode()
+    for name, value in [("vllm:spec_decode_num_draft_tokens_total", 9), ("speclane:verify_steps_total", 2),
+                        ("vllm:spec_decode_num_accepted_tokens_total", 7), ("vllm:spec_decode_num_drafts_total", 2)]:
+        assert f'{name}{{model_name="{MODEL_NAME}"}} {value}.0' in text
+
+
+# The drafter's outages cost speculation, never a request
+
+async def test_a_slow_drafter_is_rested_and_requests_complete_without_drafts():
+    verifier, drafter = FakeVerifier(), FakeDrafter()
+    drafter.delay = 10.0
+    async with gateway([verifier], drafter, timeout=0.25, retry_seconds=0.75) as gw:
+        assert tokens_of(await collect(gw)) == TARGET
+        assert verifier.drafts and not any(verifier.drafts)
+        assert tokens_of(await collect(gw)) == TARGET  # within the rest: the drafter is not asked
+        assert (drafter.sessions, drafter.info_calls) == (1, 1)
+        drafter.delay = 0.0
+        await asyncio.sleep(0.75)
+        verifier.drafts.clear()
+        assert tokens_of(await collect(gw)) == TARGET  # rested enough: asked again
+        assert (drafter.sessions, drafter.info_calls) == (2, 2)
+        assert any(verifier.drafts)
+
+
+async def test_a_drafter_dying_mid_generation_costs_only_the_drafts():
+    async with gateway([FakeVerifier()]) as plain:
+        expected = tokens_of(await collect(plain, generation(max_tokens=20)))
+    verifier, drafter = FakeVerifier(accept=1), FakeDrafter()
+    drafter.fail = (Code.UNAVAILABLE, 3)
+    async with gateway([verifier], drafter) as gw:
+        deltas = await collect(gw, generation(max_tokens=20))
+    assert tokens_of(deltas) == expected and deltas[-1].finish_reason == "length"
+    assert all(verifier.drafts[:2]) and verifier.drafts[2:] and not any(verifier.drafts[2:])
+    assert drafter.outcomes == ["UNAVAILABLE"]
+
+
+# Status codes
+
+@pytest.mark.parametrize("code, step, error", [
+    (Code.INVALID_ARGUMENT, 0, InvalidRequest),
+    (Code.INVALID_ARGUMENT, 2, InvalidRequest),
+    (Code.RESOURCE_EXHAUSTED, 0, Overloaded),
+    (Code.UNAVAILABLE, 1, Unavailable),
+    (Code.FAILED_PRECONDITION, 1, grpc.aio.AioRpcError),  # not meant for the client: the status as it came
+])
+async def test_verifier_status_codes_become_client_errors(code, step, error):
+    verifier = FakeVerifier()
+    verifier.fail = (code, step)
+    async with gateway([verifier], FakeDrafter()) as gw:
+        with pytest.raises(error) as raised:
+            await collect(gw)
+    if error is grpc.aio.AioRpcError:
+        assert raised.value.code() == code
+
+
+async def test_a_verifier_ending_the_session_without_an_answer_is_an_error():
+    verifier = FakeVerifier()
+    verifier.quit_at = 1
+    async with gateway([verifier]) as gw:
+        with pytest.raises(RuntimeError, match="ended the session without answering"):
+            await collect(gw)
+
+
+@pytest.mark.parametrize("step", [
+    # At start, the refusal reaches us before our first step is written (the prefill takes longer).
+    pytest.param(0, id="at_start"),
+    pytest.param(1, id="at_first_step"),
+])
+async def test_a_drafter_refusing_the_settings_is_a_bad_request_not_an_outage(step):
+    verifier, drafter = FakeVerifier(prefill_seconds=0.2), FakeDrafter()
+    drafter.fail = (Code.INVALID_ARGUMENT, step)
+    async with gateway([verifier], drafter) as gw:
+        deltas = []
+        with pytest.raises(InvalidRequest, match="refused the speculation settings"):
+            await collect(gw, into=deltas)
+        assert deltas == []  # drafted before the first tokens go out
+        drafter.fail = None
+        assert tokens_of(await collect(gw)) == TARGET
+        assert drafter.sessions == 2 and any(verifier.drafts)  # not rested
+
+
+# The verifier pool's accounting on every way out
+
+async def _complete(gw):
+    await collect(gw)
+
+
+async def _verifier_error(gw):
+    gw.verifiers[0].fail = (Code.RESOURCE_EXHAUSTED, 2)
+    with pytest.raises(Overloaded):
+        await collect(gw)
+
+
+async def _closed_early(gw):
+    deltas = gw.orchestrator.generate(generation())
+    await anext(deltas)
+    await deltas.aclose()
+
+
+async def _cancelled(gw):
+    gw.verifiers[0].hang_at = 2
+    task = asyncio.ensure_future(collect(gw))
+    await gw.verifiers[0].hanging.wait()
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+
+
+@pytest.mark.parametrize("exit_path, verifier_outcomes", [
+    (_complete, CLOSED), (_verifier_error, {"RESOURCE_EXHAUSTED"}), (_closed_early, CLOSED),
+    (_cancelled, {"cancelled"}),
+], ids=["completed", "verifier_error", "closed_early", "cancelled"])
+async def test_every_way_out_releases_the_verifier_and_ends_the_sessions(exit_path, verifier_outcomes):
+    verifier, drafter = FakeVerifier(), FakeDrafter()
+    async with gateway([verifier], drafter) as gw:
+        await exit_path(gw)
+        assert gw.pool._in_flight == [0]
+        await eventually(lambda: len(verifier.outcomes) == 1 and len(drafter.outcomes) == 1)
+        assert verifier.outcomes[0] in verifier_outcomes
+
+
+async def test_concurrent_requests_go_to_the_least_busy_verifier():
+    verifiers = [FakeVerifier(), FakeVerifier()]
+    for verifier in verifiers:
+        verifier.hang_at = 1
+    async with gateway(verifiers) as gw:
+        tasks = [asyncio.ensure_future(collect(gw)) for _ in verifiers]
+        await asyncio.wait_for(asyncio.gather(*(v.hanging.wait() for v in verifiers)), 2)
+        assert gw.pool._in_flight == [1, 1]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        assert gw.pool._in_flight == [0, 0]
+        await eventually(lambda: [v.outcomes for v in verifiers] == [["cancelled"], ["cancelled"]])
+
+
+# The public Generate API
+
+def generate_request(**fields) -> gateway_pb2.GenerateRequest:
+    return gateway_pb2.GenerateRequest(token_ids=gateway_pb2.TokenIds(ids=PROMPT), **{"max_tokens": 10, **fields})
+
+
+async def test_generate_api_streams_the_committed_tokens(tiny_tokenizer):
+    speculation = gateway_pb2.SpeculationConfig(suffix_decoding_max_tree_depth=24)  # the drafter's own value
+    async with gateway([FakeVerifier(accept=4)], FakeDrafter(max_tree_depth=24)) as gw:
+        await gw.client.refresh_limits()
+        async with generation_api(tiny_tokenizer, gw) as (stub, _):
+            responses = [r async for r in stub.Generate(generate_request(speculation=speculation))]
+    assert [token for r in responses for token in r.token_ids] == TARGET
+    assert "".join(r.text for r in responses) == tiny_tokenizer.decode(TARGET)
+    last = responses[-1]
+    assert last.finish_reason == common_pb2.FINISH_REASON_LENGTH
+    assert (last.usage.prompt_tokens, last.usage.completion_tokens) == (len(PROMPT), 10)
+    assert (last.usage.speculation.draft_tokens, last.usage.speculation.accepted_tokens,
+            last.usage.speculation.verify_steps) == (9, 7, 2)
+
+
+@pytest.mark.parametrize("fields, verifier_fail, code", [
+    ({"max_tokens": 0}, None, Code.INVALID_ARGUMENT),
+    ({"model": "gpt-4"}, None, Code.NOT_FOUND),
+    ({}, (Code.RESOURCE_EXHAUSTED, 0), Code.RESOURCE_EXHAUSTED),
+    ({}, (Code.INVALID_ARGUMENT, 1), Code.INVALID_ARGUMENT),
+    ({}, (Code.UNAVAILABLE, 1), Code.UNAVAILABLE),
+    # Beyond what the drafter's GetInfo allows:
+    ({"speculation": gateway_pb2.SpeculationConfig(suffix_decoding_max_tree_depth=32)}, None, Code.INVALID_ARGUMENT),
+    ({"speculation": gateway_pb2.SpeculationConfig(num_speculative_tokens=16)}, None, Code.INVALID_ARGUMENT),
+], ids=["max_tokens", "model", "verifier_overloaded", "verifier_refused", "verifier_unavailable", "tree_depth",
+        "speculative_tokens"])
+async def test_generate_api_refusals_carry_their_status(tiny_tokenizer, fields, verifier_fail, code):
+    verifier = FakeVerifier()
+    verifier.fail = verifier_fail
+    async with gateway([verifier], FakeDrafter(max_tree_depth=24, max_speculative_tokens=8)) as gw:
+        assert await gw.client.refresh_limits() is not None
+        async with generation_api(tiny_tokenizer, gw) as (stub, ctx):
+            with pytest.raises(grpc.aio.AioRpcError) as raised:
+                [r async for r in stub.Generate(generate_request(**fields))]
+            assert raised.value.code() == code
+            assert gw.pool._in_flight == [0] and ctx.limiter.in_flight == 0
+
+
+async def test_cancelling_a_generate_call_cancels_the_sessions(tiny_tokenizer):
+    verifier, drafter = FakeVerifier(), FakeDrafter()
+    verifier.hang_at = 2
+    async with gateway([verifier], drafter) as gw, generation_api(tiny_tokenizer, gw) as (stub, ctx):
+        call = stub.Generate(generate_request())
+        assert list((await call.read()).token_ids) == TARGET[:1]
+        await verifier.hanging.wait()
+        call.cancel()
+        await eventually(lambda: len(verifier.outcomes) == 1 and len(drafter.outcomes) == 1)
+        assert verifier.outcomes == ["cancelled"] and drafter.outcomes[0] in CLOSED
+        assert gw.pool._in_flight == [0] and ctx.limiter.in_flight == 0
