@@ -5,7 +5,6 @@ import os
 import signal
 import subprocess
 import sys
-import urllib.request
 from collections.abc import Callable
 
 import structlog
@@ -16,7 +15,7 @@ from gateway.config import GatewayConfig
 from speclane import config as config_flags
 from speclane.log import configure_logging
 from speclane.models import DEFAULT_MODEL, resolve_model
-from speclane.net import free_port
+from speclane.net import free_port, http_ok
 from speclane.speculation import DRAFTER_WIDE_KEYS
 from speclane_cli.supervisor import Child, supervise
 from verifier_service.config import ENV_PREFIX as VERIFIER_ENV
@@ -75,14 +74,6 @@ def _spawn(module: str, config) -> Callable[[], subprocess.Popen]:
                                     start_new_session=True)
 
 
-def _http_ready(host: str, port: int) -> bool:
-    try:
-        with urllib.request.urlopen(f"http://{host}:{port}/health", timeout=2) as reply:
-            return reply.status == 200
-    except OSError:
-        return False
-
-
 def serve(drafter, verifier, gateway) -> int:
     """Runs the three services until Ctrl-C/SIGTERM, restarting any that dies; returns the exit code.
 
@@ -107,7 +98,7 @@ def serve(drafter, verifier, gateway) -> int:
 
     def announce_once() -> None:
         nonlocal announced
-        if not announced and _http_ready(gateway.host, gateway.port):
+        if not announced and http_ok(f"http://{gateway.host}:{gateway.port}/health"):
             announced = True
             log.info("ready", url=f"http://{gateway.host}:{gateway.port}/v1", model=gateway.served_model_name)
 

@@ -21,7 +21,7 @@ import time
 import torch
 
 from speclane.models import DEFAULT_MODEL, resolve_model
-from speclane.net import free_port
+from speclane.net import free_port, wait_http_ok
 
 MODES = {"none": {"method": "none"}, "suffix": {"method": "suffix"},
          "suffix-tree": {"method": "suffix", "suffix_decoding_use_tree_spec": True}}
@@ -152,23 +152,6 @@ async def _run_requests(url: str, model: str, prompts, speculation: dict, concur
             "acceptance": round(accepted / drafts, 3) if drafts else None}
 
 
-def _wait_http(url: str, process: subprocess.Popen, timeout: float = 600) -> None:
-    import urllib.request
-
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError("speclane serve exited during start-up")
-        try:
-            with urllib.request.urlopen(f"{url}/health", timeout=2) as reply:
-                if reply.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(1)
-    raise TimeoutError("speclane serve did not become ready")
-
-
 def throughput(model: str, concurrency: int, max_tokens: int, serve_args: list[str]) -> dict:
     """Starts `speclane serve`, then per speculation mode runs the same prompts one
     at a time and `concurrency` at a time."""
@@ -180,7 +163,7 @@ def throughput(model: str, concurrency: int, max_tokens: int, serve_args: list[s
     process = subprocess.Popen(command, start_new_session=True)
     results = {}
     try:
-        _wait_http(url, process)
+        wait_http_ok(f"{url}/health", process)
         prompts = _humaneval_messages(concurrency)
         asyncio.run(_run_requests(url, model, prompts[:1], MODES["none"], 1, 8, "bench-warm-up"))
         for mode, speculation in MODES.items():

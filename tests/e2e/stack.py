@@ -7,7 +7,6 @@ import signal
 import subprocess
 import sys
 import time
-import urllib.request
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -15,7 +14,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from drafter_service.config import DrafterConfig
 from gateway.config import GatewayConfig
 from speclane.config import to_argv
-from speclane.net import free_port
+from speclane.net import free_port, http_ok
 from verifier_service.config import VerifierConfig
 
 _START_TIMEOUT_SECONDS = 180
@@ -61,12 +60,8 @@ class Stack:
             for name, process in self.processes.items():
                 if process.poll() is not None:
                     raise RuntimeError(f"{name} exited with {process.returncode}:\n{self.logs(name)}")
-            try:
-                with urllib.request.urlopen(f"http://{self.gateway.host}:{self.gateway.port}/health") as reply:
-                    if reply.status == 200:
-                        return
-            except OSError:
-                pass
+            if http_ok(f"http://{self.gateway.host}:{self.gateway.port}/health"):
+                return
             time.sleep(0.5)
         raise TimeoutError("the stack did not become ready:\n" + "\n".join(self.logs(n) for n in self.processes))
 

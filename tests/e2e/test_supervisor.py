@@ -8,12 +8,11 @@ import signal
 import subprocess
 import sys
 import time
-import urllib.request
 
 import openai
 import pytest
 
-from speclane.net import free_port
+from speclane.net import free_port, wait_http_ok
 
 pytestmark = pytest.mark.e2e
 MODEL = "smollm2-135m-instruct"
@@ -33,20 +32,6 @@ def children_of(pid: int) -> dict[int, str]:
     return found
 
 
-def wait_healthy(port: int, process: subprocess.Popen, timeout: float = 240) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        assert process.poll() is None, "speclane serve exited"
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as reply:
-                if reply.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(0.5)
-    raise TimeoutError("speclane serve did not become healthy")
-
-
 @pytest.fixture
 def serve(tmp_path):
     port = free_port()
@@ -56,7 +41,7 @@ def serve(tmp_path):
          "--log-level", "warning", "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 4}'],
         stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     try:
-        wait_healthy(port, process)
+        wait_http_ok(f"http://127.0.0.1:{port}/health", process, timeout=240)
         yield process, port
     finally:
         process.send_signal(signal.SIGTERM)
