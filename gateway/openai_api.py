@@ -223,6 +223,12 @@ async def unless_disconnected(request: Request, work):
     return None if task.cancelled() else task.result()
 
 
+def _client_request_id(request: Request) -> str | None:
+    """The caller's X-Request-Id if it can travel as gRPC metadata (printable ASCII, at most 256 chars)."""
+    value = request.headers.get("x-request-id", "")
+    return value if 0 < len(value) <= 256 and value.isascii() and value.isprintable() else None
+
+
 def create_app(ctx: ServingContext) -> FastAPI:
     app = FastAPI(title="speclane gateway")
     started = int(time.time())
@@ -240,8 +246,10 @@ def create_app(ctx: ServingContext) -> FastAPI:
 
     async def complete(request: Request, flavor: ApiFlavor, body: CompletionBase, max_tokens: int | None):
         response_id = f"{flavor.id_prefix}-{uuid.uuid4().hex}"
-        bind_request_id(response_id)
-        headers = {"X-Request-Id": response_id}
+        # A caller's X-Request-Id (as vLLM honours it) ties our logs on every service to its trace.
+        request_id = _client_request_id(request) or response_id
+        bind_request_id(request_id)
+        headers = {"X-Request-Id": request_id}
         try:
             check_extra_fields(body)
             if not 1 <= body.n <= ctx.max_concurrent_requests:
@@ -255,10 +263,10 @@ def create_app(ctx: ServingContext) -> FastAPI:
                 ignore_eos=body.ignore_eos, speculation=body.speculation,
                 tenant=request.headers.get(TENANT_METADATA_KEY, ""))
             prompt = {"messages": chat_messages(body.messages)} if flavor.chat else completion_prompt(body.prompt)
-            base = build_generation_request(ctx, response_id, params, **prompt)
+            base = build_generation_request(ctx, request_id, params, **prompt)
             requests = [base] if body.n == 1 else [
                 # Distinct ids downstream (one KV cache each) and distinct samples for one seed.
-                dataclasses.replace(base, request_id=f"{response_id}-{index}",
+                dataclasses.replace(base, request_id=f"{request_id}-{index}",
                                     seed=None if base.seed is None else (base.seed + index) % MAX_SEED)
                 for index in range(body.n)]
             events = choice_events(ctx, requests, stop)

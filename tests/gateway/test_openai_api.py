@@ -53,6 +53,16 @@ async def test_chat_completion(ctx, engine):
     assert engine.requests[0].request_id == body["id"]
 
 
+@pytest.mark.parametrize("sent, kept", [(b"trace-42/a:b", True), (b"", False), (b"x" * 257, False),
+                                        ("naïve".encode(), False)])
+async def test_a_clients_request_id_is_carried_downstream(ctx, engine, sent, kept):
+    response = await post(ctx, CHAT, headers={"X-Request-Id": sent})
+    request_id = engine.requests[0].request_id
+    assert response.headers["x-request-id"] == request_id
+    assert (request_id == sent.decode("latin-1")) is kept
+    assert kept or request_id == response.json()["id"]
+
+
 async def test_request_parameters_reach_the_engine(ctx, engine):
     body = {**CHAT, "max_completion_tokens": 7, "temperature": 0.5, "top_p": 0.9, "top_k": 20, "seed": 3,
             "speculation": {"method": "ngram", "prompt_lookup_max": 4}}
