@@ -11,9 +11,10 @@ from drafter_service.draft import Draft
 from drafter_service.engine import DraftEngine
 from drafter_service.proposer import CommittedLengthMismatch, SequenceProposer
 from protos.common.v1 import common_pb2
+from protos.conventions import TENANT_METADATA_KEY
 from protos.drafter.v1 import drafter_pb2, drafter_pb2_grpc
 from speclane.grpc_server import bind_request_id_from
-from speclane.log import TENANT_METADATA_KEY, metadata_value
+from speclane.log import metadata_value
 from speclane.speculation import info_to_proto, settings_from_proto
 
 SERVICE_NAME = drafter_pb2.DESCRIPTOR.services_by_name["Drafter"].full_name

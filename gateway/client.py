@@ -1,36 +1,151 @@
-"""A small Python client for the gateway's gRPC Generate API, for agent frameworks.
+"""Python clients of the gateway's gRPC Generate API, for agent frameworks:
+`GenerationClient` (blocking) and `AsyncGenerationClient` (asyncio). They need
+only grpcio and protobuf: no torch, no transformers, no server code.
 
-    client = GenerationClient("127.0.0.1:50060")
-    for delta in client.stream(messages=[{"role": "user", "content": "hi"}], max_tokens=32):
-        print(delta.text, end="")
-    result = client.generate(prompt_token_ids=[1, 2, 3], max_tokens=16)
+    async with AsyncGenerationClient("127.0.0.1:50060", tenant="team-a") as client:
+        async for chunk in client.stream(messages=[{"role": "user", "content": "hi"}], max_tokens=32):
+            print(chunk.text, end="")
+        result = await client.generate(prompt_token_ids=[1, 2, 3], max_tokens=16, timeout=30)
+
+A call that the gateway answers UNAVAILABLE (no verifier serving, a gateway
+restarting) before any token arrived is retried with back-off; once tokens
+have arrived an error is raised, never a silent restart. `timeout` is the
+deadline of the whole call, retries included. Leaving a stream early (break,
+or cancelling the task) cancels the generation on the server.
 """
 
+import asyncio
 import dataclasses
-from collections.abc import Iterator
+import time
+from collections.abc import AsyncIterator, Iterator
 
 import grpc
 
-from protos.conventions import FINISH_REASON_NAMES
+from protos.conventions import (
+    CHANNEL_OPTIONS,
+    FINISH_REASON_NAMES,
+    REQUEST_ID_METADATA_KEY,
+    TENANT_METADATA_KEY,
+)
 from protos.gateway.v1 import gateway_pb2, gateway_pb2_grpc
-from speclane.grpc_server import CHANNEL_OPTIONS, request_metadata
+
+RETRY_BACKOFF_SECONDS = 0.5
 
 
-@dataclasses.dataclass
-class Generation:
-    token_ids: list[int]
-    text: str
-    finish_reason: str
+@dataclasses.dataclass(frozen=True)
+class Usage:
     prompt_tokens: int
+    completion_tokens: int
     draft_tokens: int
     accepted_tokens: int
     verify_steps: int
 
 
+@dataclasses.dataclass(frozen=True)
+class Chunk:
+    """One streamed step: the tokens it committed and their text; the last has finish_reason and usage."""
+
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None = None
+    usage: Usage | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Generation:
+    token_ids: list[int]
+    text: str
+    finish_reason: str
+    usage: Usage
+
+
+def build_request(*, prompt: str | None = None, prompt_token_ids: list[int] | None = None,
+                  messages: list[dict] | None = None, speculation: dict | None = None,
+                  **params) -> gateway_pb2.GenerateRequest:
+    """Exactly one of prompt, prompt_token_ids, messages. `params` are GenerateRequest
+    fields: max_tokens, temperature, top_p, top_k, seed, stop, stop_token_ids, ignore_eos;
+    `speculation` holds vLLM speculative-config keys."""
+    if sum(x is not None for x in (prompt, prompt_token_ids, messages)) != 1:
+        raise ValueError("give exactly one of prompt, prompt_token_ids, messages")
+    request = gateway_pb2.GenerateRequest(speculation=gateway_pb2.SpeculationConfig(**(speculation or {})), **params)
+    if prompt is not None:
+        request.text = prompt
+    elif prompt_token_ids is not None:
+        request.token_ids.ids.extend(prompt_token_ids)
+    else:
+        request.messages.messages.extend(gateway_pb2.ChatMessage(**message) for message in messages)
+    return request
+
+
+def chunk_from(response: gateway_pb2.GenerateResponse) -> Chunk:
+    if not response.finish_reason:
+        return Chunk(list(response.token_ids), response.text)
+    usage = response.usage
+    return Chunk(list(response.token_ids), response.text, FINISH_REASON_NAMES.get(response.finish_reason, ""),
+                 Usage(usage.prompt_tokens, usage.completion_tokens, usage.speculation.draft_tokens,
+                       usage.speculation.accepted_tokens, usage.speculation.verify_steps))
+
+
+def generation_from(chunks: list[Chunk]) -> Generation:
+    last = chunks[-1]
+    return Generation([token for chunk in chunks for token in chunk.token_ids], "".join(c.text for c in chunks),
+                      last.finish_reason, last.usage)
+
+
+class _Settings:
+    """What both clients share: metadata, the retry rule, deadlines."""
+
+    def __init__(self, *, api_key: str | None, tenant: str | None, retries: int):
+        self._metadata = ((("authorization", f"Bearer {api_key}"),) if api_key else ()) + \
+                         (((TENANT_METADATA_KEY, tenant),) if tenant else ())
+        self.retries = retries
+
+    def metadata(self, request_id: str | None) -> tuple[tuple[str, str], ...]:
+        return self._metadata + (((REQUEST_ID_METADATA_KEY, request_id),) if request_id else ())
+
+    def retry_delay(self, error: grpc.RpcError, attempt: int, received: bool, deadline: float | None) -> float | None:
+        """Seconds to wait before the next attempt, or None to raise `error`."""
+        delay = RETRY_BACKOFF_SECONDS * 2 ** attempt
+        if received or error.code() != grpc.StatusCode.UNAVAILABLE or attempt >= self.retries:
+            return None
+        if deadline is not None and time.monotonic() + delay >= deadline:
+            return None
+        return delay
+
+
+def _remaining(deadline: float | None) -> float | None:
+    return None if deadline is None else max(deadline - time.monotonic(), 0.0)
+
+
 class GenerationClient:
-    def __init__(self, address: str):
+    def __init__(self, address: str, *, api_key: str | None = None, tenant: str | None = None, retries: int = 3):
         self._channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
         self._stub = gateway_pb2_grpc.GenerationStub(self._channel)
+        self._settings = _Settings(api_key=api_key, tenant=tenant, retries=retries)
+
+    def stream(self, *, timeout: float | None = None, request_id: str | None = None, **inputs) -> Iterator[Chunk]:
+        request = build_request(**inputs)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for attempt in range(self._settings.retries + 1):
+            call = self._stub.Generate(request, timeout=_remaining(deadline),
+                                       metadata=self._settings.metadata(request_id))
+            received = False
+            try:
+                for response in call:
+                    received = True
+                    yield chunk_from(response)
+                return
+            except grpc.RpcError as error:
+                delay = self._settings.retry_delay(error, attempt, received, deadline)
+                if delay is None:
+                    raise
+                time.sleep(delay)
+            finally:
+                call.cancel()  # a no-op once finished; otherwise the caller left early
+
+    def generate(self, **kwargs) -> Generation:
+        """Runs a generation to the end and returns it whole."""
+        return generation_from(list(self.stream(**kwargs)))
 
     def close(self) -> None:
         self._channel.close()
@@ -41,40 +156,42 @@ class GenerationClient:
     def __exit__(self, *_):
         self.close()
 
-    def stream(self, *, prompt: str | None = None, prompt_token_ids: list[int] | None = None,
-               messages: list[dict] | None = None, request_id: str | None = None,
-               timeout: float | None = None, **params) -> Iterator[gateway_pb2.GenerateResponse]:
-        """Streams the deltas. Exactly one of prompt, prompt_token_ids, messages.
-        `params` are GenerateRequest fields: max_tokens, temperature, top_p, top_k, seed,
-        stop, stop_token_ids, ignore_eos, speculation (a dict of vLLM speculative-config keys)."""
-        request = _build_request(prompt, prompt_token_ids, messages, params)
-        metadata = request_metadata(request_id) if request_id else None
-        yield from self._stub.Generate(request, timeout=timeout, metadata=metadata)
 
-    def generate(self, **kwargs) -> Generation:
-        """Runs a generation to the end and returns it whole."""
-        token_ids, pieces, last = [], [], None
-        for last in self.stream(**kwargs):
-            token_ids += last.token_ids
-            pieces.append(last.text)
-        usage = last.usage
-        return Generation(
-            token_ids=token_ids, text="".join(pieces), finish_reason=FINISH_REASON_NAMES.get(last.finish_reason, ""),
-            prompt_tokens=usage.prompt_tokens, draft_tokens=usage.speculation.draft_tokens,
-            accepted_tokens=usage.speculation.accepted_tokens, verify_steps=usage.speculation.verify_steps,
-        )
+class AsyncGenerationClient:
+    def __init__(self, address: str, *, api_key: str | None = None, tenant: str | None = None, retries: int = 3):
+        self._channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self._stub = gateway_pb2_grpc.GenerationStub(self._channel)
+        self._settings = _Settings(api_key=api_key, tenant=tenant, retries=retries)
 
+    async def stream(self, *, timeout: float | None = None, request_id: str | None = None,
+                     **inputs) -> AsyncIterator[Chunk]:
+        request = build_request(**inputs)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for attempt in range(self._settings.retries + 1):
+            call = self._stub.Generate(request, timeout=_remaining(deadline),
+                                       metadata=self._settings.metadata(request_id))
+            received = False
+            try:
+                async for response in call:
+                    received = True
+                    yield chunk_from(response)
+                return
+            except grpc.aio.AioRpcError as error:
+                delay = self._settings.retry_delay(error, attempt, received, deadline)
+                if delay is None:
+                    raise
+                await asyncio.sleep(delay)
+            finally:
+                call.cancel()  # a no-op once finished; otherwise the caller left early
 
-def _build_request(prompt, prompt_token_ids, messages, params) -> gateway_pb2.GenerateRequest:
-    inputs = [x is not None for x in (prompt, prompt_token_ids, messages)]
-    if sum(inputs) != 1:
-        raise ValueError("give exactly one of prompt, prompt_token_ids, messages")
-    speculation = params.pop("speculation", None) or {}
-    request = gateway_pb2.GenerateRequest(speculation=gateway_pb2.SpeculationConfig(**speculation), **params)
-    if prompt is not None:
-        request.text = prompt
-    elif prompt_token_ids is not None:
-        request.token_ids.ids.extend(prompt_token_ids)
-    else:
-        request.messages.messages.extend(gateway_pb2.ChatMessage(**m) for m in messages)
-    return request
+    async def generate(self, **kwargs) -> Generation:
+        return generation_from([chunk async for chunk in self.stream(**kwargs)])
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+    async def __aenter__(self):
+        return self
+
+    async def __aexit__(self, *_):
+        await self.close()

@@ -12,8 +12,8 @@ import structlog
 from gateway.errors import InvalidRequest
 from gateway.types import GenerationRequest
 from protos.common.v1 import common_pb2
+from protos.conventions import CHANNEL_OPTIONS, request_metadata
 from protos.drafter.v1 import drafter_pb2, drafter_pb2_grpc
-from speclane.grpc_server import CHANNEL_OPTIONS, request_metadata
 from speclane.speculation import DrafterLimits, limits_from_proto, settings_to_proto
 
 log = structlog.get_logger()

@@ -7,10 +7,10 @@ import grpc
 
 from gateway.errors import InvalidRequest, ModelNotFound, Overloaded, Unavailable
 from gateway.serving import GenerationParams, ServingContext, TextDelta, build_generation_request, generate_text
-from protos.conventions import FINISH_REASONS_BY_NAME
+from protos.conventions import FINISH_REASONS_BY_NAME, TENANT_METADATA_KEY
 from protos.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from speclane.grpc_server import bind_request_id_from
-from speclane.log import TENANT_METADATA_KEY, metadata_value
+from speclane.log import metadata_value
 
 _OPTIONAL_SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed")
 

@@ -36,7 +36,8 @@ from gateway.serving import (
     generate_text,
 )
 from gateway.types import SpeculationUsage
-from speclane.log import TENANT_METADATA_KEY, bind_request_id
+from protos.conventions import TENANT_METADATA_KEY
+from speclane.log import bind_request_id
 
 log = structlog.get_logger()
 

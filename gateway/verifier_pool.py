@@ -11,8 +11,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from gateway.errors import Unavailable
 from gateway.types import GenerationRequest
 from protos.common.v1 import common_pb2
+from protos.conventions import CHANNEL_OPTIONS, request_metadata
 from protos.verifier.v1 import verifier_pb2, verifier_pb2_grpc
-from speclane.grpc_server import CHANNEL_OPTIONS, request_metadata
 
 log = structlog.get_logger()
 

@@ -1,6 +1,17 @@
-"""What the contracts' messages mean beyond their types, in one place for every service and client."""
+"""What the contracts mean beyond their message types (metadata keys, message limits, finish
+reasons, chain drafts), in one place for every service and client. Imports only protobuf."""
 
 from protos.common.v1 import common_pb2
+
+# gRPC metadata every service reads: one request id in all services' logs, and the tenant.
+REQUEST_ID_METADATA_KEY = "x-request-id"
+TENANT_METADATA_KEY = "x-tenant-id"
+# Long prompts travel as token ids; gRPC's 4 MiB default is too small for them.
+MESSAGE_LIMIT_BYTES = 64 * 1024 * 1024
+CHANNEL_OPTIONS = (
+    ("grpc.max_send_message_length", MESSAGE_LIMIT_BYTES),
+    ("grpc.max_receive_message_length", MESSAGE_LIMIT_BYTES),
+)
 
 # FinishReason values and the names the APIs report (OpenAI's `finish_reason`).
 FINISH_REASON_NAMES = {
@@ -15,3 +26,10 @@ def chain_parents(length: int) -> tuple[int, ...]:
     """A Draft's `parents` for a single path (each token follows the previous one);
     an empty `parents` field means the same."""
     return tuple(range(-1, length - 1))
+
+
+def request_metadata(request_id: str, tenant: str = "") -> tuple[tuple[str, str], ...]:
+    """Metadata that carries the request id (and the tenant, if any) to a downstream call."""
+    if tenant:
+        return ((REQUEST_ID_METADATA_KEY, request_id), (TENANT_METADATA_KEY, tenant))
+    return ((REQUEST_ID_METADATA_KEY, request_id),)

@@ -10,20 +10,8 @@ import structlog
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from speclane.log import (
-    REQUEST_ID_METADATA_KEY,
-    TENANT_METADATA_KEY,
-    bind_request_id,
-    metadata_value,
-    new_request_id,
-)
-
-# Long prompts travel as token ids; gRPC's 4 MiB default is too small for them.
-MESSAGE_LIMIT_BYTES = 64 * 1024 * 1024
-CHANNEL_OPTIONS = (
-    ("grpc.max_send_message_length", MESSAGE_LIMIT_BYTES),
-    ("grpc.max_receive_message_length", MESSAGE_LIMIT_BYTES),
-)
+from protos.conventions import CHANNEL_OPTIONS, REQUEST_ID_METADATA_KEY
+from speclane.log import bind_request_id, metadata_value, new_request_id
 
 log = structlog.get_logger()
 
@@ -33,13 +21,6 @@ def bind_request_id_from(context: grpc.aio.ServicerContext) -> str:
     request_id = metadata_value(context.invocation_metadata(), REQUEST_ID_METADATA_KEY) or new_request_id()
     bind_request_id(request_id)
     return request_id
-
-
-def request_metadata(request_id: str, tenant: str = "") -> tuple[tuple[str, str], ...]:
-    """Metadata that carries the request id (and the tenant, if any) to a downstream call."""
-    if tenant:
-        return ((REQUEST_ID_METADATA_KEY, request_id), (TENANT_METADATA_KEY, tenant))
-    return ((REQUEST_ID_METADATA_KEY, request_id),)
 
 
 async def serve(

@@ -7,8 +7,6 @@ import uuid
 
 import structlog
 
-REQUEST_ID_METADATA_KEY = "x-request-id"
-TENANT_METADATA_KEY = "x-tenant-id"
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
 

@@ -85,8 +85,17 @@ def test_drafter_without_torch_serves_drafts(drafter_address, method):
     assert [r.draft.committed_len for r in responses] == [15, 17]
 
 
+def test_the_client_needs_only_grpcio_and_protobuf():
+    """What a light install of the client would lack: everything but grpcio and protobuf."""
+    absent = ("torch", "transformers", "structlog", "fastapi", "uvicorn", "prometheus_client", "jinja2",
+              "grpc_health", "grpc_reflection", "speclane")
+    code = (f"import sys; sys.modules.update(dict.fromkeys({absent!r})); import gateway.client as c; "
+            "c.GenerationClient('127.0.0.1:1').close(); c.AsyncGenerationClient('127.0.0.1:1')")
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+
+
 @pytest.mark.parametrize("code", [
-    "import gateway.client; gateway.client.GenerationClient('127.0.0.1:1').close()",
     "import speclane_cli.main; assert 'gateway' in speclane_cli.main.COMMANDS",
     "from verifier_service.config import VerifierConfig",
 ])

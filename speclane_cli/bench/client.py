@@ -8,7 +8,7 @@ from collections.abc import Callable
 
 import httpx
 
-from speclane.log import TENANT_METADATA_KEY
+from protos.conventions import TENANT_METADATA_KEY
 from speclane_cli.bench.conversation import Conversation, replay
 from speclane_cli.bench.stats import RequestResult
 

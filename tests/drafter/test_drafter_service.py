@@ -12,8 +12,8 @@ from drafter_service import server
 from drafter_service.config import DrafterConfig
 from drafter_service.engine import DraftEngine
 from drafter_service.service import DrafterServicer
+from protos.conventions import CHANNEL_OPTIONS
 from protos.drafter.v1 import drafter_pb2, drafter_pb2_grpc
-from speclane.grpc_server import CHANNEL_OPTIONS
 
 REPEATED = [11, 12, 13, 14, 15]
 CONFIG = DrafterConfig(max_tree_depth=24, max_cached_requests=100)

@@ -35,7 +35,7 @@ def test_speculative_greedy_output_equals_plain(client, prompts, source, index):
     runs = {name: client.generate(messages=messages, max_tokens=MAX_TOKENS, temperature=0.0, speculation=spec)
             for name, spec in SPECULATION.items()}
     plain = runs["none"]
-    assert plain.draft_tokens == 0 and plain.verify_steps > 0
+    assert plain.usage.draft_tokens == 0 and plain.usage.verify_steps > 0
     assert len(plain.token_ids) > 0
     for name in ("suffix", "suffix-tree", "ngram"):
         assert runs[name].token_ids == plain.token_ids, f"{name} changed the output"
@@ -49,6 +49,6 @@ def test_speculation_accepts_tokens_on_repetitive_code(client, name):
     plain = client.generate(messages=code_edit_messages(), max_tokens=96, temperature=0.0,
                             speculation=SPECULATION["none"])
     assert result.token_ids == plain.token_ids
-    assert result.accepted_tokens > 0
+    assert result.usage.accepted_tokens > 0
     # Accepted drafts mean fewer verify steps than tokens.
-    assert result.verify_steps < plain.verify_steps
+    assert result.usage.verify_steps < plain.usage.verify_steps

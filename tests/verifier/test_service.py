@@ -13,8 +13,9 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from protos.common.v1 import common_pb2
+from protos.conventions import CHANNEL_OPTIONS
 from protos.verifier.v1 import verifier_pb2, verifier_pb2_grpc
-from speclane.grpc_server import CHANNEL_OPTIONS, serve
+from speclane.grpc_server import serve
 from verifier_service import server
 from verifier_service.async_engine import AsyncEngine
 from verifier_service.config import VerifierConfig
