@@ -3,6 +3,7 @@
 import dataclasses
 from dataclasses import dataclass
 
+from gateway.sampling_defaults import GENERATION_CONFIG_MODES
 from speclane.config import option
 from speclane.log import check_log_level
 from speclane.speculation import SpeculationSettings, parse_speculative_config
@@ -22,6 +23,9 @@ class GatewayConfig:
     verifier_addresses: tuple[str, ...] = option(("127.0.0.1:50062",), "comma-separated verifier addresses")
     speculative_config: str = option(
         "", "vLLM-style JSON, e.g. '{\"method\": \"suffix\", \"num_speculative_tokens\": 8}'")
+    generation_config: str = option("auto", "auto: a request's missing temperature, top_p, top_k come from the "
+                                            "model's generation_config.json (else temperature 1.0); vllm: "
+                                            "ignore the file, as vLLM's flag")
     draft_timeout_ms: int = option(200, "a draft slower than this is skipped and the drafter given a rest")
     max_concurrent_requests: int = option(64, "requests in flight before new ones get HTTP 429 / RESOURCE_EXHAUSTED")
     log_level: str = option("info", "debug, info, warning or error")
@@ -35,6 +39,8 @@ class GatewayConfig:
             raise ValueError("port must be in 1..65535")
         if not self.verifier_addresses:
             raise ValueError("at least one verifier address is needed")
+        if self.generation_config not in GENERATION_CONFIG_MODES:
+            raise ValueError(f"generation_config must be one of {', '.join(GENERATION_CONFIG_MODES)}")
         if self.draft_timeout_ms <= 0:
             raise ValueError("draft_timeout_ms must be positive")
         if self.max_concurrent_requests < 1:

@@ -13,8 +13,9 @@ from gateway.grpc_api import add_generation_servicer
 from gateway.metrics import GatewayMetrics
 from gateway.openai_api import create_app
 from gateway.orchestrator import Orchestrator
+from gateway.sampling_defaults import read_sampling_defaults
 from gateway.serving import ServingContext
-from gateway.tokenizer import hide_torch, load_tokenizer, tokenizer_from_verifier
+from gateway.tokenizer import files_from_verifier, hide_torch, load_tokenizer
 from gateway.verifier_pool import VerifierPool
 from speclane import grpc_server
 from speclane.config import parse_config
@@ -46,6 +47,11 @@ async def _check_drafter(drafter: DrafterClient, drafter_wide: dict) -> None:
                         action="the drafter's value applies; set it with the drafter's own flags")
 
 
+def _load(model_dir, config: GatewayConfig):
+    """The tokenizer (with its chat template) and the sampling defaults of the model in `model_dir`."""
+    return load_tokenizer(model_dir), read_sampling_defaults(model_dir, config.generation_config)
+
+
 async def run(config: GatewayConfig) -> None:
     configure_logging("gateway", config.log_level)
     verifiers = VerifierPool(config.verifier_addresses)
@@ -57,10 +63,11 @@ async def run(config: GatewayConfig) -> None:
         # Pulling converts weights with torch, which the gateway does without: `speclane pull` does it.
         model_dir = resolve_model(config.model, pull_if_missing=False)
         model_name = config.served_model_name or pathlib.Path(model_dir).name
-        tokenizer = load_tokenizer(model_dir)
+        tokenizer, defaults = _load(model_dir, config)
     else:
         model_name = config.served_model_name or info.model_name
-        tokenizer = await tokenizer_from_verifier(verifiers)
+        async with files_from_verifier(verifiers) as model_dir:
+            tokenizer, defaults = _load(model_dir, config)
     metrics = GatewayMetrics(model_name)
     orchestrator = Orchestrator(verifiers, drafter, metrics)
     if drafter is not None:
@@ -73,6 +80,7 @@ async def run(config: GatewayConfig) -> None:
         max_context_len=info.max_context_len,
         max_concurrent_requests=config.max_concurrent_requests,
         metrics=metrics,
+        sampling_defaults=defaults,
         ready=verifiers.ready,
         drafter_limits=(lambda: drafter.limits) if drafter is not None else (lambda: None),
     )

@@ -12,6 +12,7 @@ import jinja2
 from gateway.detokenizer import IncrementalDetokenizer
 from gateway.errors import InvalidRequest, ModelNotFound, Overloaded
 from gateway.metrics import GatewayMetrics
+from gateway.sampling_defaults import SamplingDefaults
 from gateway.stop_strings import StopStringMatcher
 from gateway.types import GenerationRequest, SpeculationUsage, TokenDelta
 from speclane.speculation import DrafterLimits, SpeculationSettings
@@ -54,6 +55,7 @@ class ServingContext:
     max_concurrent_requests: int
     metrics: GatewayMetrics
     ready: Callable[[], Awaitable[bool]]
+    sampling_defaults: SamplingDefaults = SamplingDefaults()
     # What the drafter reported of itself (None until reached): requests are checked against it.
     drafter_limits: Callable[[], DrafterLimits | None] = lambda: None
     limiter: ConcurrencyLimiter = field(init=False)
@@ -147,6 +149,10 @@ def _max_tokens(ctx: ServingContext, prompt_len: int, requested: int | None) -> 
     return requested
 
 
+def _given_or(value, default):
+    return default if value is None else value
+
+
 def build_generation_request(ctx: ServingContext, request_id: str, params: GenerationParams, *,
                              messages: Sequence[dict] | None = None, text: str | None = None,
                              token_ids: Sequence[int] | None = None) -> GenerationRequest:
@@ -180,9 +186,9 @@ def build_generation_request(ctx: ServingContext, request_id: str, params: Gener
         prompt_token_ids=prompt_ids,
         max_tokens=_max_tokens(ctx, len(prompt_ids), params.max_tokens),
         speculation=speculation,
-        temperature=params.temperature,
-        top_p=params.top_p,
-        top_k=params.top_k if params.top_k and params.top_k > 0 else None,
+        temperature=_given_or(params.temperature, ctx.sampling_defaults.temperature),
+        top_p=_given_or(params.top_p, ctx.sampling_defaults.top_p),
+        top_k=top_k if (top_k := _given_or(params.top_k, ctx.sampling_defaults.top_k)) and top_k > 0 else None,
         seed=params.seed,
         stop_token_ids=stop_token_ids,
         ignore_eos=params.ignore_eos,

@@ -2,6 +2,7 @@
 fetched from the verifier (its GetTokenizer RPC), so that a gateway on a CPU
 host needs no copy of the model and always tokenizes as the served model does."""
 
+import contextlib
 import os
 import pathlib
 import sys
@@ -24,10 +25,12 @@ def load_tokenizer(model_dir: str | os.PathLike):
     return AutoTokenizer.from_pretrained(model_dir)
 
 
-async def tokenizer_from_verifier(verifiers: VerifierPool):
+@contextlib.asynccontextmanager
+async def files_from_verifier(verifiers: VerifierPool):
+    """A temporary directory holding the verifier's tokenizer and generation-config
+    files; what is loaded from it lives in memory, so it goes afterwards."""
     files = await verifiers.tokenizer_files()
-    # The tokenizer holds what it needs in memory once loaded: the files can go.
     with tempfile.TemporaryDirectory(prefix="speclane-tokenizer-") as directory:
         for name, content in files.items():
             (pathlib.Path(directory) / pathlib.Path(name).name).write_bytes(content)
-        return load_tokenizer(directory)
+        yield directory

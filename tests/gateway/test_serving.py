@@ -1,6 +1,7 @@
 import pytest
 
 from gateway.errors import InvalidRequest, ModelNotFound, Overloaded
+from gateway.sampling_defaults import SamplingDefaults, read_sampling_defaults
 from gateway.serving import GenerationParams, build_generation_request, generate_text
 from gateway.types import SpeculationUsage
 from speclane.speculation import DrafterLimits
@@ -176,3 +177,21 @@ def test_chat_prompt_with_every_tokenizer(any_tokenizer, engine):
     prompt = any_tokenizer.decode(build(ctx).prompt_token_ids)
     assert "Say hello" in prompt and prompt.endswith("<|im_start|>assistant\n")
     assert build(ctx).stop_token_ids == [any_tokenizer.convert_tokens_to_ids("<|im_end|>")]
+
+
+def test_left_out_sampling_settings_take_the_models_defaults(ctx):
+    """As OpenAI and vLLM: no temperature is not greedy; the model's generation config decides, else 1.0."""
+    assert (build(ctx).temperature, build(ctx).top_p, build(ctx).top_k) == (1.0, None, None)
+    ctx.sampling_defaults = SamplingDefaults(temperature=0.6, top_p=0.9, top_k=20)
+    request = build(ctx)
+    assert (request.temperature, request.top_p, request.top_k) == (0.6, 0.9, 20)
+    explicit = build(ctx, GenerationParams(temperature=0.0, top_p=1.0, top_k=-1))
+    assert (explicit.temperature, explicit.top_p, explicit.top_k) == (0.0, 1.0, None)
+
+
+def test_sampling_defaults_come_from_generation_config_json(tmp_path):
+    assert read_sampling_defaults(tmp_path) == SamplingDefaults()  # no file
+    config = '{"temperature": 0.7, "top_p": 0.8, "top_k": 0, "do_sample": true}'
+    (tmp_path / "generation_config.json").write_text(config)
+    assert read_sampling_defaults(tmp_path) == SamplingDefaults(temperature=0.7, top_p=0.8, top_k=None)
+    assert read_sampling_defaults(tmp_path, "vllm") == SamplingDefaults()
