@@ -33,6 +33,7 @@ class GatewayConfig:
     # Drafter-wide keys of --speculative-config (tree depth, cached requests): the
     # drafter's own flags set them; `speclane serve` passes these on to it.
     drafter_wide_speculation: dict = dataclasses.field(init=False, repr=False)
+    unused_speculation_keys: tuple[str, ...] = dataclasses.field(init=False, repr=False)  # warned about
 
     def __post_init__(self):
         if not 0 < self.port < 65536:
@@ -46,6 +47,7 @@ class GatewayConfig:
         if self.max_concurrent_requests < 1:
             raise ValueError("max_concurrent_requests must be >= 1")
         check_log_level(self.log_level)
-        speculation, drafter_wide = parse_speculative_config(self.speculative_config)
+        speculation, drafter_wide, unused = parse_speculative_config(self.speculative_config)
         object.__setattr__(self, "speculation", speculation)
         object.__setattr__(self, "drafter_wide_speculation", drafter_wide)
+        object.__setattr__(self, "unused_speculation_keys", unused)

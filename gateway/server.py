@@ -54,6 +54,9 @@ def _load(model_dir, config: GatewayConfig):
 
 async def run(config: GatewayConfig) -> None:
     configure_logging("gateway", config.log_level)
+    if config.unused_speculation_keys:
+        log.warning("speculative_config_keys_unused", keys=list(config.unused_speculation_keys),
+                    action="ignored: speclane does not use them")
     verifiers = VerifierPool(config.verifier_addresses)
     drafter = DrafterClient(config.drafter_address, config.draft_timeout_ms / 1000) if config.drafter_address else None
     log.info("waiting_for_verifier", addresses=config.verifier_addresses)

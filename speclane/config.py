@@ -53,12 +53,12 @@ def add_arguments(parser, config_cls: type, env_prefix: str, exclude: frozenset[
                 parser.error(f"{env_name}: {exc}")
         help_text = field.metadata.get("help", "")
         help_text = f"{help_text} (env {env_name}; default {default!r})"
-        flag = "--" + field.name.replace("_", "-")
+        flags = ["--" + field.name.replace("_", "-"), *field.metadata.get("aliases", ())]
         if kind is bool:
-            parser.add_argument(flag, dest=field.name, default=default,
+            parser.add_argument(*flags, dest=field.name, default=default,
                                 action=argparse.BooleanOptionalAction, help=help_text)
         else:
-            parser.add_argument(flag, dest=field.name, default=default,
+            parser.add_argument(*flags, dest=field.name, default=default,
                                 type=lambda text, kind=kind: _parse_value(kind, text),
                                 help=help_text)
 
@@ -80,11 +80,12 @@ def parse_config(config_cls: type, env_prefix: str, argv, prog: str, description
         parser.error(str(exc))
 
 
-def option(default, help: str, **kwargs):
-    """A dataclass field carrying its flag's help text."""
+def option(default, help: str, aliases: tuple[str, ...] = (), **kwargs):
+    """A dataclass field carrying its flag's help text, and other names of the flag
+    (vLLM's, where ours differs: `--max-num-seqs` for `--max-batch-sequences`)."""
     if isinstance(default, (list, dict, set)):
         raise TypeError("use a tuple for sequence defaults")
-    return dataclasses.field(default=default, metadata={"help": help}, **kwargs)
+    return dataclasses.field(default=default, metadata={"help": help, "aliases": aliases}, **kwargs)
 
 
 def to_argv(config) -> list[str]:

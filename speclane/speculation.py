@@ -111,11 +111,13 @@ def _typed(key: str, value, expected: type):
     return value
 
 
-def parse_speculative_config(text: str) -> tuple[SpeculationSettings, dict[str, int]]:
-    """A vLLM --speculative-config JSON object (empty: the defaults): the
-    per-sequence settings, and the drafter-wide values it names (for the drafter)."""
+def parse_speculative_config(text: str) -> tuple[SpeculationSettings, dict[str, int], tuple[str, ...]]:
+    """A vLLM --speculative-config JSON object (empty: the defaults): the per-sequence
+    settings, the drafter-wide values it names (for the drafter), and the keys it
+    names that speclane does not use (e.g. `enforce_eager`: the caller warns, so a
+    vLLM command line runs as it is)."""
     if not text.strip():
-        return SpeculationSettings(), {}
+        return SpeculationSettings(), {}, ()
     try:
         values = json.loads(text)
     except json.JSONDecodeError as exc:
@@ -126,7 +128,10 @@ def parse_speculative_config(text: str) -> tuple[SpeculationSettings, dict[str, 
     for key, value in drafter_wide.items():
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise ValueError(f"{key} must be a non-negative integer")
-    return SpeculationSettings().merged(values), drafter_wide
+    known = {field.name for field in dataclasses.fields(SpeculationSettings)}
+    unused = tuple(sorted(key for key in values if key not in known))
+    settings = SpeculationSettings().merged({key: value for key, value in values.items() if key in known})
+    return settings, drafter_wide, unused
 
 
 _PROTO_METHODS = {"suffix": drafter_pb2.METHOD_SUFFIX, "ngram": drafter_pb2.METHOD_NGRAM}

@@ -28,6 +28,7 @@ _VERIFIER_OWN_FLAGS = frozenset({"model", "model_name", "address", "log_level"})
 
 
 def add_arguments(parser) -> None:
+    parser.add_argument("model_positional", nargs="?", metavar="MODEL", help="as `vllm serve MODEL`: same as --model")
     parser.add_argument("--model", default=os.environ.get("SPECLANE_MODEL", DEFAULT_MODEL),
                         help="packaged model name or Hugging Face model directory (env SPECLANE_MODEL; "
                              f"default {DEFAULT_MODEL!r})")
@@ -48,11 +49,12 @@ def run(args) -> int:
 
 def configs_from_args(args):
     """Builds the three services' configs; internal services get free localhost ports."""
+    model = args.model_positional or args.model
     drafter_address = f"127.0.0.1:{free_port()}"
     verifier_address = f"127.0.0.1:{free_port()}"
-    model_name = args.served_model_name or (args.model if args.model == DEFAULT_MODEL else os.path.basename(
-        os.path.normpath(args.model)))
-    model_dir = str(resolve_model(args.model))
+    model_name = args.served_model_name or (model if model == DEFAULT_MODEL else os.path.basename(
+        os.path.normpath(model)))
+    model_dir = str(resolve_model(model))
     gateway = config_flags.from_namespace(
         GatewayConfig, args, model=model_dir, served_model_name=model_name,
         grpc_address=f"{args.host}:{args.grpc_port}", drafter_address=drafter_address,

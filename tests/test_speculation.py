@@ -20,11 +20,19 @@ LIMITS = DrafterLimits(max_tree_depth=24, max_cached_requests=100, max_speculati
 
 
 def test_empty_config_gives_the_defaults():
-    assert parse_speculative_config("") == (SpeculationSettings(), {})
+    assert parse_speculative_config("") == (SpeculationSettings(), {}, ())
+
+
+def test_vllm_keys_speclane_does_not_use_are_named_not_refused():
+    settings, _, unused = parse_speculative_config(
+        '{"method": "ngram", "num_speculative_tokens": 3, "enforce_eager": true, "quantization": null, '
+        '"disable_padded_drafter_batch": false}')
+    assert (settings.method, settings.num_speculative_tokens) == ("ngram", 3)
+    assert unused == ("disable_padded_drafter_batch", "enforce_eager", "quantization")
 
 
 def test_vllm_config_splits_per_sequence_and_drafter_wide_keys():
-    settings, drafter_wide = parse_speculative_config(
+    settings, drafter_wide, _ = parse_speculative_config(
         '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, '
         '"suffix_decoding_max_tree_depth": 32, "suffix_decoding_max_cached_requests": 0}')
     assert (settings.method, settings.num_speculative_tokens) == ("ngram", 4)
@@ -38,7 +46,7 @@ def test_vllm_config_splits_per_sequence_and_drafter_wide_keys():
 ])
 def test_one_lookup_bound_rule_for_config_and_requests(given_bounds, expected):
     """vLLM's rule: when only one bound is given, the other takes its value."""
-    from_config, _ = parse_speculative_config(str(given_bounds).replace("'", '"'))
+    from_config, _, _ = parse_speculative_config(str(given_bounds).replace("'", '"'))
     from_request = SpeculationSettings().merged(given_bounds, LIMITS)
     assert (from_config.prompt_lookup_min, from_config.prompt_lookup_max) == expected
     assert (from_request.prompt_lookup_min, from_request.prompt_lookup_max) == expected

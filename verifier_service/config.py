@@ -29,11 +29,15 @@ class VerifierConfig:
     max_kv_tokens: int = option(0, "KV cache budget in tokens; 0 derives it from --kv-memory-fraction")
     kv_memory_fraction: float = option(0.4, "share of the memory free after loading the model given to the KV "
                                             "cache, when --max-kv-tokens is 0")
-    kv_block_size: int = option(64, "KV allocation unit in tokens")
+    kv_block_size: int = option(64, "KV allocation unit in tokens", aliases=("--block-size",))
     enable_prefix_caching: bool = option(True, "keep finished sequences' KV so a prompt extending them "
                                                "(multi-turn) skips their prefill")
-    max_batch_tokens: int = option(512, "tokens in one forward pass (long prompts are prefilled in chunks)")
-    max_batch_sequences: int = option(64, "sequences in one forward pass")
+    max_batch_tokens: int = option(512, "tokens in one forward pass (long prompts are prefilled in chunks)",
+                                   aliases=("--max-num-batched-tokens",))
+    max_batch_sequences: int = option(64, "sequences in one forward pass", aliases=("--max-num-seqs",))
+    max_model_len: int = option(0, "longest sequence (prompt + output) served; 0: the model's "
+                                   "max_position_embeddings")
+    trust_remote_code: bool = option(False, "let transformers run the model repository's own code")
     batch_wait_ms: float = option(10.0, "how long a pass waits for running sequences whose next step is on its "
                                         "way, to batch them together; 0 starts each pass at once")
     max_queue_wait: float = option(30.0, "seconds a new sequence may wait for KV space before "
@@ -67,6 +71,8 @@ class VerifierConfig:
             raise ValueError("kv_block_size must be >= 1")
         if self.max_kv_tokens and self.max_kv_tokens < self.kv_block_size:
             raise ValueError("max_kv_tokens must be at least one block (kv_block_size)")
+        if self.max_model_len < 0:
+            raise ValueError("max_model_len must be >= 0")
         if self.max_batch_tokens < 1 or self.max_batch_sequences < 1:
             raise ValueError("max_batch_tokens and max_batch_sequences must be >= 1")
         if self.batch_wait_ms < 0:

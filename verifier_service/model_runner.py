@@ -34,12 +34,12 @@ class ModelRunner:
     """Loads the model once and runs StepPlans."""
 
     def __init__(self, model_dir: str, device: str, dtype: torch.dtype, *, block_size: int = 64,
-                 tp: TensorParallel | None = None):
+                 tp: TensorParallel | None = None, max_model_len: int = 0, trust_remote_code: bool = False):
         self.model_dir = model_dir
         self.device = torch.device(device)
         self.dtype = dtype
         self.tp = tp
-        kwargs = {"dtype": dtype, "attn_implementation": register_attention()}
+        kwargs = {"dtype": dtype, "attn_implementation": register_attention(), "trust_remote_code": trust_remote_code}
         if tp is not None:
             kwargs["tp_plan"] = "auto"
         model = AutoModelForCausalLM.from_pretrained(model_dir, **kwargs)
@@ -52,7 +52,7 @@ class ModelRunner:
         # The output layer's width (it may pad the tokenizer's vocabulary); sharded under TP, gathered in logits.
         self.vocab_size: int = (text_config.vocab_size if tp is not None
                                 else self.model.get_output_embeddings().weight.shape[0])
-        self.max_context_len: int = text_config.max_position_embeddings
+        self.max_context_len: int = min(text_config.max_position_embeddings, max_model_len or float("inf"))
         eos = _as_ids(self.model.generation_config.eos_token_id) + _as_ids(text_config.eos_token_id)
         self.eos_token_ids: tuple[int, ...] = tuple(dict.fromkeys(eos))
         log.info("model_loaded", model=os.path.basename(os.path.normpath(model_dir)), device=str(self.device),

@@ -37,10 +37,11 @@ _FOLLOWER_STOP_SECONDS = 30
 
 def build_runner(config: VerifierConfig, device: str, tp: TensorParallel | None) -> ModelRunner:
     if tp is not None:
-        check_shardable(AutoConfig.from_pretrained(config.model).get_text_config(), tp.world_size)
+        text_config = AutoConfig.from_pretrained(config.model, trust_remote_code=config.trust_remote_code)
+        check_shardable(text_config.get_text_config(), tp.world_size)
         device = rank_device(device, tp.rank)
-    return ModelRunner(config.model, device, resolve_dtype(config.dtype, device),
-                       block_size=config.kv_block_size, tp=tp)
+    return ModelRunner(config.model, device, resolve_dtype(config.dtype, device), block_size=config.kv_block_size,
+                       tp=tp, max_model_len=config.max_model_len, trust_remote_code=config.trust_remote_code)
 
 
 def warm_up(engine: Engine) -> None:
@@ -64,7 +65,8 @@ class Rank0:
         config = self.config
         device = resolve_device(config.device)
         if config.tensor_parallel_size > 1:
-            check_shardable(AutoConfig.from_pretrained(config.model).get_text_config(), config.tensor_parallel_size)
+            model_config = AutoConfig.from_pretrained(config.model, trust_remote_code=config.trust_remote_code)
+            check_shardable(model_config.get_text_config(), config.tensor_parallel_size)
             port = free_port()
             self.followers = [_spawn(config, rank, port) for rank in range(1, config.tensor_parallel_size)]
             self.tp = init_tensor_parallel(device, 0, config.tensor_parallel_size, port)

@@ -1,5 +1,6 @@
 """Starts the three real services as separate processes on free localhost ports."""
 
+import contextlib
 import dataclasses
 import os
 import pathlib
@@ -14,7 +15,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from drafter_service.config import DrafterConfig
 from gateway.config import GatewayConfig
 from speclane.config import to_argv
-from speclane.net import free_port, http_ok
+from speclane.net import free_port, http_ok, wait_http_ok
 from verifier_service.config import VerifierConfig
 
 _START_TIMEOUT_SECONDS = 180
@@ -98,3 +99,24 @@ def start_stack(model_dir: pathlib.Path, log_dir: pathlib.Path, speculative_conf
         stack.stop()
         raise
     return stack
+
+
+@contextlib.contextmanager
+def speclane_serve(args: list[str], log_path: pathlib.Path):
+    """Runs `speclane serve ARGS` on free ports until it is healthy; yields (process, HTTP port);
+    stops it with SIGTERM and requires a clean exit."""
+    port = free_port()
+    process = subprocess.Popen(
+        [sys.executable, "-m", "speclane_cli", "serve", "--port", str(port), "--grpc-port", str(free_port()),
+         "--log-level", "warning", *args],
+        stdout=log_path.open("wb"), stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        wait_http_ok(f"http://127.0.0.1:{port}/health", process, timeout=240)
+        yield process, port
+    finally:
+        process.send_signal(signal.SIGTERM)
+        try:
+            assert process.wait(60) == 0, log_path.read_text()[-3000:]
+        finally:
+            if process.poll() is None:
+                process.kill()

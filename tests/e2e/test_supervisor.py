@@ -5,14 +5,12 @@ and succeed again once the supervisor has brought it back."""
 import os
 import pathlib
 import signal
-import subprocess
-import sys
 import time
 
 import openai
 import pytest
 
-from speclane.net import free_port, wait_http_ok
+from tests.e2e.stack import speclane_serve
 
 pytestmark = pytest.mark.e2e
 MODEL = "smollm2-135m-instruct"
@@ -34,22 +32,9 @@ def children_of(pid: int) -> dict[int, str]:
 
 @pytest.fixture
 def serve(tmp_path):
-    port = free_port()
-    log = (tmp_path / "serve.log").open("wb")
-    process = subprocess.Popen(
-        [sys.executable, "-m", "speclane_cli", "serve", "--port", str(port), "--grpc-port", str(free_port()),
-         "--log-level", "warning", "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 4}'],
-        stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    try:
-        wait_http_ok(f"http://127.0.0.1:{port}/health", process, timeout=240)
-        yield process, port
-    finally:
-        process.send_signal(signal.SIGTERM)
-        try:
-            assert process.wait(60) == 0, (tmp_path / "serve.log").read_text()[-3000:]
-        finally:
-            if process.poll() is None:
-                process.kill()
+    with speclane_serve(["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 4}'],
+                        tmp_path / "serve.log") as running:
+        yield running
 
 
 def test_a_killed_verifier_fails_its_streams_then_503_then_comes_back(serve):
