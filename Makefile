@@ -1,5 +1,7 @@
 # The two set-up commands of the README: `make serve` and `make test`.
-PYTHON ?= python3
+# The first of these that is Python 3.11 to 3.13 (3.11 first: this machine's CPU torch wheel is for it).
+PYTHON ?= $(shell for p in python3.11 python3.12 python3.13 python3; do \
+	$$p -c 'import sys; sys.exit(not (3, 11) <= sys.version_info[:2] <= (3, 13))' 2>/dev/null && echo $$p && break; done)
 VENV ?= .venv
 BIN := $(VENV)/bin
 INSTALLED := $(VENV)/.installed
@@ -9,6 +11,7 @@ ARGS ?=
 
 # Editing the C++ drafter core re-runs the install, which rebuilds it.
 $(INSTALLED): pyproject.toml setup.py $(wildcard drafter_service/csrc/*)
+	@test -n "$(PYTHON)" || { echo "speclane needs Python 3.11, 3.12 or 3.13 (python3.11 ... on PATH, or make PYTHON=...)"; exit 1; }
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e '.[all,test]'
 	touch $@
