@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 INSTALLED := $(VENV)/.installed
 ARGS ?=
 
-.PHONY: install serve test lint protos clean
+.PHONY: install serve test lint test-containers protos clean
 
 # Editing the C++ drafter core re-runs the install, which rebuilds it.
 $(INSTALLED): pyproject.toml setup.py $(wildcard drafter_service/csrc/*)
@@ -27,6 +27,10 @@ test: install
 
 lint: install
 	$(BIN)/ruff check .
+
+# Opt-in, slow (~5 min), needs root and podman: the single-host compose stack in real containers.
+test-containers: install
+	VENV=$(VENV) compose/container-test.sh
 
 protos: install
 	$(BIN)/python -m protos.build
