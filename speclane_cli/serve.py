@@ -17,7 +17,7 @@ from speclane.log import configure_logging
 from speclane.models import DEFAULT_MODEL, resolve_model
 from speclane.net import free_port, http_ok
 from speclane.speculation import DRAFTER_WIDE_KEYS
-from speclane_cli.supervisor import Child, supervise
+from speclane_cli.supervisor import Child, die_with_parent, supervise
 from verifier_service.config import ENV_PREFIX as VERIFIER_ENV
 from verifier_service.config import VerifierConfig
 
@@ -73,7 +73,7 @@ def configs_from_args(args):
 def _spawn(module: str, config) -> Callable[[], subprocess.Popen]:
     # Own session: Ctrl-C reaches only the supervisor, which stops the services in order.
     return lambda: subprocess.Popen([sys.executable, "-m", module, *config_flags.to_argv(config)],
-                                    start_new_session=True)
+                                    start_new_session=True, preexec_fn=die_with_parent)
 
 
 def serve(drafter, verifier, gateway) -> int:

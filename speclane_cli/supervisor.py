@@ -3,8 +3,10 @@ back-off that doubles with each quick exit in a row (1 s, 2 s, 4 s ... 30 s).
 A child that keeps dying right after its start is a crash loop: the supervisor
 gives up instead of restarting it forever. Stops children in a given order."""
 
+import ctypes
 import signal
 import subprocess
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -18,6 +20,13 @@ MAX_BACKOFF_SECONDS = 30.0
 QUICK_EXIT_SECONDS = 10.0  # an exit sooner than this after the start counts towards a crash loop
 MAX_QUICK_EXITS = 5
 STOP_TIMEOUT_SECONDS = 20.0
+
+
+def die_with_parent() -> None:
+    """For Popen's preexec_fn: the child gets SIGTERM when its parent dies, even by SIGKILL,
+    so no service outlives its supervisor (Linux's PR_SET_PDEATHSIG; elsewhere a no-op)."""
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
 
 
 class CrashLoop(RuntimeError):

@@ -66,3 +66,24 @@ def test_supervise_stops_children_in_reverse_order_and_reports_a_crash_loop():
     assert supervise(children, stopping=lambda: time.monotonic() - started > 20, poll_seconds=0.01) == 1
     assert stopped == ["second", "first"]
     assert children[0].process.poll() is not None  # the healthy child was stopped too
+
+
+def test_a_child_does_not_outlive_a_killed_supervisor():
+    parent = subprocess.Popen(
+        [sys.executable, "-c", "import subprocess, sys, time; from speclane_cli.supervisor import die_with_parent; "
+         "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'], "
+         "preexec_fn=die_with_parent); print(child.pid, flush=True); time.sleep(60)"],
+        stdout=subprocess.PIPE, text=True)
+    child_pid = int(parent.stdout.readline())
+    parent.kill()
+    parent.wait()
+    for _ in range(100):
+        try:
+            with open(f"/proc/{child_pid}/stat") as stat:
+                if stat.read().rsplit(")", 1)[1].split()[0] == "Z":
+                    break  # exited, waiting to be reaped by init
+        except FileNotFoundError:
+            break
+        time.sleep(0.05)
+    else:
+        pytest.fail("the child outlived its killed parent")

@@ -16,6 +16,7 @@ from drafter_service.config import DrafterConfig
 from gateway.config import GatewayConfig
 from speclane.config import to_argv
 from speclane.net import free_port, http_ok, wait_http_ok
+from speclane_cli.supervisor import die_with_parent
 from verifier_service.config import VerifierConfig
 
 _START_TIMEOUT_SECONDS = 180
@@ -47,7 +48,7 @@ class Stack:
         log_file = (self.log_dir / f"{name}.log").open("ab")
         self.processes[name] = subprocess.Popen(
             [sys.executable, "-m", module, *to_argv(config)], stdout=log_file, stderr=subprocess.STDOUT,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            env={**os.environ, "PYTHONUNBUFFERED": "1"}, preexec_fn=die_with_parent,  # gone with an interrupted run
         )
 
     def kill(self, name: str) -> None:
@@ -109,7 +110,8 @@ def speclane_serve(args: list[str], log_path: pathlib.Path):
     process = subprocess.Popen(
         [sys.executable, "-m", "speclane_cli", "serve", "--port", str(port), "--grpc-port", str(free_port()),
          "--log-level", "warning", *args],
-        stdout=log_path.open("wb"), stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        stdout=log_path.open("wb"), stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        preexec_fn=die_with_parent)
     try:
         wait_http_ok(f"http://127.0.0.1:{port}/health", process, timeout=240)
         yield process, port
