@@ -28,6 +28,9 @@ class GatewayConfig:
                                             "ignore the file, as vLLM's flag")
     draft_timeout_ms: int = option(200, "a draft slower than this is skipped and the drafter given a rest")
     max_concurrent_requests: int = option(64, "requests in flight before new ones get HTTP 429 / RESOURCE_EXHAUSTED")
+    api_key: tuple[str, ...] = option((), "comma-separated keys a client must send (Authorization: Bearer KEY, "
+                                          "or gRPC metadata authorization); empty: no authentication",
+                                      secret=True)
     log_level: str = option("info", "debug, info, warning or error")
     speculation: SpeculationSettings = dataclasses.field(init=False, repr=False)
     # Drafter-wide keys of --speculative-config (tree depth, cached requests): the

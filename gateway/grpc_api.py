@@ -5,6 +5,7 @@ import contextlib
 
 import grpc
 
+from gateway.auth import AUTHORIZATION_METADATA_KEY, authorized
 from gateway.errors import InvalidRequest, ModelNotFound, Overloaded, Unavailable
 from gateway.serving import GenerationParams, ServingContext, TextDelta, build_generation_request, generate_text
 from protos.conventions import FINISH_REASONS_BY_NAME, TENANT_METADATA_KEY
@@ -55,7 +56,11 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServicer):
 
     async def Generate(self, request, context):
         request_id = bind_request_id_from(context)
-        tenant = metadata_value(context.invocation_metadata(), TENANT_METADATA_KEY) or ""
+        metadata = context.invocation_metadata()
+        if not authorized(self._ctx.api_keys, metadata_value(metadata, AUTHORIZATION_METADATA_KEY)):
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "incorrect or missing API key "
+                                "(metadata authorization: Bearer KEY)")
+        tenant = metadata_value(metadata, TENANT_METADATA_KEY) or ""
         try:
             params = _params(request, tenant)
             generation = build_generation_request(self._ctx, request_id, params, **_prompt(request))

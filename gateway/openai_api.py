@@ -15,6 +15,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
+from gateway.auth import authorized
 from gateway.errors import InvalidRequest, ModelNotFound, Overloaded, Unavailable
 from gateway.metrics import CONTENT_TYPE
 from gateway.openai_protocol import (
@@ -230,8 +231,28 @@ def _client_request_id(request: Request) -> str | None:
     return value if 0 < len(value) <= 256 and value.isascii() and value.isprintable() else None
 
 
+class RequireApiKey:
+    """ASGI middleware: /v1/ answers 401 (OpenAI's body) without a configured key. Plain
+    ASGI rather than Starlette's BaseHTTPMiddleware, which would wrap our streams."""
+
+    def __init__(self, app, ctx: ServingContext):
+        self.app, self.ctx = app, ctx
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["path"].startswith("/v1/") and self.ctx.api_keys:
+            authorization = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
+            if not authorized(self.ctx.api_keys, authorization):
+                self.ctx.metrics.record_error("unauthenticated")
+                body = error_body("Incorrect or missing API key: send Authorization: Bearer KEY",
+                                  "authentication_error", code="invalid_api_key")
+                await JSONResponse(body, status_code=401)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
 def create_app(ctx: ServingContext) -> FastAPI:
     app = FastAPI(title="speclane gateway")
+    app.add_middleware(RequireApiKey, ctx=ctx)
     started = int(time.time())
 
     @app.exception_handler(RequestValidationError)

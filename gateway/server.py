@@ -84,6 +84,7 @@ async def run(config: GatewayConfig) -> None:
         max_concurrent_requests=config.max_concurrent_requests,
         metrics=metrics,
         sampling_defaults=defaults,
+        api_keys=config.api_key,
         ready=verifiers.ready,
         drafter_limits=(lambda: drafter.limits) if drafter is not None else (lambda: None),
     )

@@ -56,6 +56,7 @@ class ServingContext:
     metrics: GatewayMetrics
     ready: Callable[[], Awaitable[bool]]
     sampling_defaults: SamplingDefaults = SamplingDefaults()
+    api_keys: tuple[str, ...] = ()  # empty: no authentication
     # What the drafter reported of itself (None until reached): requests are checked against it.
     drafter_limits: Callable[[], DrafterLimits | None] = lambda: None
     limiter: ConcurrencyLimiter = field(init=False)

@@ -52,7 +52,8 @@ def add_arguments(parser, config_cls: type, env_prefix: str, exclude: frozenset[
             except ValueError as exc:
                 parser.error(f"{env_name}: {exc}")
         help_text = field.metadata.get("help", "")
-        help_text = f"{help_text} (env {env_name}; default {default!r})"
+        shown = "<set>" if field.metadata.get("secret") and default else repr(default)
+        help_text = f"{help_text} (env {env_name}; default {shown})"
         flags = ["--" + field.name.replace("_", "-"), *field.metadata.get("aliases", ())]
         if kind is bool:
             parser.add_argument(*flags, dest=field.name, default=default,
@@ -80,24 +81,37 @@ def parse_config(config_cls: type, env_prefix: str, argv, prog: str, description
         parser.error(str(exc))
 
 
-def option(default, help: str, aliases: tuple[str, ...] = (), **kwargs):
+def option(default, help: str, aliases: tuple[str, ...] = (), secret: bool = False, **kwargs):
     """A dataclass field carrying its flag's help text, and other names of the flag
-    (vLLM's, where ours differs: `--max-num-seqs` for `--max-batch-sequences`)."""
+    (vLLM's, where ours differs: `--max-num-seqs` for `--max-batch-sequences`). A
+    secret never travels on a command line (where `ps` shows it) nor in the repr."""
     if isinstance(default, (list, dict, set)):
         raise TypeError("use a tuple for sequence defaults")
-    return dataclasses.field(default=default, metadata={"help": help, "aliases": aliases}, **kwargs)
+    metadata = {"help": help, "aliases": aliases, "secret": secret}
+    return dataclasses.field(default=default, metadata=metadata, repr=not secret, **kwargs)
+
+
+def _text(value) -> str:
+    return ",".join(value) if isinstance(value, tuple) else str(value)
 
 
 def to_argv(config) -> list[str]:
-    """The flags that rebuild `config` in another process (inverse of add_arguments)."""
+    """The flags that rebuild `config` in another process (inverse of add_arguments),
+    but its secrets: `to_env` carries those."""
     argv = []
     for field in settable_fields(type(config)):
+        if field.metadata.get("secret"):
+            continue
         flag = "--" + field.name.replace("_", "-")
         value = getattr(config, field.name)
         if isinstance(value, bool):
             argv.append(flag if value else "--no-" + flag[2:])
-        elif isinstance(value, tuple):
-            argv += [flag, ",".join(value)]
         else:
-            argv += [flag, str(value)]
+            argv += [flag, _text(value)]
     return argv
+
+
+def to_env(config, env_prefix: str) -> dict[str, str]:
+    """The environment that carries `config`'s secrets to another process."""
+    return {env_prefix + field.name.upper(): _text(getattr(config, field.name))
+            for field in settable_fields(type(config)) if field.metadata.get("secret")}

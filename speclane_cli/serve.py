@@ -9,6 +9,7 @@ from collections.abc import Callable
 
 import structlog
 
+from drafter_service.config import ENV_PREFIX as DRAFTER_ENV
 from drafter_service.config import DrafterConfig
 from gateway.config import ENV_PREFIX as GATEWAY_ENV
 from gateway.config import GatewayConfig
@@ -70,9 +71,10 @@ def configs_from_args(args):
     return drafter, verifier, gateway
 
 
-def _spawn(module: str, config) -> Callable[[], subprocess.Popen]:
+def _spawn(module: str, config, env_prefix: str) -> Callable[[], subprocess.Popen]:
     # Own session: Ctrl-C reaches only the supervisor, which stops the services in order.
-    return lambda: subprocess.Popen([sys.executable, "-m", module, *config_flags.to_argv(config)],
+    env = {**os.environ, **config_flags.to_env(config, env_prefix)}
+    return lambda: subprocess.Popen([sys.executable, "-m", module, *config_flags.to_argv(config)], env=env,
                                     start_new_session=True, preexec_fn=die_with_parent)
 
 
@@ -93,9 +95,9 @@ def serve(drafter, verifier, gateway) -> int:
     signal.signal(signal.SIGTERM, request_stop)
     # Started in this order and stopped in reverse: the gateway first, so no
     # request reaches a service that is already gone.
-    children = [Child("drafter", _spawn("drafter_service", drafter)),
-                Child("verifier", _spawn("verifier_service", verifier)),
-                Child("gateway", _spawn("gateway", gateway))]
+    children = [Child("drafter", _spawn("drafter_service", drafter, DRAFTER_ENV)),
+                Child("verifier", _spawn("verifier_service", verifier, VERIFIER_ENV)),
+                Child("gateway", _spawn("gateway", gateway, GATEWAY_ENV))]
     announced = False
 
     def announce_once() -> None:
