@@ -12,7 +12,8 @@ from gateway.auth import authorized
 from gateway.client import AsyncGenerationClient
 from gateway.config import ENV_PREFIX, GatewayConfig
 from speclane.config import add_arguments, to_argv, to_env
-from tests.gateway.test_client import HELLO, generate_api, scripted
+from tests.gateway.fake_services import serve
+from tests.gateway.test_client import HELLO, scripted
 from tests.gateway.test_openai_api import CHAT, client_for, post
 
 pytestmark = pytest.mark.anyio
@@ -54,7 +55,7 @@ async def test_the_openai_client_sends_its_key(ctx):
 
 async def test_grpc_needs_a_key(ctx):
     ctx.api_keys = KEYS
-    async with generate_api(scripted(ctx)) as address:
+    async with serve(scripted(ctx)) as address:
         async with AsyncGenerationClient(address, api_key="key-one") as client:
             assert (await client.generate(messages=HELLO, max_tokens=8)).token_ids
         async with AsyncGenerationClient(address, api_key="wrong") as client:

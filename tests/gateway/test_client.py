@@ -2,7 +2,6 @@
 Generate API servicer over a scripted generation, in this process."""
 
 import asyncio
-import contextlib
 
 import grpc
 import pytest
@@ -10,23 +9,11 @@ import pytest
 from gateway.client import AsyncGenerationClient, GenerationClient, Usage
 from gateway.grpc_api import GenerationServicer, add_generation_servicer
 from protos.gateway.v1 import gateway_pb2_grpc
+from tests.gateway.fake_services import serve
 from tests.gateway.fakes import COMPLETION
 
 pytestmark = pytest.mark.anyio
 HELLO = [{"role": "user", "content": "Say hello"}]
-
-
-@contextlib.asynccontextmanager
-async def generate_api(servicer_for):
-    """A gRPC server on a free port whose Generation servicer is `servicer_for(server)`'s."""
-    server = grpc.aio.server()
-    servicer_for(server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
-    try:
-        yield f"127.0.0.1:{port}"
-    finally:
-        await server.stop(None)
 
 
 def scripted(ctx):
@@ -54,7 +41,7 @@ class FlakyGateway(gateway_pb2_grpc.GenerationServicer):
 
 
 async def test_async_stream_and_generate(ctx, engine):
-    async with generate_api(scripted(ctx)) as address, AsyncGenerationClient(address) as client:
+    async with serve(scripted(ctx)) as address, AsyncGenerationClient(address) as client:
         chunks = [chunk async for chunk in client.stream(messages=HELLO, max_tokens=64)]
         result = await client.generate(messages=HELLO, max_tokens=64)
     assert "".join(chunk.text for chunk in chunks) == COMPLETION == result.text
@@ -66,7 +53,7 @@ async def test_async_stream_and_generate(ctx, engine):
 
 
 async def test_blocking_client_with_tenant_and_request_id(ctx, engine):
-    async with generate_api(scripted(ctx)) as address:
+    async with serve(scripted(ctx)) as address:
         def call():
             with GenerationClient(address, tenant="team-a", api_key="secret") as client:
                 return client.generate(prompt="Hello", max_tokens=64, request_id="trace-7")
@@ -78,14 +65,14 @@ async def test_blocking_client_with_tenant_and_request_id(ctx, engine):
 
 async def test_unavailable_before_any_token_is_retried(ctx):
     flaky = FlakyGateway(ctx, failures=2)
-    async with generate_api(flaky.add_to) as address, AsyncGenerationClient(address, retries=3) as client:
+    async with serve(flaky.add_to) as address, AsyncGenerationClient(address, retries=3) as client:
         result = await client.generate(messages=HELLO, max_tokens=64)
     assert result.text == COMPLETION and flaky.calls == 3
 
 
 async def test_retries_end_and_other_errors_are_not_retried(ctx):
     flaky = FlakyGateway(ctx, failures=5)
-    async with generate_api(flaky.add_to) as address, AsyncGenerationClient(address, retries=1) as client:
+    async with serve(flaky.add_to) as address, AsyncGenerationClient(address, retries=1) as client:
         with pytest.raises(grpc.aio.AioRpcError) as raised:
             await client.generate(messages=HELLO, max_tokens=64)
         assert raised.value.code() == grpc.StatusCode.UNAVAILABLE and flaky.calls == 2
@@ -97,7 +84,7 @@ async def test_retries_end_and_other_errors_are_not_retried(ctx):
 
 async def test_leaving_a_stream_early_cancels_the_generation(ctx, engine):
     engine.hold = asyncio.Event()  # the generation waits after its first step
-    async with generate_api(scripted(ctx)) as address, AsyncGenerationClient(address) as client:
+    async with serve(scripted(ctx)) as address, AsyncGenerationClient(address) as client:
         async for _ in client.stream(messages=HELLO, max_tokens=64):
             break
         for _ in range(200):
@@ -109,7 +96,7 @@ async def test_leaving_a_stream_early_cancels_the_generation(ctx, engine):
 
 async def test_the_deadline_covers_the_whole_call(ctx, engine):
     engine.hold = asyncio.Event()
-    async with generate_api(scripted(ctx)) as address, AsyncGenerationClient(address) as client:
+    async with serve(scripted(ctx)) as address, AsyncGenerationClient(address) as client:
         with pytest.raises(grpc.aio.AioRpcError) as raised:
             await client.generate(messages=HELLO, max_tokens=64, timeout=0.3)
     assert raised.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
