@@ -23,6 +23,7 @@ class DrafterConfig:
     snapshot_path: str = option("", "file the global trees are saved to (periodically and at shutdown) and "
                                     "restored from at start; empty disables persistence")
     snapshot_interval_seconds: float = option(300.0, "seconds between periodic snapshots")
+    metrics_port: int = option(0, "port of the Prometheus /metrics endpoint; 0 disables it")
     max_concurrent_rpcs: int = option(1024, "open sessions beyond which new ones get RESOURCE_EXHAUSTED")
     log_level: str = option("info", "debug, info, warning or error")
 
@@ -38,6 +39,8 @@ class DrafterConfig:
             raise ValueError("max_cached_tokens must be >= 0")
         if not self.snapshot_interval_seconds > 0:
             raise ValueError("snapshot_interval_seconds must be > 0")
+        if not 0 <= self.metrics_port <= 65535:
+            raise ValueError("metrics_port must be a port number (0 disables metrics)")
         if self.max_concurrent_rpcs < 1:
             raise ValueError("max_concurrent_rpcs must be >= 1")
         check_log_level(self.log_level)

@@ -11,6 +11,7 @@ import structlog
 from drafter_service import snapshot
 from drafter_service.config import ENV_PREFIX, DrafterConfig
 from drafter_service.engine import DraftEngine
+from drafter_service.metrics import DrafterMetrics
 from drafter_service.service import SERVICE_NAME, DrafterServicer
 from protos.drafter.v1 import drafter_pb2_grpc
 from speclane.config import parse_config
@@ -41,10 +42,13 @@ async def run(config: DrafterConfig, ready: Callable[[int], None] | None = None)
     engine = DraftEngine(config.max_tree_depth, config.max_cached_requests, config.max_cached_tokens,
                          config.share_tenants)
     path = pathlib.Path(config.snapshot_path) if config.snapshot_path else None
+    metrics = DrafterMetrics(engine.core)
+    if config.metrics_port:
+        metrics.serve(config.metrics_port, config.address.rsplit(":", 1)[0])
     tasks: list[asyncio.Task] = []
 
     def add_servicers(server: grpc.aio.Server) -> list[str]:
-        drafter_pb2_grpc.add_DrafterServicer_to_server(DrafterServicer(engine, config), server)
+        drafter_pb2_grpc.add_DrafterServicer_to_server(DrafterServicer(engine, config, metrics), server)
         return [SERVICE_NAME]
 
     async def warmup() -> None:

@@ -2,6 +2,7 @@
 from SequenceProposer calls at the boundary."""
 
 import asyncio
+import time
 
 import grpc
 import structlog
@@ -9,6 +10,7 @@ import structlog
 from drafter_service.config import DrafterConfig
 from drafter_service.draft import Draft
 from drafter_service.engine import DraftEngine
+from drafter_service.metrics import DrafterMetrics
 from drafter_service.proposer import CommittedLengthMismatch, SequenceProposer
 from protos.common.v1 import common_pb2
 from protos.conventions import TENANT_METADATA_KEY
@@ -38,12 +40,13 @@ def _has_negative(token_ids) -> bool:
 
 
 class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
-    def __init__(self, engine: DraftEngine, config: DrafterConfig):
+    def __init__(self, engine: DraftEngine, config: DrafterConfig, metrics: DrafterMetrics):
         # The engine keys sessions by its own numbers, not the client's sequence
         # ids, so a retried or reused sequence id never collides with a session still winding down.
         self._engine = engine
         self._limits = config.limits
         self._info = info_to_proto(config.limits, config.max_cached_tokens, config.share_tenants)
+        self._metrics = metrics
 
     async def GetInfo(self, request, context: grpc.aio.ServicerContext):
         return self._info
@@ -82,7 +85,9 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
                     proposer.commit(step.committed_token_ids, step.committed_len)
                 except CommittedLengthMismatch as exc:
                     await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+                started = time.perf_counter()
                 draft = await proposer.propose()
+                self._metrics.observe_step(draft, time.perf_counter() - started)
                 steps += 1
                 drafted += len(draft)
                 yield drafter_pb2.SessionResponse(draft=draft_to_proto(draft, proposer.committed_len))

@@ -11,6 +11,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from drafter_service import server
 from drafter_service.config import DrafterConfig
 from drafter_service.engine import DraftEngine
+from drafter_service.metrics import DrafterMetrics
 from drafter_service.service import DrafterServicer
 from protos.conventions import CHANNEL_OPTIONS
 from protos.drafter.v1 import drafter_pb2, drafter_pb2_grpc
@@ -21,10 +22,12 @@ RESPONSE = list(range(100, 116))
 
 
 @contextlib.asynccontextmanager
-async def drafter(engine: DraftEngine | None = None, config: DrafterConfig = CONFIG):
+async def drafter(engine: DraftEngine | None = None, config: DrafterConfig = CONFIG,
+                  metrics: DrafterMetrics | None = None):
     engine = engine or DraftEngine(config.max_tree_depth, config.max_cached_requests)
+    metrics = metrics or DrafterMetrics(engine.core)
     grpc_server = grpc.aio.server()
-    drafter_pb2_grpc.add_DrafterServicer_to_server(DrafterServicer(engine, config), grpc_server)
+    drafter_pb2_grpc.add_DrafterServicer_to_server(DrafterServicer(engine, config, metrics), grpc_server)
     port = grpc_server.add_insecure_port("127.0.0.1:0")
     await grpc_server.start()
     try:
