@@ -3,6 +3,7 @@
 import socket
 import subprocess
 import time
+import urllib.error
 import urllib.request
 
 
@@ -13,13 +14,21 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-def http_ok(url: str, timeout: float = 2.0) -> bool:
-    """Whether GET `url` answers 200."""
+def probe_http(url: str, timeout: float = 2.0) -> tuple[bool, str]:
+    """Whether GET `url` answers 200, and what it answered. Never through a proxy:
+    an HTTP(S)_PROXY in the environment must not reroute a probe of a local service."""
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
     try:
-        with urllib.request.urlopen(url, timeout=timeout) as reply:
-            return reply.status == 200
-    except OSError:
-        return False
+        with opener.open(url, timeout=timeout) as reply:
+            return reply.status == 200, f"HTTP {reply.status}"
+    except urllib.error.HTTPError as error:  # 4xx/5xx, e.g. 503 while no verifier is serving
+        return False, f"HTTP {error.code}"
+    except (OSError, ValueError) as error:  # refused, unreachable, timed out, bad URL
+        return False, str(getattr(error, "reason", error))
+
+
+def http_ok(url: str, timeout: float = 2.0) -> bool:
+    return probe_http(url, timeout)[0]
 
 
 def wait_http_ok(url: str, process: subprocess.Popen | None = None, timeout: float = 600.0) -> None:

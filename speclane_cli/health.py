@@ -1,13 +1,14 @@
 """`speclane health grpc HOST:PORT` / `speclane health http URL`: one probe, answered by the exit code.
 
-Container healthchecks (compose) call this; it imports only grpcio and the standard
-library, so it costs no torch or transformers start-up and works in the light image.
+Container healthchecks (compose) call this; it imports only grpcio, the standard
+library and speclane.net, so it costs no torch or transformers start-up and works
+in the light image.
 Exit 0: healthy (gRPC: the service "" reports SERVING; HTTP: status 200). Exit 1:
 anything else, including a refused connection or a timeout."""
 
 import sys
-import urllib.error
-import urllib.request
+
+from speclane.net import probe_http
 
 DEFAULT_TIMEOUT_SECONDS = 2.0
 
@@ -38,23 +39,11 @@ def check_grpc(target: str, timeout: float) -> tuple[bool, str]:
     return reply.status == health_pb2.HealthCheckResponse.SERVING, status
 
 
-def check_http(url: str, timeout: float) -> tuple[bool, str]:
-    # No proxy: HTTP(S)_PROXY in a container's environment must not reroute a probe of localhost.
-    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-    try:
-        with opener.open(url, timeout=timeout) as response:
-            return response.status == 200, f"HTTP {response.status}"
-    except urllib.error.HTTPError as error:  # 4xx/5xx, e.g. 503 while no verifier is serving
-        return False, f"HTTP {error.code}"
-    except (urllib.error.URLError, OSError, ValueError) as error:  # refused, unreachable, timed out, bad URL
-        return False, str(getattr(error, "reason", error))
-
-
 def run(args) -> int:
     if args.timeout <= 0:
         print("speclane health: --timeout must be positive", file=sys.stderr)
         return 2
-    check = check_grpc if args.kind == "grpc" else check_http
+    check = check_grpc if args.kind == "grpc" else probe_http
     healthy, detail = check(args.target, args.timeout)
     print(f"{args.target}: {detail}", file=sys.stdout if healthy else sys.stderr)
     return 0 if healthy else 1

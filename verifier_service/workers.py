@@ -37,8 +37,8 @@ _FOLLOWER_STOP_SECONDS = 30
 
 def build_runner(config: VerifierConfig, device: str, tp: TensorParallel | None) -> ModelRunner:
     if tp is not None:
-        text_config = AutoConfig.from_pretrained(config.model, trust_remote_code=config.trust_remote_code)
-        check_shardable(text_config.get_text_config(), tp.world_size)
+        model_config = AutoConfig.from_pretrained(config.model, trust_remote_code=config.trust_remote_code)
+        check_shardable(model_config.get_text_config(), tp.world_size)
         device = rank_device(device, tp.rank)
     return ModelRunner(config.model, device, resolve_dtype(config.dtype, device), block_size=config.kv_block_size,
                        tp=tp, max_model_len=config.max_model_len, trust_remote_code=config.trust_remote_code)
