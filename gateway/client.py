@@ -6,6 +6,7 @@ only grpcio and protobuf: no torch, no transformers, no server code.
         async for chunk in client.stream(messages=[{"role": "user", "content": "hi"}], max_tokens=32):
             print(chunk.text, end="")
         result = await client.generate(prompt_token_ids=[1, 2, 3], max_tokens=16, timeout=30)
+        info = await client.model_info()  # served model, limits, default speculation, backends' state
 
 A call that the gateway answers UNAVAILABLE (no verifier serving, a gateway
 restarting) before any token arrived is retried with back-off; once tokens
@@ -16,6 +17,7 @@ or cancelling the task) cancels the generation on the server.
 
 import asyncio
 import dataclasses
+import json
 import time
 from collections.abc import AsyncIterator, Iterator
 
@@ -39,6 +41,21 @@ class Usage:
     draft_tokens: int
     accepted_tokens: int
     verify_steps: int
+    accepted_prediction_tokens: int = 0
+    rejected_prediction_tokens: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenLogprob:
+    logprob: float
+    top: list[tuple[int, float]]  # (token id, logprob), most likely first
+
+
+@dataclasses.dataclass(frozen=True)
+class ToolCall:
+    id: str
+    name: str
+    arguments: str  # JSON text
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,9 +63,11 @@ class Chunk:
     """One streamed step: the tokens it committed and their text; the last has finish_reason and usage."""
 
     token_ids: list[int]
-    text: str
+    text: str  # without the tool calls' text
     finish_reason: str | None = None
     usage: Usage | None = None
+    logprobs: list[TokenLogprob] = dataclasses.field(default_factory=list)  # one per token id, if asked for
+    tool_calls: list[ToolCall] = dataclasses.field(default_factory=list)  # each complete call, once
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,39 +76,94 @@ class Generation:
     text: str
     finish_reason: str
     usage: Usage
+    logprobs: list[TokenLogprob]
+    tool_calls: list[ToolCall]
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelInfo:
+    model_name: str
+    max_context_len: int
+    vocab_size: int  # prompt token ids must be below it
+    default_speculation: dict  # vLLM --speculative-config keys
+    num_verifiers: int
+    num_verifiers_serving: int
+    drafter_configured: bool
+    drafter_reachable: bool
+
+
+def model_info_from(reply: gateway_pb2.ModelInfo) -> ModelInfo:
+    return ModelInfo(reply.model_name, reply.max_context_len, reply.vocab_size,
+                     {field.name: value for field, value in reply.default_speculation.ListFields()},
+                     reply.num_verifiers, reply.num_verifiers_serving, reply.drafter_configured,
+                     reply.drafter_reachable)
+
+
+def _message(message: dict) -> gateway_pb2.ChatMessage:
+    """An OpenAI-shaped chat message (tool_calls as OpenAI writes them) as the API's message."""
+    calls = [gateway_pb2.ToolCall(id=call.get("id", ""), name=call["function"]["name"],
+                                  arguments=call["function"].get("arguments", "{}"))
+             for call in message.get("tool_calls") or ()]
+    return gateway_pb2.ChatMessage(role=message["role"], content=message.get("content") or "",
+                                   name=message.get("name", ""), tool_call_id=message.get("tool_call_id", ""),
+                                   tool_calls=calls)
+
+
+def _tool(tool: dict) -> gateway_pb2.Tool:
+    """An OpenAI tool ({"type": "function", "function": {...}}) as the API's Tool."""
+    function = tool["function"]
+    return gateway_pb2.Tool(name=function["name"], description=function.get("description", ""),
+                            parameters=json.dumps(function.get("parameters") or {}))
 
 
 def build_request(*, prompt: str | None = None, prompt_token_ids: list[int] | None = None,
                   messages: list[dict] | None = None, speculation: dict | None = None,
+                  tools: list[dict] | None = None, tool_choice: str | dict | None = None,
+                  json_schema: dict | None = None, chat_template_kwargs: dict | None = None,
                   **params) -> gateway_pb2.GenerateRequest:
-    """Exactly one of prompt, prompt_token_ids, messages. `params` are GenerateRequest
-    fields: max_tokens, temperature, top_p, top_k, seed, stop, stop_token_ids, ignore_eos;
-    `speculation` holds vLLM speculative-config keys."""
+    """Exactly one of prompt, prompt_token_ids, messages (OpenAI's message dicts). `params`
+    are GenerateRequest fields: max_tokens, temperature, top_p, top_k, seed, stop,
+    stop_token_ids, ignore_eos, presence_penalty, frequency_penalty, repetition_penalty,
+    min_p, logit_bias, min_tokens, logprobs, prediction, parallel_tool_calls,
+    add_generation_prompt, continue_final_message. `speculation` holds vLLM
+    speculative-config keys; `tools` and `tool_choice` are OpenAI's."""
     if sum(x is not None for x in (prompt, prompt_token_ids, messages)) != 1:
         raise ValueError("give exactly one of prompt, prompt_token_ids, messages")
-    request = gateway_pb2.GenerateRequest(speculation=gateway_pb2.SpeculationConfig(**(speculation or {})), **params)
+    if isinstance(tool_choice, dict):
+        tool_choice = tool_choice["function"]["name"]
+    request = gateway_pb2.GenerateRequest(
+        speculation=gateway_pb2.SpeculationConfig(**(speculation or {})),
+        tools=[_tool(tool) for tool in tools or ()], tool_choice=tool_choice or "",
+        json_schema=json.dumps(json_schema) if json_schema is not None else "",
+        chat_template_kwargs=json.dumps(chat_template_kwargs) if chat_template_kwargs else "", **params)
     if prompt is not None:
         request.text = prompt
     elif prompt_token_ids is not None:
         request.token_ids.ids.extend(prompt_token_ids)
     else:
-        request.messages.messages.extend(gateway_pb2.ChatMessage(**message) for message in messages)
+        request.messages.messages.extend(_message(message) for message in messages)
     return request
 
 
 def chunk_from(response: gateway_pb2.GenerateResponse) -> Chunk:
+    logprobs = [TokenLogprob(entry.logprob, list(zip(entry.top_token_ids, entry.top_logprobs)))
+                for entry in response.logprobs]
+    calls = [ToolCall(call.id, call.name, call.arguments) for call in response.tool_calls]
     if not response.finish_reason:
-        return Chunk(list(response.token_ids), response.text)
+        return Chunk(list(response.token_ids), response.text, logprobs=logprobs, tool_calls=calls)
     usage = response.usage
     return Chunk(list(response.token_ids), response.text, FINISH_REASON_NAMES.get(response.finish_reason, ""),
                  Usage(usage.prompt_tokens, usage.completion_tokens, usage.speculation.draft_tokens,
-                       usage.speculation.accepted_tokens, usage.speculation.verify_steps))
+                       usage.speculation.accepted_tokens, usage.speculation.verify_steps,
+                       usage.accepted_prediction_tokens, usage.rejected_prediction_tokens),
+                 logprobs, calls)
 
 
 def generation_from(chunks: list[Chunk]) -> Generation:
     last = chunks[-1]
     return Generation([token for chunk in chunks for token in chunk.token_ids], "".join(c.text for c in chunks),
-                      last.finish_reason, last.usage)
+                      last.finish_reason, last.usage, [entry for chunk in chunks for entry in chunk.logprobs],
+                      [call for chunk in chunks for call in chunk.tool_calls])
 
 
 class _Settings:
@@ -147,6 +221,11 @@ class GenerationClient:
         """Runs a generation to the end and returns it whole."""
         return generation_from(list(self.stream(**kwargs)))
 
+    def model_info(self, *, timeout: float | None = 10.0, request_id: str | None = None) -> ModelInfo:
+        reply = self._stub.GetModelInfo(gateway_pb2.GetModelInfoRequest(), timeout=timeout,
+                                        metadata=self._settings.metadata(request_id))
+        return model_info_from(reply)
+
     def close(self) -> None:
         self._channel.close()
 
@@ -186,6 +265,11 @@ class AsyncGenerationClient:
 
     async def generate(self, **kwargs) -> Generation:
         return generation_from([chunk async for chunk in self.stream(**kwargs)])
+
+    async def model_info(self, *, timeout: float | None = 10.0, request_id: str | None = None) -> ModelInfo:
+        reply = await self._stub.GetModelInfo(gateway_pb2.GetModelInfoRequest(), timeout=timeout,
+                                              metadata=self._settings.metadata(request_id))
+        return model_info_from(reply)
 
     async def close(self) -> None:
         await self._channel.close()

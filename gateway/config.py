@@ -4,6 +4,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from gateway.sampling_defaults import GENERATION_CONFIG_MODES
+from gateway.tool_calls import TOOL_CALL_PARSERS
 from speclane.config import option
 from speclane.log import check_log_level
 from speclane.speculation import SpeculationSettings, parse_speculative_config
@@ -13,8 +14,8 @@ ENV_PREFIX = "SPECLANE_GATEWAY_"
 
 @dataclass(frozen=True)
 class GatewayConfig:
-    model: str = option("", "packaged model name or Hugging Face directory to read the tokenizer and chat "
-                            "template from; empty: fetch them from the verifier")
+    model: str = option("", "packaged model name, Hugging Face directory or cached hub id org/name to read the "
+                            "tokenizer and chat template from; empty: fetch them from the verifier")
     served_model_name: str = option("", "model name clients use; defaults to the model's name")
     host: str = option("127.0.0.1", "HTTP listen address")
     port: int = option(8000, "HTTP port (OpenAI-compatible API)")
@@ -26,6 +27,12 @@ class GatewayConfig:
     generation_config: str = option("auto", "auto: a request's missing temperature, top_p, top_k come from the "
                                             "model's generation_config.json (else temperature 1.0); vllm: "
                                             "ignore the file, as vLLM's flag")
+    chat_template: str = option("", "Jinja chat template (a file, or the template itself) used instead of the "
+                                    "model's")
+    tool_call_parser: str = option("hermes", "how tool calls are read from the output: hermes (<tool_call> "
+                                             "blocks: Qwen2.5, Qwen3, Hermes) or json; empty: tools are refused")
+    enable_auto_tool_choice: bool = option(True, "read tool calls from the output when tool_choice is auto "
+                                                 "(vLLM needs the flag; here it is on by default)")
     draft_timeout_ms: int = option(200, "a draft slower than this is skipped and the drafter given a rest")
     max_concurrent_requests: int = option(64, "requests in flight before new ones get HTTP 429 / RESOURCE_EXHAUSTED")
     api_key: tuple[str, ...] = option((), "comma-separated keys a client must send (Authorization: Bearer KEY, "
@@ -45,6 +52,9 @@ class GatewayConfig:
             raise ValueError("at least one verifier address is needed")
         if self.generation_config not in GENERATION_CONFIG_MODES:
             raise ValueError(f"generation_config must be one of {', '.join(GENERATION_CONFIG_MODES)}")
+        if self.tool_call_parser and self.tool_call_parser not in TOOL_CALL_PARSERS:
+            raise ValueError(f"tool_call_parser must be one of {', '.join(TOOL_CALL_PARSERS)}, "
+                             f"got {self.tool_call_parser!r}")
         if self.draft_timeout_ms <= 0:
             raise ValueError("draft_timeout_ms must be positive")
         if self.max_concurrent_requests < 1:

@@ -5,71 +5,58 @@ import contextlib
 
 import grpc
 
+from gateway import grpc_messages
 from gateway.auth import AUTHORIZATION_METADATA_KEY, authorized
 from gateway.errors import InvalidRequest, ModelNotFound, Overloaded, Unavailable
-from gateway.serving import GenerationParams, ServingContext, TextDelta, build_generation_request, generate_text
-from protos.conventions import FINISH_REASONS_BY_NAME, TENANT_METADATA_KEY
+from gateway.model_info import Backends, model_info
+from gateway.serving import ServingContext, build_generation_request, generate_text
+from protos.conventions import TENANT_METADATA_KEY
 from protos.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from speclane.grpc_server import bind_request_id_from
 from speclane.log import metadata_value
 
-_OPTIONAL_SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed")
-
-
-def _params(request: gateway_pb2.GenerateRequest, tenant: str) -> GenerationParams:
-    optional = {name: getattr(request, name) for name in _OPTIONAL_SAMPLING_FIELDS if request.HasField(name)}
-    speculation = {field.name: value for field, value in request.speculation.ListFields()}
-    return GenerationParams(
-        model=request.model or None, stop=list(request.stop), stop_token_ids=list(request.stop_token_ids),
-        ignore_eos=request.ignore_eos, speculation=speculation or None, tenant=tenant, **optional,
-    )
-
-
-def _prompt(request: gateway_pb2.GenerateRequest) -> dict:
-    kind = request.WhichOneof("input")
-    if kind == "text":
-        return {"text": request.text}
-    if kind == "token_ids":
-        return {"token_ids": list(request.token_ids.ids)}
-    if kind == "messages":
-        return {"messages": [{"role": m.role, "content": m.content} for m in request.messages.messages]}
-    raise InvalidRequest("one of text, token_ids or messages is required", "input")
-
-
-def _response(delta: TextDelta, prompt_tokens: int, completion_tokens: int) -> gateway_pb2.GenerateResponse:
-    response = gateway_pb2.GenerateResponse(token_ids=delta.token_ids, text=delta.text)
-    if delta.finish_reason:
-        response.finish_reason = FINISH_REASONS_BY_NAME[delta.finish_reason]
-        usage = delta.speculation
-        response.usage.CopyFrom(gateway_pb2.Usage(
-            prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-            speculation=gateway_pb2.SpeculationUsage(draft_tokens=usage.draft_tokens,
-                                                     accepted_tokens=usage.accepted_tokens,
-                                                     verify_steps=usage.verify_steps),
-        ))
-    return response
-
 
 class GenerationServicer(gateway_pb2_grpc.GenerationServicer):
-    def __init__(self, context: ServingContext):
+    def __init__(self, context: ServingContext, backends: Backends | None = None):
         self._ctx = context
+        self._backends = backends
+
+    async def _require_key(self, context) -> None:
+        if not authorized(self._ctx.api_keys, metadata_value(context.invocation_metadata(),
+                                                             AUTHORIZATION_METADATA_KEY)):
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "incorrect or missing API key "
+                                "(metadata authorization: Bearer KEY)")
+
+    async def GetModelInfo(self, request, context):
+        bind_request_id_from(context)
+        await self._require_key(context)
+        return await model_info(self._ctx, self._backends)
 
     async def Generate(self, request, context):
         request_id = bind_request_id_from(context)
         metadata = context.invocation_metadata()
-        if not authorized(self._ctx.api_keys, metadata_value(metadata, AUTHORIZATION_METADATA_KEY)):
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "incorrect or missing API key "
-                                "(metadata authorization: Bearer KEY)")
+        await self._require_key(context)
         tenant = metadata_value(metadata, TENANT_METADATA_KEY) or ""
         try:
-            params = _params(request, tenant)
-            generation = build_generation_request(self._ctx, request_id, params, **_prompt(request))
+            tool_grammar, tool_parser = grpc_messages.tool_plan(self._ctx, request)
+            params = grpc_messages.params(request, tenant, tool_grammar)
+            generation = build_generation_request(self._ctx, request_id, params, **grpc_messages.prompt(request))
+            tools = tool_parser.stream() if tool_parser else None
+            called = False
             with self._ctx.limiter.acquire():
                 completion_tokens = 0
                 async with contextlib.aclosing(generate_text(self._ctx, generation, params.stop)) as deltas:
                     async for delta in deltas:
                         completion_tokens += len(delta.token_ids)
-                        yield _response(delta, len(generation.prompt_token_ids), completion_tokens)
+                        text, calls = tools.push(delta.text) if tools else (delta.text, [])
+                        if tools and delta.finish_reason:
+                            rest, more = tools.finish()
+                            text, calls = text + rest, calls + more
+                        called = called or bool(calls)
+                        finish_reason = "tool_calls" if called and delta.finish_reason == "stop" \
+                            else delta.finish_reason
+                        yield grpc_messages.response(delta, text, calls, finish_reason,
+                                                     len(generation.prompt_token_ids), completion_tokens)
         except ModelNotFound as error:
             await context.abort(grpc.StatusCode.NOT_FOUND, str(error))
         except InvalidRequest as error:
@@ -80,6 +67,6 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(error))
 
 
-def add_generation_servicer(server: grpc.aio.Server, context: ServingContext) -> str:
-    gateway_pb2_grpc.add_GenerationServicer_to_server(GenerationServicer(context), server)
+def add_generation_servicer(server: grpc.aio.Server, context: ServingContext, backends: Backends | None = None) -> str:
+    gateway_pb2_grpc.add_GenerationServicer_to_server(GenerationServicer(context, backends), server)
     return gateway_pb2.DESCRIPTOR.services_by_name["Generation"].full_name

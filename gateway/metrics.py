@@ -1,12 +1,29 @@
 """Prometheus metrics of the gateway, under vLLM's names where vLLM has one
-(dashboards built for vLLM read them unchanged), in a registry of our own."""
+(dashboards built for vLLM read them unchanged), in a registry of our own.
+
+The gateway's /metrics is the one a dashboard needs: besides what the gateway
+sees itself, it carries the verifiers' scheduler and cache figures (their
+GetLoad answers, summed) and each request's phases as its verifier timed them."""
+
+import time
+from collections.abc import Callable, Iterator
 
 import prometheus_client
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from protos.verifier.v1 import verifier_pb2
 
 CONTENT_TYPE = prometheus_client.CONTENT_TYPE_LATEST
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
 E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0, 640.0)
+# vLLM's buckets for inter-token latency and for a request's phases.
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0,
+               80.0)
+PHASE_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
+                 480.0, 960.0, 1920.0, 7680.0)
+# Each verifier's last GetLoad answer, and whether its last poll was answered.
+LoadSource = Callable[[], list[tuple[verifier_pb2.EngineLoad, bool]]]
 
 
 class GatewayMetrics:
@@ -37,6 +54,23 @@ class GatewayMetrics:
                                labels, buckets=TTFT_BUCKETS, registry=self.registry)
         self._e2e = Histogram("vllm:e2e_request_latency_seconds", "Generation latency, start to finish.",
                               labels, buckets=E2E_BUCKETS, registry=self.registry)
+
+        def histogram(name, doc, buckets=PHASE_BUCKETS):
+            return Histogram(name, doc, labels, buckets=buckets, registry=self.registry).labels(model_name)
+
+        self._itl = histogram("vllm:inter_token_latency_seconds",
+                              "Time between two verify answers that commit tokens (one per step).", ITL_BUCKETS)
+        # vLLM's older name of the same observations, still read by many dashboards.
+        self._tpot = histogram("vllm:time_per_output_token_seconds",
+                               "Time between two verify answers that commit tokens (one per step).", ITL_BUCKETS)
+        self._request_tpot = histogram("vllm:request_time_per_output_token_seconds",
+                                       "A request's decode time over its tokens after the first.", ITL_BUCKETS)
+        self._queue = histogram("vllm:request_queue_time_seconds", "Time a request waited for KV space.")
+        self._prefill = histogram("vllm:request_prefill_time_seconds",
+                                  "Time from a request's first forward pass to its first token.")
+        self._decode = histogram("vllm:request_decode_time_seconds",
+                                 "Time from a request's first token to its last.")
+        self._inference = histogram("vllm:request_inference_time_seconds", "A request's prefill plus decode time.")
 
     def record_verify_step(self, num_draft_tokens: int, num_accepted: int) -> None:
         if not 0 <= num_accepted <= num_draft_tokens:
@@ -69,6 +103,107 @@ class GatewayMetrics:
     def record_error(self, error_type: str) -> None:
         self._errors.labels(self.model_name, error_type).inc()
 
+    def record_inter_token_latency(self, seconds: float) -> None:
+        self._itl.observe(seconds)
+        self._tpot.observe(seconds)
+
+    def record_phases(self, queue_seconds: float | None, prefill_seconds: float | None, decode_seconds: float,
+                      num_generated: int) -> None:
+        """A request's phases once it ends; queue and prefill times are None when
+        its verifier did not report them."""
+        self._decode.observe(decode_seconds)
+        if num_generated > 1:
+            self._request_tpot.observe(decode_seconds / (num_generated - 1))
+        if queue_seconds is not None:
+            self._queue.observe(queue_seconds)
+        if prefill_seconds is not None:
+            self._prefill.observe(prefill_seconds)
+            self._inference.observe(prefill_seconds + decode_seconds)
+
+    def add_verifier_loads(self, loads: LoadSource) -> None:
+        """Exports the verifiers' load, read from `loads` at each scrape."""
+        self.registry.register(_VerifierLoadCollector(self.model_name, loads))
+
     def render(self) -> bytes:
         """Prometheus text exposition of this registry."""
         return prometheus_client.generate_latest(self.registry)
+
+
+class SequenceTimer:
+    """One sequence's timeline, from its verifier's answers as they reach the
+    gateway, in vLLM's terms: queue and prefill times come with the prefill
+    answer; decode time runs from the first token to the last; each later
+    answer that commits tokens is one inter-token latency, however many tokens
+    it commits (vLLM counts a step the same way)."""
+
+    def __init__(self, metrics: GatewayMetrics, clock: Callable[[], float] = time.monotonic):
+        self._metrics = metrics
+        self._clock = clock
+        self._first: float | None = None  # None until the first token, and again once recorded
+        self._last = 0.0
+        self._generated = 0
+        self._phases: tuple[float | None, float | None] = (None, None)
+
+    def prefilled(self, num_tokens: int, queue_seconds: float | None, prefill_seconds: float | None) -> None:
+        self._first = self._last = self._clock()
+        self._generated = num_tokens
+        self._phases = (queue_seconds, prefill_seconds)
+
+    def stepped(self, num_tokens: int) -> None:
+        if not num_tokens:
+            return
+        now = self._clock()
+        self._metrics.record_inter_token_latency(now - self._last)
+        self._last = now
+        self._generated += num_tokens
+
+    def close(self) -> None:
+        """Records the request's phases, however it ended (finished, stopped by the
+        gateway, aborted), once it had its first token."""
+        if self._first is not None:
+            self._metrics.record_phases(*self._phases, self._last - self._first, self._generated)
+            self._first = None
+
+
+class _VerifierLoadCollector:
+    """vLLM's scheduler and cache metrics summed over the verifiers. Gauges come
+    from the verifiers that answered the last poll; counters also keep the last
+    totals of those that did not, so an outage does not look like a counter reset."""
+
+    def __init__(self, model_name: str, loads: LoadSource):
+        self._model_name = model_name
+        self._loads = loads
+
+    def collect(self) -> Iterator:
+        loads = self._loads()
+        fresh = [load for load, answered in loads if answered]
+        labels = ["model_name"]
+        value = [self._model_name]
+        gauges = {
+            "vllm:num_requests_waiting": ("Sequences waiting for KV space on the verifiers.", "num_waiting"),
+            "speclane:verifier_requests_running": ("Sequences holding KV space on the verifiers (the gateway's "
+                                                   "vllm:num_requests_running also counts those waiting).",
+                                                   "num_running"),
+        }
+        for name, (doc, field) in gauges.items():
+            family = GaugeMetricFamily(name, doc, labels=labels)
+            if fresh:
+                family.add_metric(value, sum(getattr(load, field) for load in fresh))
+            yield family
+        usage = GaugeMetricFamily("vllm:kv_cache_usage_perc", "Share of the verifiers' KV budget held by running "
+                                  "sequences (0 to 1).", labels=labels)
+        budget = sum(load.kv_max_tokens for load in fresh)
+        if budget:
+            usage.add_metric(value, sum(load.kv_used_tokens for load in fresh) / budget)
+        yield usage
+        counters = {
+            "vllm:num_preemptions": ("Sequences preempted on the verifiers.", "num_preemptions"),
+            "vllm:prefix_cache_queries": ("Prompt tokens looked up in the verifiers' prefix caches.",
+                                          "prefix_cache_queries"),
+            "vllm:prefix_cache_hits": ("Prompt tokens found in the verifiers' prefix caches.", "prefix_cache_hits"),
+        }
+        for name, (doc, field) in counters.items():
+            family = CounterMetricFamily(name, doc, labels=labels)
+            if loads:
+                family.add_metric(value, sum(getattr(load, field) for load, _ in loads))
+            yield family

@@ -15,6 +15,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException
 
 from gateway.auth import authorized
+from gateway.chat_template import ChatPrompt
 from gateway.errors import InvalidRequest
 from gateway.metrics import CONTENT_TYPE
 from gateway.openai_protocol import (
@@ -44,6 +45,7 @@ from gateway.serving import (
     build_generation_request,
     generate_text,
 )
+from gateway.structured_output import response_format_grammar, tool_choice_plan
 from protos.conventions import TENANT_METADATA_KEY
 from speclane.log import bind_request_id
 
@@ -100,6 +102,19 @@ async def unless_disconnected(request: Request, work):
     return None if task.cancelled() else task.result()
 
 
+def _tool_plan(ctx: ServingContext, body: ChatCompletionRequest):
+    return tool_choice_plan(ctx.tool_call_parser, body.tools, body.tool_choice, body.parallel_tool_calls,
+                            ctx.auto_tool_choice)
+
+
+def _chat_prompt(body: ChatCompletionRequest) -> ChatPrompt:
+    # With tool_choice "none" the tools still reach the template, as vLLM does; no call is read back.
+    return ChatPrompt(chat_messages(body.messages), tools=body.tools,
+                      add_generation_prompt=body.add_generation_prompt,
+                      continue_final_message=body.continue_final_message,
+                      template_kwargs=body.chat_template_kwargs or {})
+
+
 def _client_request_id(request: Request) -> str | None:
     """The caller's X-Request-Id if it can travel as gRPC metadata (printable ASCII, at most 256 chars)."""
     value = request.headers.get("x-request-id", "")
@@ -154,12 +169,19 @@ def create_app(ctx: ServingContext) -> FastAPI:
             if body.stream_options is not None and not body.stream:
                 raise InvalidRequest("stream_options is only allowed with stream=true", "stream_options")
             stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or ())
+            grammar = response_format_grammar(body.response_format)
+            tool_grammar, tool_parser = _tool_plan(ctx, body) if flavor.chat else (None, None)
+            if grammar and tool_grammar:
+                raise InvalidRequest("response_format cannot be combined with a tool_choice that requires a call",
+                                     "response_format")
             params = GenerationParams(
                 model=body.model, max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p,
                 top_k=body.top_k, seed=body.seed, stop=stop, stop_token_ids=body.stop_token_ids or (),
                 ignore_eos=body.ignore_eos, speculation=body.speculation,
-                tenant=request.headers.get(TENANT_METADATA_KEY, ""))
-            prompt = {"messages": chat_messages(body.messages)} if flavor.chat else completion_prompt(body.prompt)
+                tenant=request.headers.get(TENANT_METADATA_KEY, ""), logit_controls=body.logit_controls(),
+                logit_bias=body.logit_bias or {}, logprobs=body.top_logprobs_count(),
+                prediction=body.prediction_text() if flavor.chat else None, grammar=grammar or tool_grammar)
+            prompt = {"chat": _chat_prompt(body)} if flavor.chat else completion_prompt(body.prompt)
             base = build_generation_request(ctx, request_id, params, **prompt)
             requests = [base] if body.n == 1 else [
                 # Distinct ids downstream (one KV cache each) and distinct samples for one seed.
@@ -167,7 +189,8 @@ def create_app(ctx: ServingContext) -> FastAPI:
                                     seed=None if base.seed is None else (base.seed + index) % MAX_SEED)
                 for index in range(body.n)]
             events = choice_events(ctx, requests, stop)
-            writer = ResponseWriter(ctx, flavor, response_id, body.n, UsageTally(len(base.prompt_token_ids)))
+            writer = ResponseWriter(ctx, flavor, response_id, body.n, UsageTally(len(base.prompt_token_ids)),
+                                    tool_parser=tool_parser, logprobs=base.logprobs is not None)
             if body.stream:
                 include_usage = bool(body.stream_options and body.stream_options.include_usage)
                 # Waiting for the first tokens lets overload and bad input still get a status code.

@@ -6,11 +6,12 @@ from typing import Any, ClassVar
 from pydantic import BaseModel, ConfigDict
 
 from gateway.errors import InvalidRequest
+from gateway.types import LogitControls
 
 LEGACY_DEFAULT_MAX_TOKENS = 16  # /v1/completions' default in OpenAI's API (and vLLM's)
+MAX_LEGACY_LOGPROBS = 5  # /v1/completions' limit in OpenAI's API
 # Values of refused fields that ask for nothing, so clients sending defaults still work.
-NEUTRAL_VALUES = {"tool_choice": ("none", "auto"), "response_format": ({"type": "text"},), "best_of": (1,),
-                  "modalities": (["text"],), "service_tier": ("auto", "default")}
+NEUTRAL_VALUES = {"best_of": (1,), "modalities": (["text"],), "service_tier": ("auto", "default")}
 
 
 class StrictModel(BaseModel):
@@ -26,6 +27,14 @@ class ContentPart(BaseModel):
 class ChatMessage(StrictModel):
     role: str
     content: str | list[ContentPart] | None = None
+    name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # assistant: the calls it made
+    tool_call_id: str | None = None  # tool: the call this answers
+
+
+class Prediction(StrictModel):
+    type: str = "content"
+    content: str | list[ContentPart]
 
 
 class StreamOptions(StrictModel):
@@ -35,8 +44,7 @@ class StreamOptions(StrictModel):
 class CompletionBase(BaseModel):
     # Other fields are checked by check_extra_fields: refused unless neutral, or unknown.
     model_config = ConfigDict(extra="allow")
-    refused: ClassVar[tuple[str, ...]] = ("logprobs", "top_logprobs", "logit_bias", "presence_penalty",
-                                          "frequency_penalty", "response_format")
+    refused: ClassVar[tuple[str, ...]] = ()
 
     model: str | None = None
     max_tokens: int | None = None
@@ -52,21 +60,60 @@ class CompletionBase(BaseModel):
     stream_options: StreamOptions | None = None
     speculation: dict[str, Any] | None = None  # extension: vLLM --speculative-config keys
     user: str | None = None  # an end-user id for the provider's abuse tracking: nothing to do
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None  # extension (vLLM)
+    min_p: float | None = None  # extension (vLLM)
+    min_tokens: int = 0  # extension (vLLM)
+    logit_bias: dict[str, float] | None = None
+    response_format: dict[str, Any] | None = None
+
+    def logit_controls(self) -> LogitControls:
+        given = {name: getattr(self, name) for name in ("presence_penalty", "frequency_penalty",
+                                                        "repetition_penalty", "min_p", "min_tokens")}
+        return LogitControls(**{name: value for name, value in given.items() if value is not None})
 
 
 class ChatCompletionRequest(CompletionBase):
-    refused: ClassVar[tuple[str, ...]] = (*CompletionBase.refused, "tools", "tool_choice", "functions",
-                                          "function_call", "prediction", "audio", "modalities", "store",
-                                          "reasoning_effort", "service_tier", "web_search_options")
+    refused: ClassVar[tuple[str, ...]] = (*CompletionBase.refused, "functions", "function_call", "audio",
+                                          "modalities", "store", "reasoning_effort", "service_tier",
+                                          "web_search_options")
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None
     metadata: dict[str, str] | None = None  # only labels stored completions, which we do not store
-    parallel_tool_calls: bool | None = None  # meaningless without tools, which are refused
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    prediction: Prediction | None = None
+    chat_template_kwargs: dict[str, Any] | None = None  # extension (vLLM), e.g. {"enable_thinking": false}
+    add_generation_prompt: bool = True  # extension (vLLM)
+    continue_final_message: bool = False  # extension (vLLM)
+
+    def top_logprobs_count(self) -> int | None:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise InvalidRequest("top_logprobs needs logprobs=true", "top_logprobs")
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+    def prediction_text(self) -> str | None:
+        if self.prediction is None:
+            return None
+        if self.prediction.type != "content":
+            raise InvalidRequest("prediction.type must be content", "prediction.type")
+        content = self.prediction.content
+        return content if isinstance(content, str) else "".join(part.text or "" for part in content)
 
 
 class CompletionRequest(CompletionBase):
     refused: ClassVar[tuple[str, ...]] = (*CompletionBase.refused, "echo", "suffix", "best_of")
     prompt: Any
+    logprobs: int | None = None  # the legacy API's count of top alternatives (up to 5)
+
+    def top_logprobs_count(self) -> int | None:
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LEGACY_LOGPROBS:
+            raise InvalidRequest(f"logprobs must be between 0 and {MAX_LEGACY_LOGPROBS}", "logprobs")
+        return self.logprobs
 
 
 def validation_message(error: dict) -> tuple[str, str | None]:
@@ -98,7 +145,7 @@ def chat_messages(messages: list[ChatMessage]) -> list[dict]:
             if any(part.type != "text" for part in content):
                 raise InvalidRequest("only text content parts are supported", f"messages.{index}.content")
             content = "\n".join(part.text or "" for part in content)
-        rendered.append({"role": message.role, "content": content})
+        rendered.append({**message.model_dump(exclude_none=True), "content": content})
     return rendered
 
 

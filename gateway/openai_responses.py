@@ -11,7 +11,9 @@ import structlog
 from fastapi.responses import StreamingResponse
 
 from gateway.errors import InvalidRequest, ModelNotFound, Overloaded, Unavailable
+from gateway.openai_logprobs import TextLogprobs, chat_logprobs, merge_text_logprobs
 from gateway.serving import ServingContext, TextDelta
+from gateway.tool_calls import ToolCallParser
 from gateway.types import SpeculationUsage
 
 log = structlog.get_logger()
@@ -25,14 +27,6 @@ class ApiFlavor:
     id_prefix: str
     object: str
     chunk_object: str
-
-    def choice(self, index: int, text: str, finish_reason: str | None) -> dict:
-        body = {"message": {"role": "assistant", "content": text}} if self.chat else {"text": text}
-        return {"index": index, **body, "logprobs": None, "finish_reason": finish_reason}
-
-    def chunk_choice(self, index: int, text: str, finish_reason: str | None) -> dict:
-        body = {"delta": {"content": text} if text else {}} if self.chat else {"text": text}
-        return {"index": index, **body, "logprobs": None, "finish_reason": finish_reason}
 
 
 CHAT = ApiFlavor(True, "chatcmpl", "chat.completion", "chat.completion.chunk")
@@ -53,9 +47,17 @@ class UsageTally:
             self.speculation += delta.speculation
 
     def as_dict(self) -> dict:
+        speculation = self.speculation
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
                 "total_tokens": self.prompt_tokens + self.completion_tokens,
-                "speculation": dataclasses.asdict(self.speculation)}
+                # Prediction tokens the verifier checked: accepted ones are in the output, rejected ones not.
+                "completion_tokens_details": {
+                    "accepted_prediction_tokens": speculation.prediction_accepted_tokens,
+                    "rejected_prediction_tokens": speculation.prediction_draft_tokens
+                    - speculation.prediction_accepted_tokens},
+                "speculation": {"draft_tokens": speculation.draft_tokens,
+                                "accepted_tokens": speculation.accepted_tokens,
+                                "verify_steps": speculation.verify_steps}}
 
 
 def error_body(message: str, kind: str, param: str | None = None, code: str | None = None) -> dict:
@@ -80,6 +82,70 @@ def error_for(ctx: ServingContext, error: Exception) -> tuple[int, dict]:
     return status, error_body(str(error), kind, error.param if isinstance(error, InvalidRequest) else None, code)
 
 
+class _Choice:
+    """One choice's output so far: its text split into content and tool calls,
+    and its logprobs in the flavor's shape."""
+
+    def __init__(self, writer: "ResponseWriter", index: int):
+        self.index = index
+        self.chat = writer.flavor.chat
+        self.tokenizer = writer.ctx.tokenizer
+        self.want_logprobs = writer.logprobs
+        self.tools = writer.tool_parser.stream() if writer.tool_parser else None
+        self.text_logprobs = TextLogprobs(self.tokenizer)
+        self.num_calls = 0
+
+    def read(self, delta: TextDelta) -> dict:
+        """The delta's part of the choice: content/text, tool_calls, logprobs, finish_reason."""
+        text, calls = delta.text, []
+        if self.tools is not None:
+            text, calls = self.tools.push(text)
+            if delta.finish_reason:
+                rest, more = self.tools.finish()
+                text, calls = text + rest, calls + more
+        part = {"text": text, "tool_calls": [self._call(call) for call in calls], "logprobs": None,
+                "finish_reason": delta.finish_reason}
+        if self.num_calls and delta.finish_reason == "stop":
+            part["finish_reason"] = "tool_calls"
+        if self.want_logprobs:
+            part["logprobs"] = (chat_logprobs(self.tokenizer, delta.token_ids, delta.logprobs) if self.chat
+                                else self.text_logprobs.add(delta.token_ids, delta.logprobs))
+        return part
+
+    def _call(self, call) -> dict:
+        self.num_calls += 1
+        return {"index": self.num_calls - 1, "id": call.id, "type": "function",
+                "function": {"name": call.name, "arguments": call.arguments}}
+
+    def whole(self, parts: list[dict]) -> dict:
+        text = "".join(part["text"] for part in parts)
+        calls = [call for part in parts for call in part["tool_calls"]]
+        logprobs = None
+        if self.want_logprobs:
+            logprobs = ({"content": [entry for part in parts for entry in part["logprobs"]]} if self.chat
+                        else merge_text_logprobs([part["logprobs"] for part in parts]))
+        if self.chat:
+            message = {"role": "assistant", "content": text if text or not calls else None}
+            if calls:
+                message["tool_calls"] = [{key: value for key, value in call.items() if key != "index"}
+                                         for call in calls]
+            body = {"message": message}
+        else:
+            body = {"text": text}
+        return {"index": self.index, **body, "logprobs": logprobs, "finish_reason": parts[-1]["finish_reason"]}
+
+    def chunk(self, part: dict) -> dict:
+        if self.chat:
+            delta = {"content": part["text"]} if part["text"] else {}
+            if part["tool_calls"]:
+                delta["tool_calls"] = part["tool_calls"]
+            body = {"delta": delta}
+        else:
+            body = {"text": part["text"]}
+        logprobs = {"content": part["logprobs"]} if self.chat and part["logprobs"] is not None else part["logprobs"]
+        return {"index": self.index, **body, "logprobs": logprobs, "finish_reason": part["finish_reason"]}
+
+
 @dataclasses.dataclass
 class ResponseWriter:
     """Writes one request's response from its choices' deltas: a JSON body, or SSE chunks."""
@@ -89,21 +155,24 @@ class ResponseWriter:
     response_id: str
     n: int
     usage: UsageTally
+    tool_parser: ToolCallParser | None = None  # set: tool calls are read from the output
+    logprobs: bool = False
     created: int = dataclasses.field(default_factory=lambda: int(time.time()))
+
+    def __post_init__(self):
+        self.choices = [_Choice(self, index) for index in range(self.n)]
 
     def envelope(self, object_name: str, choices: list) -> dict:
         return {"id": self.response_id, "object": object_name, "created": self.created,
                 "model": self.ctx.model_name, "choices": choices}
 
     async def body(self, events) -> dict:
-        texts, finish_reasons = [[] for _ in range(self.n)], [None] * self.n
+        parts = [[] for _ in range(self.n)]
         async with contextlib.aclosing(events):
             async for index, delta in events:
-                texts[index].append(delta.text)
-                finish_reasons[index] = delta.finish_reason
+                parts[index].append(self.choices[index].read(delta))
                 self.usage.add(delta)
-        choices = [self.flavor.choice(index, "".join(texts[index]), finish_reasons[index])
-                   for index in range(self.n)]
+        choices = [choice.whole(parts[choice.index]) for choice in self.choices]
         return {**self.envelope(self.flavor.object, choices), "usage": self.usage.as_dict()}
 
     def event(self, choices: list, include_usage: bool, usage: dict | None = None) -> str:
@@ -114,9 +183,10 @@ class ResponseWriter:
 
     def delta_event(self, index: int, delta: TextDelta, include_usage: bool) -> str | None:
         self.usage.add(delta)
-        if not (delta.text or delta.finish_reason):
+        part = self.choices[index].read(delta)
+        if not (part["text"] or part["tool_calls"] or part["finish_reason"] or (self.logprobs and delta.token_ids)):
             return None
-        return self.event([self.flavor.chunk_choice(index, delta.text, delta.finish_reason)], include_usage)
+        return self.event([self.choices[index].chunk(part)], include_usage)
 
     async def events(self, first: tuple[int, TextDelta], events, include_usage: bool):
         async with contextlib.aclosing(events):

@@ -9,7 +9,8 @@ import grpc
 from gateway.drafter_client import DrafterClient, DrafterSession
 from gateway.errors import InvalidRequest, Overloaded, Unavailable
 from gateway.metrics import GatewayMetrics
-from gateway.types import GenerationRequest, SpeculationUsage, TokenDelta
+from gateway.prediction import PredictionDrafter
+from gateway.types import GenerationRequest, SpeculationUsage, TokenDelta, TokenLogprob
 from gateway.verifier_pool import VerifierPool
 from protos.common.v1 import common_pb2
 from protos.conventions import FINISH_REASON_NAMES
@@ -29,6 +30,7 @@ class Orchestrator:
         """Yields each step's committed tokens; closing the generator aborts the sequence."""
         index, verifier = self._verifiers.open(request.request_id)
         drafter: DrafterSession | None = None
+        prediction = PredictionDrafter(request.prediction_token_ids) if request.prediction_token_ids else None
         usage = SpeculationUsage()  # immutable: each delta carries its own snapshot
         try:
             if self._drafter is not None and request.speculation.uses_drafter:
@@ -38,14 +40,15 @@ class Orchestrator:
             while result.finish_reason == common_pb2.FINISH_REASON_UNSPECIFIED:
                 # Drafted before the tokens go out: a drafter that refuses the request makes it a 400.
                 draft = await _next_draft(drafter, result)
-                yield TokenDelta(list(result.token_ids), speculation=usage)
-                result = await _checked(verifier.verify(draft))
-                usage += SpeculationUsage(result.num_draft_tokens, result.num_accepted_draft_tokens, verify_steps=1)
+                predicted = _predicted_draft(prediction, result, request.speculation.num_speculative_tokens)
+                yield _delta(result, speculation=usage)
+                result = await _checked(verifier.verify(predicted or draft))
+                usage += _step_usage(result, from_prediction=predicted is not None)
                 self._metrics.record_verify_step(result.num_draft_tokens, result.num_accepted_draft_tokens)
             if drafter is not None:
                 self._finish_in_background(drafter, list(result.token_ids), result.committed_len)
                 drafter = None
-            yield TokenDelta(list(result.token_ids), FINISH_REASON_NAMES[result.finish_reason], usage)
+            yield _delta(result, FINISH_REASON_NAMES[result.finish_reason], usage)
         except Unavailable:
             self._verifiers.mark_down(index)
             raise
@@ -59,6 +62,27 @@ class Orchestrator:
         task = asyncio.ensure_future(drafter.finish(committed, committed_len))
         self._finishing.add(task)
         task.add_done_callback(self._finishing.discard)
+
+
+def _delta(result, finish_reason: str | None = None, speculation: SpeculationUsage | None = None) -> TokenDelta:
+    logprobs = tuple(TokenLogprob(entry.logprob, tuple(zip(entry.top_token_ids, entry.top_logprobs)))
+                     for entry in result.logprobs)
+    return TokenDelta(list(result.token_ids), finish_reason, speculation, logprobs)
+
+
+def _step_usage(result, from_prediction: bool) -> SpeculationUsage:
+    drafted, accepted = result.num_draft_tokens, result.num_accepted_draft_tokens
+    return SpeculationUsage(drafted, accepted, 1, *((drafted, accepted) if from_prediction else (0, 0)))
+
+
+def _predicted_draft(prediction: PredictionDrafter | None, last, max_tokens: int) -> common_pb2.Draft | None:
+    """The predicted output's continuation, preferred to the drafter's: the client
+    told us what it expects. None when the output has left the prediction."""
+    if prediction is None:
+        return None
+    prediction.advance(last.token_ids)
+    tokens = prediction.draft(max_tokens)
+    return common_pb2.Draft(token_ids=tokens, source="prediction") if tokens else None
 
 
 async def _next_draft(drafter: DrafterSession | None, last) -> common_pb2.Draft:

@@ -2,25 +2,27 @@
 
 import asyncio
 import contextlib
-import pathlib
 
 import structlog
 import uvicorn
 
+from gateway.chat_template import read_chat_template
 from gateway.config import ENV_PREFIX, GatewayConfig
 from gateway.drafter_client import DrafterClient
 from gateway.grpc_api import add_generation_servicer
 from gateway.metrics import GatewayMetrics
+from gateway.model_info import Backends
 from gateway.openai_api import create_app
 from gateway.orchestrator import Orchestrator
 from gateway.sampling_defaults import read_sampling_defaults
 from gateway.serving import ServingContext
 from gateway.tokenizer import files_from_verifier, hide_torch, load_tokenizer
+from gateway.tool_calls import TOOL_CALL_PARSERS
 from gateway.verifier_pool import VerifierPool
 from speclane import grpc_server
 from speclane.config import parse_config
 from speclane.log import configure_logging
-from speclane.models import resolve_model
+from speclane.models import resolve_model, served_name
 from speclane.speculation import DRAFTER_WIDE_KEYS
 
 log = structlog.get_logger()
@@ -65,13 +67,14 @@ async def run(config: GatewayConfig) -> None:
     if config.model:
         # Pulling converts weights with torch, which the gateway does without: `speclane pull` does it.
         model_dir = resolve_model(config.model, pull_if_missing=False)
-        model_name = config.served_model_name or pathlib.Path(model_dir).name
+        model_name = config.served_model_name or served_name(config.model)
         tokenizer, defaults = _load(model_dir, config)
     else:
         model_name = config.served_model_name or info.model_name
         async with files_from_verifier(verifiers) as model_dir:
             tokenizer, defaults = _load(model_dir, config)
     metrics = GatewayMetrics(model_name)
+    verifiers.attach_metrics(metrics)
     orchestrator = Orchestrator(verifiers, drafter, metrics)
     if drafter is not None:
         await _check_drafter(drafter, config.drafter_wide_speculation)
@@ -85,6 +88,9 @@ async def run(config: GatewayConfig) -> None:
         metrics=metrics,
         sampling_defaults=defaults,
         api_keys=config.api_key,
+        chat_template=read_chat_template(config.chat_template),
+        tool_call_parser=TOOL_CALL_PARSERS.get(config.tool_call_parser),
+        auto_tool_choice=config.enable_auto_tool_choice,
         ready=verifiers.ready,
         drafter_limits=(lambda: drafter.limits) if drafter is not None else (lambda: None),
     )
@@ -114,7 +120,7 @@ async def run(config: GatewayConfig) -> None:
 
     await grpc_server.serve(
         address=config.grpc_address,
-        add_servicers=lambda server: [add_generation_servicer(server, context)],
+        add_servicers=lambda server: [add_generation_servicer(server, context, Backends(verifiers, drafter))],
         warmup=wait_for_http,
         on_shutdown=shutdown,
     )

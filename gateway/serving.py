@@ -5,21 +5,22 @@ propose/verify loop with detokenization and stop strings on top."""
 import contextlib
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
-import jinja2
-
+from gateway.chat_template import ChatPrompt, render_chat
 from gateway.detokenizer import IncrementalDetokenizer
 from gateway.errors import InvalidRequest, ModelNotFound, Overloaded
 from gateway.metrics import GatewayMetrics
 from gateway.sampling_defaults import SamplingDefaults
 from gateway.stop_strings import StopStringMatcher
-from gateway.types import GenerationRequest, SpeculationUsage, TokenDelta
+from gateway.tool_calls import TOOL_CALL_PARSERS, ToolCallParser
+from gateway.types import GenerationRequest, LogitControls, SpeculationUsage, TokenDelta, TokenLogprob
 from speclane.speculation import DrafterLimits, SpeculationSettings
 
 MAX_STOP_STRINGS = 4  # OpenAI's limit
-CHAT_ROLES = ("system", "developer", "user", "assistant")
 MAX_SEED = 2**64  # seeds travel as uint64
+MAX_TOP_LOGPROBS = 20  # OpenAI's limit
+MAX_REPETITION_PENALTY = 2.0  # vLLM's bound
 
 
 class ConcurrencyLimiter:
@@ -57,6 +58,9 @@ class ServingContext:
     ready: Callable[[], Awaitable[bool]]
     sampling_defaults: SamplingDefaults = SamplingDefaults()
     api_keys: tuple[str, ...] = ()  # empty: no authentication
+    chat_template: str | None = None  # None: the tokenizer's
+    tool_call_parser: ToolCallParser | None = TOOL_CALL_PARSERS["hermes"]  # None: tools are refused
+    auto_tool_choice: bool = True  # tool_choice auto reads calls from the output
     # What the drafter reported of itself (None until reached): requests are checked against it.
     drafter_limits: Callable[[], DrafterLimits | None] = lambda: None
     limiter: ConcurrencyLimiter = field(init=False)
@@ -80,30 +84,11 @@ class GenerationParams:
     ignore_eos: bool = False
     speculation: dict | None = None  # overrides of ctx.default_speculation
     tenant: str = ""
-
-
-def chat_prompt_ids(ctx: ServingContext, messages: Sequence[dict]) -> list[int]:
-    """Renders {"role", "content"} messages with the model's chat template."""
-    if not messages:
-        raise InvalidRequest("messages must not be empty", "messages")
-    rendered = []
-    for index, message in enumerate(messages):
-        role, content = message.get("role"), message.get("content")
-        if role not in CHAT_ROLES:
-            raise InvalidRequest(f"messages[{index}].role must be one of {', '.join(CHAT_ROLES)}, got {role!r}",
-                                 f"messages.{index}.role")
-        if not isinstance(content, str):
-            raise InvalidRequest(f"messages[{index}].content must be a string", f"messages.{index}.content")
-        # "developer" is OpenAI's newer name for "system"; chat templates know only the latter.
-        rendered.append({"role": "system" if role == "developer" else role, "content": content})
-    if not getattr(ctx.tokenizer, "chat_template", None):
-        raise InvalidRequest(f"model {ctx.model_name!r} has no chat template; send a plain prompt instead")
-    try:
-        text = ctx.tokenizer.apply_chat_template(rendered, add_generation_prompt=True, tokenize=False)
-    except jinja2.TemplateError as error:  # e.g. "roles must alternate user/assistant"
-        raise InvalidRequest(f"messages rejected by the chat template: {error}", "messages") from error
-    # The template writes its own special tokens (BOS and the like).
-    return ctx.tokenizer.encode(text, add_special_tokens=False)
+    logit_controls: LogitControls = LogitControls()
+    logit_bias: dict = field(default_factory=dict)  # token id (int or its string) -> bias
+    logprobs: int | None = None  # top alternatives per token; None: no logprobs
+    prediction: str | None = None  # OpenAI's predicted output
+    grammar: str | None = None  # structured output (llguidance Lark), from response_format or tool_choice
 
 
 def text_prompt_ids(ctx: ServingContext, text: str) -> list[int]:
@@ -134,6 +119,36 @@ def _check_params(params: GenerationParams) -> None:
         raise InvalidRequest(f"at most {MAX_STOP_STRINGS} stop strings are allowed, got {len(params.stop)}", "stop")
     if any(not isinstance(stop, str) or not stop for stop in params.stop):
         raise InvalidRequest("stop strings must be non-empty strings", "stop")
+    if params.logprobs is not None and not 0 <= params.logprobs <= MAX_TOP_LOGPROBS:
+        raise InvalidRequest(f"top_logprobs must be between 0 and {MAX_TOP_LOGPROBS}, got {params.logprobs}",
+                             "top_logprobs")
+    controls = params.logit_controls
+    for name in ("presence_penalty", "frequency_penalty"):
+        if not -2 <= getattr(controls, name) <= 2:
+            raise InvalidRequest(f"{name} must be between -2 and 2, got {getattr(controls, name)}", name)
+    if not 0 < controls.repetition_penalty <= MAX_REPETITION_PENALTY:
+        raise InvalidRequest(f"repetition_penalty must be in (0, {MAX_REPETITION_PENALTY}], got "
+                             f"{controls.repetition_penalty}", "repetition_penalty")
+    if not 0 <= controls.min_p <= 1:
+        raise InvalidRequest(f"min_p must be between 0 and 1, got {controls.min_p}", "min_p")
+    if controls.min_tokens < 0 or (params.max_tokens is not None and controls.min_tokens > params.max_tokens):
+        raise InvalidRequest(f"min_tokens must be between 0 and max_tokens, got {controls.min_tokens}", "min_tokens")
+
+
+def _logit_bias(ctx: ServingContext, bias: dict) -> tuple[tuple[int, float], ...]:
+    """OpenAI's logit_bias (JSON keys are token id strings) as checked (id, bias) pairs."""
+    pairs = []
+    for key, value in bias.items():
+        try:
+            token_id = int(key)
+        except (TypeError, ValueError):
+            raise InvalidRequest(f"logit_bias keys must be token ids, got {key!r}", "logit_bias") from None
+        if not isinstance(value, int | float) or not -100 <= value <= 100:
+            raise InvalidRequest(f"logit_bias values must be numbers between -100 and 100, got {value!r}",
+                                 "logit_bias")
+        pairs.append((token_id, float(value)))
+    _check_token_ids(ctx, [token_id for token_id, _ in pairs], "logit_bias")
+    return tuple(pairs)
 
 
 def _max_tokens(ctx: ServingContext, prompt_len: int, requested: int | None) -> int:
@@ -155,9 +170,9 @@ def _given_or(value, default):
 
 
 def build_generation_request(ctx: ServingContext, request_id: str, params: GenerationParams, *,
-                             messages: Sequence[dict] | None = None, text: str | None = None,
+                             chat: ChatPrompt | None = None, text: str | None = None,
                              token_ids: Sequence[int] | None = None) -> GenerationRequest:
-    """Validates a request whose prompt is exactly one of chat messages, text or token ids.
+    """Validates a request whose prompt is exactly one of a chat, text or token ids.
 
     Raises ModelNotFound or InvalidRequest with a message meant for the client.
     """
@@ -165,10 +180,10 @@ def build_generation_request(ctx: ServingContext, request_id: str, params: Gener
         raise ModelNotFound(f"the model {params.model!r} does not exist; this server serves {ctx.model_name!r}",
                             "model")
     _check_params(params)
-    if sum(prompt is not None for prompt in (messages, text, token_ids)) != 1:
+    if sum(prompt is not None for prompt in (chat, text, token_ids)) != 1:
         raise InvalidRequest("give exactly one of messages, a text prompt or a token id prompt", "prompt")
-    if messages is not None:
-        prompt_ids = chat_prompt_ids(ctx, messages)
+    if chat is not None:
+        prompt_ids = render_chat(ctx.tokenizer, ctx.chat_template, chat)
     elif text is not None:
         prompt_ids = text_prompt_ids(ctx, text)
     else:
@@ -194,6 +209,11 @@ def build_generation_request(ctx: ServingContext, request_id: str, params: Gener
         stop_token_ids=stop_token_ids,
         ignore_eos=params.ignore_eos,
         tenant=params.tenant,
+        logit_controls=replace(params.logit_controls, logit_bias=_logit_bias(ctx, params.logit_bias)),
+        logprobs=params.logprobs,
+        grammar=params.grammar,
+        prediction_token_ids=tuple(ctx.tokenizer.encode(params.prediction, add_special_tokens=False))
+        if params.prediction else (),
     )
 
 
@@ -203,6 +223,7 @@ class TextDelta:
     text: str
     finish_reason: str | None = None  # "stop" | "length" | "abort" on the last delta
     speculation: SpeculationUsage | None = None  # cumulative, on the last delta
+    logprobs: tuple[TokenLogprob, ...] = ()  # one per token id when asked for
 
 
 class _TextStream:
@@ -253,6 +274,7 @@ async def generate_text(ctx: ServingContext, request: GenerationRequest,
                     if generated == 0 and delta.token_ids:
                         ctx.metrics.record_first_token(time.perf_counter() - started)
                     token_ids, text, stopped = stream.advance(delta.token_ids)
+                    logprobs = delta.logprobs[:len(token_ids)]
                     generated += len(token_ids)
                     if delta.finish_reason and not stopped:
                         tail, stopped = stream.finish()
@@ -262,10 +284,10 @@ async def generate_text(ctx: ServingContext, request: GenerationRequest,
                     finish_reason = "stop" if stopped else delta.finish_reason
                     if finish_reason:
                         outcome = finish_reason
-                        yield TextDelta(token_ids, text, finish_reason, usage or SpeculationUsage())
+                        yield TextDelta(token_ids, text, finish_reason, usage or SpeculationUsage(), logprobs)
                         return
                     if token_ids or text:
-                        yield TextDelta(token_ids, text)
+                        yield TextDelta(token_ids, text, logprobs=logprobs)
             raise RuntimeError("generation ended without a finish reason")
         except Exception:
             outcome = None  # the front end reports the error

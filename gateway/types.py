@@ -1,9 +1,21 @@
 """Domain types of the gateway: what the HTTP and gRPC front ends hand to the
 propose/verify loop, and what comes back. No protobuf or HTTP in here."""
 
-from dataclasses import dataclass, field
+from dataclasses import astuple, dataclass, field
 
 from speclane.speculation import SpeculationSettings
+
+
+@dataclass(frozen=True)
+class LogitControls:
+    """vLLM's logit controls; the verifier applies them at every verified position."""
+
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias)
+    min_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -19,6 +31,10 @@ class GenerationRequest:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     tenant: str = ""
+    logit_controls: LogitControls = LogitControls()
+    logprobs: int | None = None  # None: none; N: each token's logprob and its N most likely alternatives
+    prediction_token_ids: tuple[int, ...] = ()  # OpenAI's predicted output, drafted from
+    grammar: str | None = None  # the output must match it (llguidance Lark syntax)
 
 
 @dataclass(frozen=True)
@@ -26,10 +42,18 @@ class SpeculationUsage:
     draft_tokens: int = 0
     accepted_tokens: int = 0
     verify_steps: int = 0
+    # Of the above, the draft tokens that came from the request's predicted output.
+    prediction_draft_tokens: int = 0
+    prediction_accepted_tokens: int = 0
 
     def __add__(self, other: "SpeculationUsage") -> "SpeculationUsage":
-        return SpeculationUsage(self.draft_tokens + other.draft_tokens, self.accepted_tokens + other.accepted_tokens,
-                                self.verify_steps + other.verify_steps)
+        return SpeculationUsage(*(a + b for a, b in zip(astuple(self), astuple(other))))
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()  # (token id, logprob), most likely first
 
 
 @dataclass(frozen=True)
@@ -41,3 +65,4 @@ class TokenDelta:
     # Cumulative for the request up to this delta; set on the final delta, may be
     # set on any (then a generation cut short by a stop string still reports its usage).
     speculation: SpeculationUsage | None = None
+    logprobs: tuple[TokenLogprob, ...] = ()  # one per token id when the request asked for them

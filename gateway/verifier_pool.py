@@ -1,6 +1,7 @@
 """The verifiers as the propose/verify loop sees them: one bidirectional
 stream per sequence (prefill once, then one verify per step), and the pool
-that picks a verifier for each new sequence."""
+that picks a verifier for each new sequence, watches their health and polls
+their load for the gateway's metrics."""
 
 import asyncio
 
@@ -9,19 +10,25 @@ import structlog
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from gateway.errors import Unavailable
-from gateway.types import GenerationRequest
+from gateway.metrics import GatewayMetrics, SequenceTimer
+from gateway.types import GenerationRequest, LogitControls
 from protos.common.v1 import common_pb2
 from protos.conventions import CHANNEL_OPTIONS, request_metadata
 from protos.verifier.v1 import verifier_pb2, verifier_pb2_grpc
 
 log = structlog.get_logger()
 
+NEUTRAL_LOGIT_CONTROLS = {name: getattr(LogitControls(), name)
+                          for name in ("presence_penalty", "frequency_penalty", "repetition_penalty", "min_p",
+                                       "min_tokens")}
+
 
 class VerifierSession:
     """A sequence on a verifier: prefill once, then one verify per step."""
 
-    def __init__(self, call):
+    def __init__(self, call, timer: SequenceTimer | None = None):
         self._call = call
+        self._timer = timer
 
     async def _exchange(self, message: verifier_pb2.SessionRequest) -> verifier_pb2.SessionResponse:
         await self._call.write(message)
@@ -36,21 +43,39 @@ class VerifierSession:
             stop_token_ids=request.stop_token_ids,
             ignore_eos=request.ignore_eos,
         )
-        for name in ("temperature", "top_p", "top_k", "seed"):
+        for name in ("temperature", "top_p", "top_k", "seed", "logprobs", "grammar"):
             value = getattr(request, name)
             if value is not None:
                 setattr(sampling, name, value)
+        controls = request.logit_controls
+        for name, neutral in NEUTRAL_LOGIT_CONTROLS.items():
+            if getattr(controls, name) != neutral:
+                setattr(sampling, name, getattr(controls, name))
+        sampling.logit_bias.update(controls.logit_bias)
         prefill = verifier_pb2.Prefill(
             sequence_id=request.request_id, prompt_token_ids=request.prompt_token_ids, sampling=sampling
         )
-        return await self._exchange(verifier_pb2.SessionRequest(prefill=prefill))
+        response = await self._exchange(verifier_pb2.SessionRequest(prefill=prefill))
+        if self._timer is not None:
+            self._timer.prefilled(len(response.token_ids), _optional(response, "queue_seconds"),
+                                  _optional(response, "prefill_seconds"))
+        return response
 
     async def verify(self, draft: common_pb2.Draft) -> verifier_pb2.SessionResponse:
-        return await self._exchange(verifier_pb2.SessionRequest(verify=verifier_pb2.Verify(draft=draft)))
+        response = await self._exchange(verifier_pb2.SessionRequest(verify=verifier_pb2.Verify(draft=draft)))
+        if self._timer is not None:
+            self._timer.stepped(len(response.token_ids))
+        return response
 
     def close(self) -> None:
         # Cancelling (rather than half-closing) frees the KV cache at once, also mid-generation.
         self._call.cancel()
+        if self._timer is not None:
+            self._timer.close()
+
+
+def _optional(message, name: str):
+    return getattr(message, name) if message.HasField(name) else None
 
 
 class VerifierPool:
@@ -65,12 +90,22 @@ class VerifierPool:
         self._in_flight = [0] * len(addresses)
         self._serving = [True] * len(addresses)
         self.addresses = addresses
+        self._metrics: GatewayMetrics | None = None
+        # Each verifier's last GetLoad answer, and whether the last poll was answered (None: not polled yet).
+        self._loads: list[verifier_pb2.EngineLoad | None] = [None] * len(addresses)
+        self._load_answered: list[bool | None] = [None] * len(addresses)
+
+    def attach_metrics(self, metrics: GatewayMetrics) -> None:
+        """Sequences report their timings, and /metrics the verifiers' load, to `metrics`."""
+        self._metrics = metrics
+        metrics.add_verifier_loads(self.loads)
 
     def open(self, request_id: str) -> tuple[int, VerifierSession]:
         """Raises Unavailable when no verifier is serving."""
         index = min(self._serving_indices(), key=self._in_flight.__getitem__)
         self._in_flight[index] += 1
-        return index, VerifierSession(self._stubs[index].Session(metadata=request_metadata(request_id)))
+        timer = SequenceTimer(self._metrics) if self._metrics is not None else None
+        return index, VerifierSession(self._stubs[index].Session(metadata=request_metadata(request_id)), timer)
 
     def release(self, index: int) -> None:
         self._in_flight[index] -= 1
@@ -106,6 +141,29 @@ class VerifierPool:
                 log.info("verifier_serving", address=self.addresses[index])
             self._serving[index] = up
 
+    async def num_serving(self) -> int:
+        """How many verifiers answer their health check with SERVING right now."""
+        await self.check()
+        return sum(self._serving)
+
+    async def refresh_loads(self, timeout_seconds: float = 5.0) -> None:
+        """Asks every verifier for its load; one that does not answer is left out (and logged once)."""
+        replies = await asyncio.gather(*(stub.GetLoad(verifier_pb2.GetLoadRequest(), timeout=timeout_seconds)
+                                         for stub in self._stubs), return_exceptions=True)
+        for index, reply in enumerate(replies):
+            answered = not isinstance(reply, BaseException)
+            if answered:
+                self._loads[index] = reply
+            elif self._load_answered[index] is not False:
+                log.warning("verifier_load_unavailable", address=self.addresses[index], error=_describe(reply),
+                            action="left out of the load metrics until it answers")
+            self._load_answered[index] = answered
+
+    def loads(self) -> list[tuple[verifier_pb2.EngineLoad, bool]]:
+        """Each verifier's last known load, and whether it answered the last poll."""
+        return [(load, bool(answered)) for load, answered in zip(self._loads, self._load_answered)
+                if load is not None]
+
     async def ready(self) -> bool:
         """True when at least one verifier reports SERVING."""
         await self.check()
@@ -116,11 +174,22 @@ class VerifierPool:
             await asyncio.sleep(poll_seconds)
 
     async def watch(self, poll_seconds: float = 1.0) -> None:
-        """Keeps the serving flags fresh (until cancelled)."""
-        while True:
-            await asyncio.sleep(poll_seconds)
-            await self.check()
+        """Keeps the serving flags and the loads fresh (until cancelled). Two loops:
+        a slow load answer (it waits for a forward pass) never delays a health check."""
+
+        async def every_poll(refresh):
+            while True:
+                await asyncio.sleep(poll_seconds)
+                await refresh()
+
+        await asyncio.gather(every_poll(self.check), every_poll(self.refresh_loads))
 
     async def close(self) -> None:
         for channel in self._channels:
             await channel.close()
+
+
+def _describe(error: BaseException) -> str:
+    if isinstance(error, grpc.aio.AioRpcError):
+        return f"{error.code().name}: {error.details()}"
+    return type(error).__name__

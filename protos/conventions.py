@@ -18,6 +18,7 @@ FINISH_REASON_NAMES = {
     common_pb2.FINISH_REASON_STOP: "stop",
     common_pb2.FINISH_REASON_LENGTH: "length",
     common_pb2.FINISH_REASON_ABORT: "abort",
+    common_pb2.FINISH_REASON_TOOL_CALLS: "tool_calls",
 }
 FINISH_REASONS_BY_NAME = {name: value for value, name in FINISH_REASON_NAMES.items()}
 

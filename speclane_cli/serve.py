@@ -15,7 +15,7 @@ from gateway.config import ENV_PREFIX as GATEWAY_ENV
 from gateway.config import GatewayConfig
 from speclane import config as config_flags
 from speclane.log import configure_logging
-from speclane.models import DEFAULT_MODEL, resolve_model
+from speclane.models import DEFAULT_MODEL, resolve_model, served_name
 from speclane.net import free_port, http_ok
 from speclane.speculation import DRAFTER_WIDE_KEYS
 from speclane_cli.supervisor import Child, die_with_parent, supervise
@@ -31,8 +31,8 @@ _VERIFIER_OWN_FLAGS = frozenset({"model", "model_name", "address", "log_level"})
 def add_arguments(parser) -> None:
     parser.add_argument("model_positional", nargs="?", metavar="MODEL", help="as `vllm serve MODEL`: same as --model")
     parser.add_argument("--model", default=os.environ.get("SPECLANE_MODEL", DEFAULT_MODEL),
-                        help="packaged model name or Hugging Face model directory (env SPECLANE_MODEL; "
-                             f"default {DEFAULT_MODEL!r})")
+                        help="packaged model name, Hugging Face model directory, or hub model id org/name "
+                             f"(env SPECLANE_MODEL; default {DEFAULT_MODEL!r})")
     config_flags.add_arguments(parser, GatewayConfig, GATEWAY_ENV,
                                exclude=frozenset({"model", "grpc_address", "drafter_address", "verifier_addresses"}))
     config_flags.add_arguments(parser, VerifierConfig, VERIFIER_ENV, exclude=_VERIFIER_OWN_FLAGS)
@@ -53,8 +53,7 @@ def configs_from_args(args):
     model = args.model_positional or args.model
     drafter_address = f"127.0.0.1:{free_port()}"
     verifier_address = f"127.0.0.1:{free_port()}"
-    model_name = args.served_model_name or (model if model == DEFAULT_MODEL else os.path.basename(
-        os.path.normpath(model)))
+    model_name = args.served_model_name or served_name(model)
     model_dir = str(resolve_model(model))
     gateway = config_flags.from_namespace(
         GatewayConfig, args, model=model_dir, served_model_name=model_name,

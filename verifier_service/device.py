@@ -7,10 +7,12 @@ the selection logic is testable without either backend.
 """
 
 import importlib
+import itertools
 from collections.abc import Callable
 from types import ModuleType
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from verifier_service.config import DEVICE_PATTERN, DTYPES
 
@@ -91,21 +93,63 @@ def set_threads(threads: int) -> None:
     torch.set_num_threads(resolve_threads(threads))
 
 
+def _meminfo_bytes(name: str, meminfo_path: str) -> int:
+    with open(meminfo_path) as meminfo:
+        for line in meminfo:
+            if line.startswith(name + ":"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no {name} in {meminfo_path}")
+
+
+def _mem_get_info(device: str) -> tuple[int, int]:
+    backend = getattr(torch, device.split(":", 1)[0])  # torch.cuda, or torch.npu once torch_npu is imported
+    return backend.mem_get_info(torch.device(device))
+
+
 def free_memory_bytes(device: str, *, meminfo_path: str = "/proc/meminfo") -> int:
     """Memory still available on the device (host RAM for the CPU)."""
-    kind = device.split(":", 1)[0]
-    if kind == "cpu":
-        with open(meminfo_path) as meminfo:
-            for line in meminfo:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-        raise RuntimeError(f"no MemAvailable in {meminfo_path}")
-    backend = getattr(torch, kind)  # torch.cuda, or torch.npu once torch_npu is imported
-    return backend.mem_get_info(torch.device(device))[0]
+    if device.startswith("cpu"):
+        return _meminfo_bytes("MemAvailable", meminfo_path)
+    return _mem_get_info(device)[0]
 
 
-def kv_budget_tokens(max_kv_tokens: int, memory_fraction: float, free_bytes: int, bytes_per_token: int) -> int:
-    """The KV budget: `max_kv_tokens` if set, else that share of the free memory."""
+def total_memory_bytes(device: str, *, meminfo_path: str = "/proc/meminfo") -> int:
+    """The device's whole memory (host RAM for the CPU)."""
+    if device.startswith("cpu"):
+        return _meminfo_bytes("MemTotal", meminfo_path)
+    return _mem_get_info(device)[1]
+
+
+def weights_bytes(model: torch.nn.Module) -> int:
+    """Bytes of this rank's parameters and buffers (its shard under tensor parallelism)."""
+    tensors = itertools.chain(model.parameters(), model.buffers())
+    local = (t.to_local() if isinstance(t, DTensor) else t for t in tensors)
+    return sum(t.numel() * t.element_size() for t in local)
+
+
+_GIB = 1 << 30
+
+
+def kv_budget_tokens(max_kv_tokens: int, memory_fraction: float, free_bytes: int, bytes_per_token: int, *,
+                     gpu_memory_utilization: float = 0.0, total_bytes: int = 0, weights_bytes: int = 0) -> int:
+    """The KV budget: `max_kv_tokens` if set; else, given `gpu_memory_utilization`
+    (vLLM's meaning: the share of the device's total memory the engine may use,
+    weights included), that share less the weights; else `memory_fraction` of
+    the memory free after loading the weights. Memory figures are measured after
+    loading."""
     if max_kv_tokens:
         return max_kv_tokens
-    return int(free_bytes * memory_fraction) // bytes_per_token
+    if not gpu_memory_utilization:
+        return int(free_bytes * memory_fraction) // bytes_per_token
+    allowed = int(total_bytes * gpu_memory_utilization)
+    kv_bytes = allowed - weights_bytes
+    if kv_bytes <= 0:
+        raise ValueError(f"--gpu-memory-utilization {gpu_memory_utilization} allows {allowed / _GIB:.2f} GiB of "
+                         f"{total_bytes / _GIB:.2f} GiB, but the weights alone take {weights_bytes / _GIB:.2f} GiB; "
+                         "raise it")
+    if kv_bytes > free_bytes:
+        # As vLLM refuses to start: memory that other processes hold is not ours to plan with.
+        raise ValueError(f"--gpu-memory-utilization {gpu_memory_utilization} leaves {kv_bytes / _GIB:.2f} GiB for "
+                         f"the KV cache, but only {free_bytes / _GIB:.2f} GiB is free after loading the weights; "
+                         "lower it or free memory")
+    return kv_bytes // bytes_per_token

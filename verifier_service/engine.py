@@ -15,13 +15,15 @@ import torch
 
 from verifier_service.batch import StepPlan
 from verifier_service.errors import InvalidRequest, SequenceFinished, StaleDraft
+from verifier_service.grammar import GrammarCompiler
 from verifier_service.kv_pool import KVPool
 from verifier_service.kv_store import Keep
+from verifier_service.logits_processing import make_logits_processor
 from verifier_service.model_runner import ModelRunner
 from verifier_service.sampling import make_generator, target_probs
 from verifier_service.scheduler import BatchLimits, Scheduled, Scheduler, Work
-from verifier_service.sequence import Draft, GenerationParams, Sequence, StepResult
-from verifier_service.verify import Verdict, dense_proposals, verify_greedy, verify_sampled
+from verifier_service.sequence import Draft, GenerationParams, Sequence, StepResult, check_token_ids
+from verifier_service.verify import Verdict, committed_logprobs, dense_proposals, verify_greedy, verify_sampled
 
 log = structlog.get_logger()
 
@@ -40,6 +42,10 @@ class StepStats:
     kv_cached_tokens: int
     kv_max_tokens: int
     num_waiting: int
+    # Totals since start (the scheduler's counters), for Prometheus counters.
+    num_preemptions: int
+    prefix_cache_queries: int  # prompt tokens of admitted sequences
+    prefix_cache_hits: int  # of them, found in the prefix cache
 
 
 class Engine:
@@ -50,6 +56,7 @@ class Engine:
         self.runner = runner
         self.pool = pool
         self.scheduler = Scheduler(pool, limits)
+        self.grammars = GrammarCompiler(runner.model_dir, runner.vocab_size)
         self.on_step = on_step
         self._live: set[Sequence] = set()
 
@@ -72,15 +79,18 @@ class Engine:
         runner = self.runner
         if not prompt:
             raise InvalidRequest("prompt_token_ids is empty")
-        for token in prompt:
-            if not 0 <= token < runner.vocab_size:
-                raise InvalidRequest(f"prompt token id {token} is outside the vocabulary [0, {runner.vocab_size})")
+        check_token_ids(prompt, runner.vocab_size, "prompt token id")
         if len(prompt) >= runner.max_context_len:
             raise InvalidRequest(f"prompt has {len(prompt)} tokens; the model's context is "
                                  f"{runner.max_context_len}, leaving no room to generate")
-        stop = params.stop_token_ids if params.ignore_eos else params.stop_token_ids | set(runner.eos_token_ids)
-        return Sequence(sequence_id, list(prompt), params, frozenset(stop), runner.max_context_len,
-                        make_generator(params.sampling.seed, runner.device))
+        sampling = params.sampling
+        check_token_ids(sampling.logit_bias, runner.vocab_size, "logit_bias token id")
+        stop = frozenset(params.stop_token_ids if params.ignore_eos
+                         else params.stop_token_ids | set(runner.eos_token_ids))
+        return Sequence(sequence_id, list(prompt), params, stop, runner.max_context_len,
+                        make_generator(sampling.seed, runner.device),
+                        make_logits_processor(sampling, prompt, stop, runner.vocab_size, runner.device),
+                        self.grammars.matcher(params.grammar) if params.grammar else None)
 
     def submit(self, seq: Sequence, draft: Draft, done: Callable[[object], None]) -> None:
         """Queues the sequence's next step (the first token when it has none yet);
@@ -156,10 +166,14 @@ class Engine:
             seq.num_cached += segment.num_pending
             return
         verdict = self._judge(seq, draft, rows)
+        num_top = seq.params.logprobs
+        logprobs = None if num_top is None else committed_logprobs(rows, verdict, num_top)
         base = seq.num_cached + segment.num_pending  # KV row of draft node 0
         if verdict.path != list(range(len(verdict.path))):
             self.pool.ops.append(Keep(seq.slot, base, tuple(verdict.path)))
-        result = seq.commit(verdict.token_ids, verdict.num_accepted, len(draft.token_ids))
+        result = seq.commit(verdict.token_ids, verdict.num_accepted, len(draft.token_ids), logprobs)
+        if seq.grammar is not None:
+            seq.grammar.commit(result.token_ids)
         seq.num_cached = min(len(seq.tokens) - 1, base + len(verdict.path))
         self.scheduler.ready.remove(entry.work)
         if seq.finished:
@@ -167,8 +181,14 @@ class Engine:
         entry.work.done(result)
 
     def _judge(self, seq: Sequence, draft: Draft, rows: torch.Tensor) -> Verdict:
+        """Accepts against the request's distribution: `rows` are raw logits, and
+        greedy is the argmax after the logit controls, as in vLLM."""
         tokens, parents = list(draft.token_ids), draft.tree_parents
         sampling = seq.params.sampling
+        if seq.logits_processor is not None:
+            rows = seq.logits_processor(rows, seq.tokens, tokens, parents)
+        if seq.grammar is not None:
+            rows = rows.masked_fill(~seq.grammar.row_masks(tokens, parents).to(rows.device), float("-inf"))
         if sampling.greedy:
             return verify_greedy(tokens, rows, parents)
         proposals = None
@@ -190,6 +210,9 @@ class Engine:
             kv_cached_tokens=self.pool.cached_blocks * block,
             kv_max_tokens=self.pool.max_tokens,
             num_waiting=len(self.scheduler.waiting),
+            num_preemptions=self.scheduler.num_preemptions,
+            prefix_cache_queries=self.scheduler.prefix_cache_queries,
+            prefix_cache_hits=self.scheduler.prefix_cache_hits,
         )
 
 

@@ -41,6 +41,12 @@ class VerifierMetrics:
         self.kv_cached = gauge("speclane:verifier_kv_cached_tokens", "KV tokens held by the prefix cache.")
         self.kv_usage = gauge("vllm:kv_cache_usage_perc", "Share of the KV budget held by running sequences.")
         self.waiting = gauge("vllm:num_requests_waiting", "Sequences waiting for KV space.")
+        self.preemptions = counter("vllm:num_preemptions", "Sequences preempted (prefilled again later).")
+        self.prefix_queries = counter("vllm:prefix_cache_queries",
+                                      "Prompt tokens of admitted sequences, looked up in the prefix cache.")
+        self.prefix_hits = counter("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.")
+        # The engine reports totals; the counters advance by what is new since the last pass.
+        self._totals = (0, 0, 0)
 
     def observe(self, stats: StepStats) -> None:
         self.passes.inc()
@@ -55,12 +61,18 @@ class VerifierMetrics:
         self.kv_cached.set(stats.kv_cached_tokens)
         self.kv_usage.set(stats.kv_used_tokens / stats.kv_max_tokens)
         self.waiting.set(stats.num_waiting)
+        totals = (stats.num_preemptions, stats.prefix_cache_queries, stats.prefix_cache_hits)
+        for counter, total, seen in zip((self.preemptions, self.prefix_queries, self.prefix_hits), totals,
+                                        self._totals):
+            counter.inc(total - seen)
+        self._totals = totals
         log.debug("forward_pass", sequences=stats.num_sequences, tokens=stats.num_tokens,
                   prefill_tokens=stats.num_prefill_tokens, draft_tokens=stats.num_draft_tokens,
                   forward_seconds=round(stats.forward_seconds, 5),
                   max_queue_wait_seconds=round(max(stats.queue_wait_seconds, default=0.0), 5),
                   kv_used_tokens=stats.kv_used_tokens, kv_cached_tokens=stats.kv_cached_tokens,
-                  kv_max_tokens=stats.kv_max_tokens, waiting=stats.num_waiting)
+                  kv_max_tokens=stats.kv_max_tokens, waiting=stats.num_waiting,
+                  preemptions=stats.num_preemptions)
 
     def serve(self, port: int, host: str = "0.0.0.0") -> None:
         """Serves /metrics from a daemon thread."""

@@ -1,6 +1,7 @@
 """The request's target distribution p over the vocabulary, and draws from it."""
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 
 import torch
 
@@ -13,6 +14,14 @@ class SamplingParams:
     top_p: float | None = None  # None: no nucleus cut
     top_k: int | None = None  # None or 0: no top-k cut
     seed: int | None = None  # None: nondeterministic
+    # Logit controls with vLLM's meanings and ranges; the defaults are off
+    # (logits_processing.py applies all but min_p, which target_probs does).
+    presence_penalty: float = 0.0  # subtracted from output tokens' logits once
+    frequency_penalty: float = 0.0  # subtracted per occurrence in the output
+    repetition_penalty: float = 1.0  # divides positive, multiplies negative logits of prompt and output tokens
+    min_p: float = 0.0  # drops tokens less likely than min_p times the most likely one
+    logit_bias: Mapping[int, float] = field(default_factory=dict, hash=False)  # token id -> added to its logit
+    min_tokens: int = 0  # stop tokens are masked until this many tokens are generated
 
     def __post_init__(self):
         if self.temperature is not None and not self.temperature >= 0:
@@ -21,6 +30,18 @@ class SamplingParams:
             raise InvalidRequest(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k is not None and self.top_k < 0:
             raise InvalidRequest(f"top_k must be >= 0, got {self.top_k}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2 <= getattr(self, name) <= 2:
+                raise InvalidRequest(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        if not 0 < self.repetition_penalty <= 2:
+            raise InvalidRequest(f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}")
+        if not 0 <= self.min_p <= 1:
+            raise InvalidRequest(f"min_p must be in [0, 1], got {self.min_p}")
+        for token, bias in self.logit_bias.items():
+            if not -100 <= bias <= 100:
+                raise InvalidRequest(f"logit_bias of token {token} must be in [-100, 100], got {bias}")
+        if self.min_tokens < 0:
+            raise InvalidRequest(f"min_tokens must be >= 0, got {self.min_tokens}")
 
     @property
     def greedy(self) -> bool:
@@ -29,18 +50,20 @@ class SamplingParams:
 
 def make_generator(seed: int | None, device: torch.device) -> torch.Generator:
     """A per-sequence generator, so a seeded request is reproducible whatever
-    else runs on the server."""
+    else runs on the server. An unseeded one draws its seed from torch's global
+    generator, which the verifier's --seed seeds, as vLLM's does."""
     generator = torch.Generator(device=device)
-    if seed is None:
-        generator.seed()
-    else:
-        generator.manual_seed(seed)
+    generator.manual_seed(int(torch.randint(2**63 - 1, ())) if seed is None else seed)
     return generator
 
 
 def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """p for each row of `logits` [n, vocab] under temperature, top-k, top-p."""
+    """p for each row of `logits` [n, vocab] under temperature, then min_p,
+    top-k and top-p (vLLM's order)."""
     logits = logits / params.temperature
+    if params.min_p:
+        probs = torch.softmax(logits, dim=-1)
+        logits = logits.masked_fill(probs < params.min_p * probs.amax(dim=-1, keepdim=True), float("-inf"))
     if params.top_k and params.top_k < logits.shape[-1]:
         kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))

@@ -9,6 +9,9 @@ prompt never holds decoding up. When a step's KV cannot grow, its draft is
 cut (drafts are optional); failing that the most recently admitted other
 sequence is preempted: its KV goes back to the pool and it is prefilled again
 later from its tokens, so nothing it committed is lost.
+
+It counts what vLLM reports of its scheduler: preemptions, and the prompt
+tokens of admitted sequences looked up in the prefix cache and found there.
 """
 
 import time
@@ -56,6 +59,12 @@ class Scheduler:
         self.waiting: deque[Work] = deque()  # not admitted, arrival order
         self.ready: list[Work] = []  # admitted, with a step to run
         self.admitted: dict[Sequence, None] = {}  # holding KV, in admission order
+        # When each sequence first joined a pass (its queue time ends there, its prefill
+        # time starts): kept across preemptions, as vLLM times a request, until removed.
+        self.first_scheduled: dict[Sequence, float] = {}
+        self.num_preemptions = 0  # totals since start
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
 
     def add(self, work: Work) -> None:
         (self.ready if work.seq.slot is not None else self.waiting).append(work)
@@ -64,6 +73,7 @@ class Scheduler:
         """Drops the sequence's queued work and gives its KV back (to the prefix cache)."""
         self.waiting = deque(w for w in self.waiting if w.seq is not seq)
         self.ready = [w for w in self.ready if w.seq is not seq]
+        self.first_scheduled.pop(seq, None)
         self.release(seq)
 
     def release(self, seq: Sequence) -> None:
@@ -110,6 +120,7 @@ class Scheduler:
         for i, entry in enumerate(picked):
             if entry.work.started is None:
                 entry.work.started = now
+                self.first_scheduled.setdefault(entry.work.seq, now)
                 picked[i] = replace(entry, queue_wait=now - entry.work.submitted)
         return picked
 
@@ -139,6 +150,7 @@ class Scheduler:
     def _preempt_one(self, spare: set[Sequence]) -> bool:
         for victim in reversed(list(self.admitted)):
             if victim not in spare:
+                self.num_preemptions += 1
                 self.release(victim)
                 for i, w in enumerate(self.ready):
                     if w.seq is victim:
@@ -153,11 +165,16 @@ class Scheduler:
             # Leave every admitted sequence a free block to grow into, so admitting
             # one more does not force the next decode steps into preemption.
             seq.slot = self.pool.allocate(len(seq.tokens), headroom_blocks=len(self.admitted))
-            return seq.slot is not None
-        if not self.pool.grow(reuse.slot, len(seq.tokens)):
+        elif self.pool.grow(reuse.slot, len(seq.tokens)):
+            seq.slot, seq.num_cached = reuse.slot, reuse.num_tokens
+        else:
             self.pool.release(reuse.slot, seq.tokens[: reuse.num_tokens])
+        if seq.slot is None:
             return False
-        seq.slot, seq.num_cached = reuse.slot, reuse.num_tokens
+        # Counted once admitted (not at each try while it waits), as vLLM counts a lookup.
+        if self.pool.prefix_caching:
+            self.prefix_cache_queries += len(seq.tokens)
+            self.prefix_cache_hits += seq.num_cached
         return True
 
     def _refuse(self, work: Work, message: str) -> None:

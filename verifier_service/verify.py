@@ -12,6 +12,7 @@ import torch
 
 from protos.conventions import chain_parents
 from verifier_service.sampling import sample
+from verifier_service.sequence import TokenLogprob
 from verifier_service.tree import children
 
 
@@ -20,6 +21,11 @@ class Verdict:
     token_ids: list[int]  # the accepted path's draft tokens, then the target's own token
     num_accepted: int
     path: list[int] = field(default_factory=list)  # accepted node indices, root to leaf
+
+    @property
+    def rows(self) -> list[int]:
+        """The row that judged each of token_ids: row 0 the first, then each accepted node's own row."""
+        return [0, *(node + 1 for node in self.path)]
 
 
 def _children(draft: Sequence[int], parents) -> list[list[int]]:
@@ -94,3 +100,15 @@ def dense_proposals(
         ids = torch.tensor(list(token_ids), dtype=torch.long, device=device)
         dense[row].index_add_(0, ids, torch.tensor(list(token_probs), dtype=torch.float32, device=device))
     return dense / dense.sum(dim=-1, keepdim=True)
+
+
+def committed_logprobs(logits: torch.Tensor, verdict: Verdict, num_top: int) -> list[TokenLogprob]:
+    """vLLM's raw logprobs: each committed token's log-probability under the
+    log-softmax of the raw logits row that judged it (no temperature, controls
+    or cuts), with that row's `num_top` most likely tokens."""
+    device = logits.device
+    logprobs = torch.log_softmax(logits[torch.tensor(verdict.rows, device=device)], dim=-1)
+    chosen = logprobs.gather(1, torch.tensor(verdict.token_ids, device=device)[:, None])[:, 0]
+    top = torch.topk(logprobs, min(num_top, logprobs.shape[-1]), dim=-1)
+    return [TokenLogprob(logprob, tuple(ids), tuple(values))
+            for logprob, ids, values in zip(chosen.tolist(), top.indices.tolist(), top.values.tolist())]

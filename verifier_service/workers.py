@@ -17,7 +17,15 @@ from transformers.utils import logging as transformers_logging
 from speclane.log import configure_logging
 from speclane.net import free_port
 from verifier_service.config import VerifierConfig
-from verifier_service.device import free_memory_bytes, kv_budget_tokens, resolve_device, resolve_dtype, set_threads
+from verifier_service.device import (
+    free_memory_bytes,
+    kv_budget_tokens,
+    resolve_device,
+    resolve_dtype,
+    set_threads,
+    total_memory_bytes,
+    weights_bytes,
+)
 from verifier_service.distributed import (
     TensorParallel,
     check_shardable,
@@ -71,10 +79,14 @@ class Rank0:
             self.followers = [_spawn(config, rank, port) for rank in range(1, config.tensor_parallel_size)]
             self.tp = init_tensor_parallel(device, 0, config.tensor_parallel_size, port)
         runner = build_runner(config, device, self.tp)
-        free = free_memory_bytes(str(runner.device))
+        where = str(runner.device)
         # Ranks on one host share its RAM; accelerators each have their own memory.
-        per_token = runner.kv_bytes_per_token * (runner.tp_size if runner.device.type == "cpu" else 1)
-        budget = kv_budget_tokens(config.max_kv_tokens, config.kv_memory_fraction, free, per_token)
+        ranks_here = runner.tp_size if runner.device.type == "cpu" else 1
+        per_token = runner.kv_bytes_per_token * ranks_here
+        budget = kv_budget_tokens(config.max_kv_tokens, config.kv_memory_fraction, free_memory_bytes(where),
+                                  per_token, gpu_memory_utilization=config.gpu_memory_utilization,
+                                  total_bytes=total_memory_bytes(where),
+                                  weights_bytes=weights_bytes(runner.model) * ranks_here)
         pool = KVPool(budget, config.kv_block_size, config.enable_prefix_caching)
         limits = BatchLimits(config.max_batch_tokens, config.max_batch_sequences, config.max_queue_wait)
         engine = Engine(runner, pool, limits, on_step=self.on_step)

@@ -1,7 +1,7 @@
 """A vLLM user's command line runs as it is: the model as a positional argument,
 vLLM's names for the batch and KV flags, and a --speculative-config copied from
 the seeds with keys speclane does not use (named in a warning, not an exit),
-and --api-key."""
+--api-key, the memory, seed and tool-calling flags."""
 
 import json
 import pathlib
@@ -14,7 +14,9 @@ from tests.e2e.stack import speclane_serve
 pytestmark = pytest.mark.e2e
 VLLM_ARGS = ["smollm2-135m-instruct", "--served-model-name", "smol", "--max-model-len", "1024",
              "--max-num-seqs", "16", "--max-num-batched-tokens", "1024", "--block-size", "32",
-             "--generation-config", "vllm", "--api-key", "sk-test-key", "--speculative-config",
+             "--generation-config", "vllm", "--api-key", "sk-test-key", "--gpu-memory-utilization", "0.1",
+             "--seed", "1234", "--trust-remote-code", "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
+             "--speculative-config",
              '{"method": "suffix", "num_speculative_tokens": 3, "enforce_eager": true, "quantization": null}']
 
 

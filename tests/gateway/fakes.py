@@ -11,7 +11,7 @@ from transformers import PreTrainedTokenizerFast
 
 from gateway.metrics import GatewayMetrics
 from gateway.serving import ServingContext
-from gateway.types import SpeculationUsage, TokenDelta
+from gateway.types import SpeculationUsage, TokenDelta, TokenLogprob
 from speclane.speculation import SpeculationSettings
 
 SMOLLM2_DIR = pathlib.Path.home() / ".cache/speclane/models/smollm2-135m-instruct"
@@ -84,10 +84,18 @@ class ScriptedEngine:
                     await self.hold.wait()
                 finished = number == len(steps)
                 usage = self.usage(number) if finished or self.usage_every_step else None
-                yield TokenDelta(step, finish_reason if finished else None, usage)
+                yield TokenDelta(step, finish_reason if finished else None, usage,
+                                 logprobs=() if request.logprobs is None else fake_logprobs(step, request.logprobs))
         finally:
             if not finished:
                 self.aborted.append(request.request_id)
+
+
+def fake_logprobs(token_ids, top: int) -> tuple[TokenLogprob, ...]:
+    """Each token as the most likely, at -token_id / 1000, then made-up runners-up."""
+    return tuple(TokenLogprob(-token_id / 1000, tuple((token_id + rank, -(token_id + rank) / 1000 - rank)
+                                                      for rank in range(top)))
+                 for token_id in token_ids)
 
 
 def make_context(tokenizer, engine: ScriptedEngine, *, max_context_len: int = 256,

@@ -2,6 +2,7 @@
 API, over fake drafter and verifier servers in this process (fake_services.py)."""
 
 import asyncio
+import dataclasses
 
 import grpc
 import pytest
@@ -234,3 +235,30 @@ async def test_cancelling_a_generate_call_cancels_the_sessions(tiny_tokenizer):
         await eventually(lambda: len(verifier.outcomes) == 1 and len(drafter.outcomes) == 1)
         assert verifier.outcomes == ["cancelled"] and drafter.outcomes[0] in CLOSED
         assert gw.pool._in_flight == [0] and ctx.limiter.in_flight == 0
+
+
+# Predicted outputs
+
+async def test_a_prediction_drafts_instead_of_the_drafter_and_its_tokens_are_counted():
+    verifier = FakeVerifier(accept=8)  # accepts what it is sent, up to 8: the fake's target is fixed
+    # The prediction matches the output but for one edited token at position 4.
+    prediction = (*target_tokens(0, 4), 999, *target_tokens(5, 20))
+    request = dataclasses.replace(generation(max_tokens=12), prediction_token_ids=prediction)
+    async with gateway([verifier], FakeDrafter(draft_len=2)) as gw:
+        deltas = await collect(gw, request)
+    # Step 1 drafts the prediction after the prefill token: 1..4 and the edit (accepted by this
+    # fake; a real verifier would cut it). Later steps follow from where the output is.
+    assert verifier.drafts[0] == [*target_tokens(1, 3), 999, *target_tokens(5, 4)]
+    usage = deltas[-1].speculation
+    assert usage.prediction_draft_tokens == usage.draft_tokens > 0
+    assert usage.prediction_accepted_tokens == usage.accepted_tokens
+
+
+async def test_a_prediction_the_output_leaves_falls_back_to_the_drafter():
+    verifier = FakeVerifier(accept=8)
+    request = dataclasses.replace(generation(max_tokens=10), prediction_token_ids=(900, 901, 902))
+    async with gateway([verifier], FakeDrafter(draft_len=3)) as gw:
+        deltas = await collect(gw, request)
+    assert tokens_of(deltas) == TARGET
+    assert verifier.drafts[0] == target_tokens(1, 3)  # the drafter's
+    assert deltas[-1].speculation.prediction_draft_tokens == 0

@@ -1,5 +1,6 @@
 import pytest
 
+from gateway.chat_template import ChatPrompt
 from gateway.errors import InvalidRequest, ModelNotFound, Overloaded
 from gateway.sampling_defaults import SamplingDefaults, read_sampling_defaults
 from gateway.serving import GenerationParams, build_generation_request, generate_text
@@ -11,7 +12,7 @@ USER = [{"role": "user", "content": "Say hello"}]
 
 
 def build(ctx, params=GenerationParams(), **prompt):
-    return build_generation_request(ctx, "req-1", params, **(prompt or {"messages": USER}))
+    return build_generation_request(ctx, "req-1", params, **(prompt or {"chat": ChatPrompt(USER)}))
 
 
 def test_chat_prompt_uses_the_chat_template(ctx, tiny_tokenizer):
@@ -21,7 +22,7 @@ def test_chat_prompt_uses_the_chat_template(ctx, tiny_tokenizer):
 
 
 def test_developer_role_is_rendered_as_system(ctx, tiny_tokenizer):
-    request = build(ctx, messages=[{"role": "developer", "content": "Be brief"}, *USER])
+    request = build(ctx, chat=ChatPrompt([{"role": "developer", "content": "Be brief"}, *USER]))
     assert tiny_tokenizer.decode(request.prompt_token_ids).startswith("<|im_start|>system\nBe brief")
 
 
@@ -76,9 +77,10 @@ def test_requests_are_checked_against_the_drafters_limits(ctx):
     (GenerationParams(speculation={"method": "eagle"}), None, "speculation", "method must be one of"),
     (GenerationParams(max_tokens=100), {"token_ids": [5] * 200}, "max_tokens", "maximum context length is 256"),
     (GenerationParams(), {"token_ids": [5] * 256}, None, "leaves no room"),
-    (GenerationParams(), {"messages": []}, "messages", "must not be empty"),
-    (GenerationParams(), {"messages": [{"role": "robot", "content": "x"}]}, "messages.0.role", "must be one of"),
-    (GenerationParams(), {"messages": [{"role": "user", "content": None}]}, "messages.0.content", "string"),
+    (GenerationParams(), {"chat": ChatPrompt([])}, "messages", "must not be empty"),
+    (GenerationParams(), {"chat": ChatPrompt([{"role": "robot", "content": "x"}])}, "messages.0.role",
+     "must be one of"),
+    (GenerationParams(), {"chat": ChatPrompt([{"role": "user", "content": None}])}, "messages.0.content", "string"),
     (GenerationParams(), {"token_ids": []}, "prompt", "must not be empty"),
     (GenerationParams(), {"token_ids": [-1]}, "prompt", "outside the vocabulary"),
 ])

@@ -49,3 +49,39 @@ def test_flags_and_environment(tiny_model_dir, monkeypatch):
     add_arguments(parser, VerifierConfig, ENV_PREFIX)
     config = from_namespace(VerifierConfig, parser.parse_args(["--model-name", "tiny", "--device", "cpu"]))
     assert (config.model, config.model_name, config.device, config.threads) == (tiny_model_dir, "tiny", "cpu", 2)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({"gpu_memory_utilization": -0.1}, "gpu_memory_utilization"),
+    ({"gpu_memory_utilization": 1.5}, "gpu_memory_utilization"),
+    ({"seed": -1}, "seed"),
+    ({"seed": 2**64}, "seed"),
+])
+def test_vllm_memory_and_seed_flags_are_checked(tiny_model_dir, overrides, message):
+    with pytest.raises(ValueError, match=message):
+        VerifierConfig(**{"model": tiny_model_dir, **overrides})
+
+
+def test_vllm_memory_and_seed_flags(tiny_model_dir):
+    assert (VerifierConfig(model=tiny_model_dir).gpu_memory_utilization, VerifierConfig(model=tiny_model_dir).seed) \
+        == (0.0, 0)  # 0: --kv-memory-fraction decides, as before; vLLM's default seed
+    parser = argparse.ArgumentParser()
+    add_arguments(parser, VerifierConfig, ENV_PREFIX)
+    config = from_namespace(VerifierConfig, parser.parse_args(
+        ["--model", tiny_model_dir, "--gpu-memory-utilization", "0.9", "--seed", "1234"]))
+    assert (config.gpu_memory_utilization, config.seed) == (0.9, 1234)
+
+
+@pytest.mark.parametrize("model, name", [
+    ("Qwen/Qwen2.5-0.5B-Instruct", "Qwen/Qwen2.5-0.5B-Instruct"),
+    ("modelscope:Qwen/Qwen2.5-0.5B-Instruct", "Qwen/Qwen2.5-0.5B-Instruct"),
+])
+def test_a_hub_model_id_is_a_model_named_by_its_id(model, name):
+    """As `vllm serve Qwen/...`: fetched at start, and served under its id."""
+    config = VerifierConfig(model=model)
+    assert (config.model, config.model_name) == (model, name)
+
+
+def test_a_path_that_is_no_model_is_still_refused(tmp_path):
+    with pytest.raises(ValueError, match="neither a packaged model"):
+        VerifierConfig(model=str(tmp_path / "missing" / "model"))

@@ -25,29 +25,43 @@ _sym_db = _symbol_database.Default()
 from protos.common.v1 import common_pb2 as protos_dot_common_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1fprotos/gateway/v1/gateway.proto\x12\x13speclane.gateway.v1\x1a\x1dprotos/common/v1/common.proto\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"B\n\x0c\x43hatMessages\x12\x32\n\x08messages\x18\x01 \x03(\x0b\x32 .speclane.gateway.v1.ChatMessage\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\xcb\x05\n\x11SpeculationConfig\x12\x13\n\x06method\x18\x01 \x01(\tH\x00\x88\x01\x01\x12#\n\x16num_speculative_tokens\x18\x02 \x01(\rH\x01\x88\x01\x01\x12\x1e\n\x11prompt_lookup_min\x18\x03 \x01(\rH\x02\x88\x01\x01\x12\x1e\n\x11prompt_lookup_max\x18\x04 \x01(\rH\x03\x88\x01\x01\x12+\n\x1esuffix_decoding_max_tree_depth\x18\x05 \x01(\rH\x04\x88\x01\x01\x12\x30\n#suffix_decoding_max_cached_requests\x18\x06 \x01(\rH\x05\x88\x01\x01\x12,\n\x1fsuffix_decoding_max_spec_factor\x18\x07 \x01(\x02H\x06\x88\x01\x01\x12+\n\x1esuffix_decoding_min_token_prob\x18\x08 \x01(\x02H\x07\x88\x01\x01\x12*\n\x1dsuffix_decoding_use_tree_spec\x18\t \x01(\x08H\x08\x88\x01\x01\x12,\n\x1fsuffix_decoding_max_spec_offset\x18\n \x01(\x02H\t\x88\x01\x01\x42\t\n\x07_methodB\x19\n\x17_num_speculative_tokensB\x14\n\x12_prompt_lookup_minB\x14\n\x12_prompt_lookup_maxB!\n\x1f_suffix_decoding_max_tree_depthB&\n$_suffix_decoding_max_cached_requestsB\"\n _suffix_decoding_max_spec_factorB!\n\x1f_suffix_decoding_min_token_probB \n\x1e_suffix_decoding_use_tree_specB\"\n _suffix_decoding_max_spec_offset\"\xc5\x03\n\x0fGenerateRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12\x32\n\ttoken_ids\x18\x02 \x01(\x0b\x32\x1d.speclane.gateway.v1.TokenIdsH\x00\x12\x35\n\x08messages\x18\x03 \x01(\x0b\x32!.speclane.gateway.v1.ChatMessagesH\x00\x12\x17\n\nmax_tokens\x18\x04 \x01(\rH\x01\x88\x01\x01\x12\x18\n\x0btemperature\x18\x05 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_p\x18\x06 \x01(\x02H\x03\x88\x01\x01\x12\x12\n\x05top_k\x18\x07 \x01(\x05H\x04\x88\x01\x01\x12\x11\n\x04seed\x18\x08 \x01(\x04H\x05\x88\x01\x01\x12\x0c\n\x04stop\x18\t \x03(\t\x12\x16\n\x0estop_token_ids\x18\n \x03(\x05\x12\x12\n\nignore_eos\x18\x0b \x01(\x08\x12;\n\x0bspeculation\x18\x0c \x01(\x0b\x32&.speclane.gateway.v1.SpeculationConfig\x12\r\n\x05model\x18\r \x01(\tB\x07\n\x05inputB\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seed\"W\n\x10SpeculationUsage\x12\x14\n\x0c\x64raft_tokens\x18\x01 \x01(\r\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x02 \x01(\r\x12\x14\n\x0cverify_steps\x18\x03 \x01(\r\"u\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12:\n\x0bspeculation\x18\x03 \x01(\x0b\x32%.speclane.gateway.v1.SpeculationUsage\"\x97\x01\n\x10GenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x37\n\rfinish_reason\x18\x03 \x01(\x0e\x32 .speclane.common.v1.FinishReason\x12)\n\x05usage\x18\x04 \x01(\x0b\x32\x1a.speclane.gateway.v1.Usage2g\n\nGeneration\x12Y\n\x08Generate\x12$.speclane.gateway.v1.GenerateRequest\x1a%.speclane.gateway.v1.GenerateResponse0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1fprotos/gateway/v1/gateway.proto\x12\x13speclane.gateway.v1\x1a\x1dprotos/common/v1/common.proto\"\x83\x01\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\x12\x14\n\x0ctool_call_id\x18\x04 \x01(\t\x12\x31\n\ntool_calls\x18\x05 \x03(\x0b\x32\x1d.speclane.gateway.v1.ToolCall\"7\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x11\n\targuments\x18\x03 \x01(\t\"=\n\x04Tool\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12\x12\n\nparameters\x18\x03 \x01(\t\"L\n\x0cTokenLogprob\x12\x0f\n\x07logprob\x18\x01 \x01(\x02\x12\x15\n\rtop_token_ids\x18\x02 \x03(\x05\x12\x14\n\x0ctop_logprobs\x18\x03 \x03(\x02\"B\n\x0c\x43hatMessages\x12\x32\n\x08messages\x18\x01 \x03(\x0b\x32 .speclane.gateway.v1.ChatMessage\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\xcb\x05\n\x11SpeculationConfig\x12\x13\n\x06method\x18\x01 \x01(\tH\x00\x88\x01\x01\x12#\n\x16num_speculative_tokens\x18\x02 \x01(\rH\x01\x88\x01\x01\x12\x1e\n\x11prompt_lookup_min\x18\x03 \x01(\rH\x02\x88\x01\x01\x12\x1e\n\x11prompt_lookup_max\x18\x04 \x01(\rH\x03\x88\x01\x01\x12+\n\x1esuffix_decoding_max_tree_depth\x18\x05 \x01(\rH\x04\x88\x01\x01\x12\x30\n#suffix_decoding_max_cached_requests\x18\x06 \x01(\rH\x05\x88\x01\x01\x12,\n\x1fsuffix_decoding_max_spec_factor\x18\x07 \x01(\x02H\x06\x88\x01\x01\x12+\n\x1esuffix_decoding_min_token_prob\x18\x08 \x01(\x02H\x07\x88\x01\x01\x12*\n\x1dsuffix_decoding_use_tree_spec\x18\t \x01(\x08H\x08\x88\x01\x01\x12,\n\x1fsuffix_decoding_max_spec_offset\x18\n \x01(\x02H\t\x88\x01\x01\x42\t\n\x07_methodB\x19\n\x17_num_speculative_tokensB\x14\n\x12_prompt_lookup_minB\x14\n\x12_prompt_lookup_maxB!\n\x1f_suffix_decoding_max_tree_depthB&\n$_suffix_decoding_max_cached_requestsB\"\n _suffix_decoding_max_spec_factorB!\n\x1f_suffix_decoding_min_token_probB \n\x1e_suffix_decoding_use_tree_specB\"\n _suffix_decoding_max_spec_offset\"\xd6\x08\n\x0fGenerateRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12\x32\n\ttoken_ids\x18\x02 \x01(\x0b\x32\x1d.speclane.gateway.v1.TokenIdsH\x00\x12\x35\n\x08messages\x18\x03 \x01(\x0b\x32!.speclane.gateway.v1.ChatMessagesH\x00\x12\x17\n\nmax_tokens\x18\x04 \x01(\rH\x01\x88\x01\x01\x12\x18\n\x0btemperature\x18\x05 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_p\x18\x06 \x01(\x02H\x03\x88\x01\x01\x12\x12\n\x05top_k\x18\x07 \x01(\x05H\x04\x88\x01\x01\x12\x11\n\x04seed\x18\x08 \x01(\x04H\x05\x88\x01\x01\x12\x0c\n\x04stop\x18\t \x03(\t\x12\x16\n\x0estop_token_ids\x18\n \x03(\x05\x12\x12\n\nignore_eos\x18\x0b \x01(\x08\x12;\n\x0bspeculation\x18\x0c \x01(\x0b\x32&.speclane.gateway.v1.SpeculationConfig\x12\r\n\x05model\x18\r \x01(\t\x12\x1d\n\x10presence_penalty\x18\x0e \x01(\x02H\x06\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x0f \x01(\x02H\x07\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x10 \x01(\x02H\x08\x88\x01\x01\x12\x12\n\x05min_p\x18\x11 \x01(\x02H\t\x88\x01\x01\x12G\n\nlogit_bias\x18\x12 \x03(\x0b\x32\x33.speclane.gateway.v1.GenerateRequest.LogitBiasEntry\x12\x12\n\nmin_tokens\x18\x13 \x01(\r\x12\x15\n\x08logprobs\x18\x14 \x01(\rH\n\x88\x01\x01\x12\x12\n\nprediction\x18\x15 \x01(\t\x12(\n\x05tools\x18\x16 \x03(\x0b\x32\x19.speclane.gateway.v1.Tool\x12\x13\n\x0btool_choice\x18\x17 \x01(\t\x12 \n\x13parallel_tool_calls\x18\x18 \x01(\x08H\x0b\x88\x01\x01\x12\x13\n\x0bjson_schema\x18\x19 \x01(\t\x12\x1c\n\x14\x63hat_template_kwargs\x18\x1a \x01(\t\x12\"\n\x15\x61\x64\x64_generation_prompt\x18\x1b \x01(\x08H\x0c\x88\x01\x01\x12\x1e\n\x16\x63ontinue_final_message\x18\x1c \x01(\x08\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x07\n\x05inputB\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\x08\n\x06_min_pB\x0b\n\t_logprobsB\x16\n\x14_parallel_tool_callsB\x18\n\x16_add_generation_prompt\"W\n\x10SpeculationUsage\x12\x14\n\x0c\x64raft_tokens\x18\x01 \x01(\r\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x02 \x01(\r\x12\x14\n\x0cverify_steps\x18\x03 \x01(\r\"\xbd\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12:\n\x0bspeculation\x18\x03 \x01(\x0b\x32%.speclane.gateway.v1.SpeculationUsage\x12\"\n\x1a\x61\x63\x63\x65pted_prediction_tokens\x18\x04 \x01(\r\x12\"\n\x1arejected_prediction_tokens\x18\x05 \x01(\r\"\xff\x01\n\x10GenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x37\n\rfinish_reason\x18\x03 \x01(\x0e\x32 .speclane.common.v1.FinishReason\x12)\n\x05usage\x18\x04 \x01(\x0b\x32\x1a.speclane.gateway.v1.Usage\x12\x33\n\x08logprobs\x18\x05 \x03(\x0b\x32!.speclane.gateway.v1.TokenLogprob\x12\x31\n\ntool_calls\x18\x06 \x03(\x0b\x32\x1d.speclane.gateway.v1.ToolCall\"\x15\n\x13GetModelInfoRequest\"\xfe\x01\n\tModelInfo\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x17\n\x0fmax_context_len\x18\x02 \x01(\r\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x43\n\x13\x64\x65\x66\x61ult_speculation\x18\x04 \x01(\x0b\x32&.speclane.gateway.v1.SpeculationConfig\x12\x15\n\rnum_verifiers\x18\x05 \x01(\r\x12\x1d\n\x15num_verifiers_serving\x18\x06 \x01(\r\x12\x1a\n\x12\x64rafter_configured\x18\x07 \x01(\x08\x12\x19\n\x11\x64rafter_reachable\x18\x08 \x01(\x08\x32\xc1\x01\n\nGeneration\x12Y\n\x08Generate\x12$.speclane.gateway.v1.GenerateRequest\x1a%.speclane.gateway.v1.GenerateResponse0\x01\x12X\n\x0cGetModelInfo\x12(.speclane.gateway.v1.GetModelInfoRequest\x1a\x1e.speclane.gateway.v1.ModelInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'protos.gateway.v1.gateway_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_CHATMESSAGE']._serialized_start=87
-  _globals['_CHATMESSAGE']._serialized_end=131
-  _globals['_CHATMESSAGES']._serialized_start=133
-  _globals['_CHATMESSAGES']._serialized_end=199
-  _globals['_TOKENIDS']._serialized_start=201
-  _globals['_TOKENIDS']._serialized_end=224
-  _globals['_SPECULATIONCONFIG']._serialized_start=227
-  _globals['_SPECULATIONCONFIG']._serialized_end=942
-  _globals['_GENERATEREQUEST']._serialized_start=945
-  _globals['_GENERATEREQUEST']._serialized_end=1398
-  _globals['_SPECULATIONUSAGE']._serialized_start=1400
-  _globals['_SPECULATIONUSAGE']._serialized_end=1487
-  _globals['_USAGE']._serialized_start=1489
-  _globals['_USAGE']._serialized_end=1606
-  _globals['_GENERATERESPONSE']._serialized_start=1609
-  _globals['_GENERATERESPONSE']._serialized_end=1760
-  _globals['_GENERATION']._serialized_start=1762
-  _globals['_GENERATION']._serialized_end=1865
+  _globals['_GENERATEREQUEST_LOGITBIASENTRY']._loaded_options = None
+  _globals['_GENERATEREQUEST_LOGITBIASENTRY']._serialized_options = b'8\001'
+  _globals['_CHATMESSAGE']._serialized_start=88
+  _globals['_CHATMESSAGE']._serialized_end=219
+  _globals['_TOOLCALL']._serialized_start=221
+  _globals['_TOOLCALL']._serialized_end=276
+  _globals['_TOOL']._serialized_start=278
+  _globals['_TOOL']._serialized_end=339
+  _globals['_TOKENLOGPROB']._serialized_start=341
+  _globals['_TOKENLOGPROB']._serialized_end=417
+  _globals['_CHATMESSAGES']._serialized_start=419
+  _globals['_CHATMESSAGES']._serialized_end=485
+  _globals['_TOKENIDS']._serialized_start=487
+  _globals['_TOKENIDS']._serialized_end=510
+  _globals['_SPECULATIONCONFIG']._serialized_start=513
+  _globals['_SPECULATIONCONFIG']._serialized_end=1228
+  _globals['_GENERATEREQUEST']._serialized_start=1231
+  _globals['_GENERATEREQUEST']._serialized_end=2341
+  _globals['_GENERATEREQUEST_LOGITBIASENTRY']._serialized_start=2085
+  _globals['_GENERATEREQUEST_LOGITBIASENTRY']._serialized_end=2133
+  _globals['_SPECULATIONUSAGE']._serialized_start=2343
+  _globals['_SPECULATIONUSAGE']._serialized_end=2430
+  _globals['_USAGE']._serialized_start=2433
+  _globals['_USAGE']._serialized_end=2622
+  _globals['_GENERATERESPONSE']._serialized_start=2625
+  _globals['_GENERATERESPONSE']._serialized_end=2880
+  _globals['_GETMODELINFOREQUEST']._serialized_start=2882
+  _globals['_GETMODELINFOREQUEST']._serialized_end=2903
+  _globals['_MODELINFO']._serialized_start=2906
+  _globals['_MODELINFO']._serialized_end=3160
+  _globals['_GENERATION']._serialized_start=3163
+  _globals['_GENERATION']._serialized_end=3356
 # @@protoc_insertion_point(module_scope)

@@ -39,6 +39,11 @@ class GenerationStub:
                 request_serializer=protos_dot_gateway_dot_v1_dot_gateway__pb2.GenerateRequest.SerializeToString,
                 response_deserializer=protos_dot_gateway_dot_v1_dot_gateway__pb2.GenerateResponse.FromString,
                 _registered_method=True)
+        self.GetModelInfo = channel.unary_unary(
+                '/speclane.gateway.v1.Generation/GetModelInfo',
+                request_serializer=protos_dot_gateway_dot_v1_dot_gateway__pb2.GetModelInfoRequest.SerializeToString,
+                response_deserializer=protos_dot_gateway_dot_v1_dot_gateway__pb2.ModelInfo.FromString,
+                _registered_method=True)
 
 
 class GenerationServicer:
@@ -52,6 +57,14 @@ class GenerationServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetModelInfo(self, request, context):
+        """What this server serves and the state of the services behind it (asked
+        live: up to a couple of seconds when one does not answer).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GenerationServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -59,6 +72,11 @@ def add_GenerationServicer_to_server(servicer, server):
                     servicer.Generate,
                     request_deserializer=protos_dot_gateway_dot_v1_dot_gateway__pb2.GenerateRequest.FromString,
                     response_serializer=protos_dot_gateway_dot_v1_dot_gateway__pb2.GenerateResponse.SerializeToString,
+            ),
+            'GetModelInfo': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetModelInfo,
+                    request_deserializer=protos_dot_gateway_dot_v1_dot_gateway__pb2.GetModelInfoRequest.FromString,
+                    response_serializer=protos_dot_gateway_dot_v1_dot_gateway__pb2.ModelInfo.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -88,6 +106,33 @@ class Generation:
             '/speclane.gateway.v1.Generation/Generate',
             protos_dot_gateway_dot_v1_dot_gateway__pb2.GenerateRequest.SerializeToString,
             protos_dot_gateway_dot_v1_dot_gateway__pb2.GenerateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetModelInfo(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/speclane.gateway.v1.Generation/GetModelInfo',
+            protos_dot_gateway_dot_v1_dot_gateway__pb2.GetModelInfoRequest.SerializeToString,
+            protos_dot_gateway_dot_v1_dot_gateway__pb2.ModelInfo.FromString,
             options,
             channel_credentials,
             insecure,

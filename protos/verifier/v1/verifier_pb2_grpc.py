@@ -49,6 +49,11 @@ class VerifierStub:
                 request_serializer=protos_dot_verifier_dot_v1_dot_verifier__pb2.GetTokenizerRequest.SerializeToString,
                 response_deserializer=protos_dot_verifier_dot_v1_dot_verifier__pb2.TokenizerFiles.FromString,
                 _registered_method=True)
+        self.GetLoad = channel.unary_unary(
+                '/speclane.verifier.v1.Verifier/GetLoad',
+                request_serializer=protos_dot_verifier_dot_v1_dot_verifier__pb2.GetLoadRequest.SerializeToString,
+                response_deserializer=protos_dot_verifier_dot_v1_dot_verifier__pb2.EngineLoad.FromString,
+                _registered_method=True)
 
 
 class VerifierServicer:
@@ -84,6 +89,14 @@ class VerifierServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetLoad(self, request, context):
+        """The engine's load right now (answered between forward passes): what a
+        gateway sums over its verifiers for vLLM's scheduler and cache metrics.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_VerifierServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -101,6 +114,11 @@ def add_VerifierServicer_to_server(servicer, server):
                     servicer.GetTokenizer,
                     request_deserializer=protos_dot_verifier_dot_v1_dot_verifier__pb2.GetTokenizerRequest.FromString,
                     response_serializer=protos_dot_verifier_dot_v1_dot_verifier__pb2.TokenizerFiles.SerializeToString,
+            ),
+            'GetLoad': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetLoad,
+                    request_deserializer=protos_dot_verifier_dot_v1_dot_verifier__pb2.GetLoadRequest.FromString,
+                    response_serializer=protos_dot_verifier_dot_v1_dot_verifier__pb2.EngineLoad.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -184,6 +202,33 @@ class Verifier:
             '/speclane.verifier.v1.Verifier/GetTokenizer',
             protos_dot_verifier_dot_v1_dot_verifier__pb2.GetTokenizerRequest.SerializeToString,
             protos_dot_verifier_dot_v1_dot_verifier__pb2.TokenizerFiles.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetLoad(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/speclane.verifier.v1.Verifier/GetLoad',
+            protos_dot_verifier_dot_v1_dot_verifier__pb2.GetLoadRequest.SerializeToString,
+            protos_dot_verifier_dot_v1_dot_verifier__pb2.EngineLoad.FromString,
             options,
             channel_credentials,
             insecure,

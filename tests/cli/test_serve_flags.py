@@ -1,0 +1,48 @@
+"""`speclane serve` takes vLLM's --gpu-memory-utilization and --seed and hands
+them to the verifier process; a hub model id is fetched once and served under
+its id, as `vllm serve org/name` does."""
+
+import argparse
+import json
+
+import pytest
+from huggingface_hub import constants as hf_constants
+
+from speclane.config import to_argv
+from speclane_cli import serve
+
+COMMIT = "0123456789abcdef0123456789abcdef01234567"
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    serve.add_arguments(parser)
+    return parser.parse_args(argv)
+
+
+@pytest.fixture
+def model_dir(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    return str(tmp_path)
+
+
+def test_vllm_memory_and_seed_flags_reach_the_verifier(model_dir):
+    _, verifier, _ = serve.configs_from_args(parse([model_dir, "--gpu-memory-utilization", "0.85", "--seed", "42"]))
+    assert (verifier.gpu_memory_utilization, verifier.seed) == (0.85, 42)
+    argv = to_argv(verifier)  # the verifier process's command line
+    assert argv[argv.index("--gpu-memory-utilization") + 1] == "0.85"
+    assert argv[argv.index("--seed") + 1] == "42"
+
+
+def test_a_hub_model_id_is_served_under_its_id(tmp_path, monkeypatch):
+    cache = tmp_path / "hub"
+    snapshot = cache / "models--tiny-org--tiny-llama" / "snapshots" / COMMIT
+    snapshot.mkdir(parents=True)
+    (snapshot / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    (cache / "models--tiny-org--tiny-llama" / "refs").mkdir()
+    (cache / "models--tiny-org--tiny-llama" / "refs" / "main").write_text(COMMIT)
+    monkeypatch.setattr(hf_constants, "HF_HUB_CACHE", str(cache))
+    monkeypatch.delenv("VLLM_USE_MODELSCOPE", raising=False)
+    _, verifier, gateway = serve.configs_from_args(parse(["tiny-org/tiny-llama"]))
+    assert verifier.model == gateway.model == str(snapshot)
+    assert verifier.model_name == gateway.served_model_name == "tiny-org/tiny-llama"

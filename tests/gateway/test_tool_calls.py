@@ -1,0 +1,89 @@
+import json
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from gateway.errors import InvalidRequest
+from gateway.structured_output import response_format_grammar, tool_choice_plan
+from gateway.tool_calls import TOOL_CALL_PARSERS, HermesStream
+
+HERMES = TOOL_CALL_PARSERS["hermes"]
+JSON = TOOL_CALL_PARSERS["json"]
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+TIME = {"type": "function", "function": {"name": "get_time"}}
+TWO_CALLS = ('Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
+             '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>')
+
+
+def test_hermes_reads_calls_and_keeps_the_text_before_them():
+    content, calls = HERMES.parse(TWO_CALLS)
+    assert content == "Let me check.\n"
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [("get_weather", {"city": "Paris"}),
+                                                                  ("get_time", {})]
+    assert len({c.id for c in calls}) == 2 and all(c.id.startswith("call_") for c in calls)
+
+
+def test_hermes_plain_text_is_content():
+    assert HERMES.parse("Paris is sunny. Use <b>tags</b> freely.") == ("Paris is sunny. Use <b>tags</b> freely.", [])
+
+
+def test_hermes_call_cut_short_counts_only_when_its_json_is_whole():
+    content, calls = HERMES.parse('<tool_call>\n{"name": "get_time", "arguments": {}}')
+    assert content == "" and [c.name for c in calls] == ["get_time"]
+    content, calls = HERMES.parse('<tool_call>\n{"name": "get_ti')
+    assert calls == [] and content == '<tool_call>\n{"name": "get_ti'
+
+
+@given(st.lists(st.integers(min_value=1, max_value=len(TWO_CALLS)), max_size=30))
+def test_hermes_streaming_gives_the_same_result_however_the_text_is_cut(cuts):
+    stream, content, calls = HermesStream(), [], []
+    bounds = [0, *sorted(set(cuts)), len(TWO_CALLS)]
+    for start, end in zip(bounds, bounds[1:]):
+        text, new = stream.push(TWO_CALLS[start:end])
+        content.append(text)
+        calls += new
+    text, new = stream.finish()
+    assert "".join(content) + text == "Let me check.\n"
+    assert [c.name for c in calls + new] == ["get_weather", "get_time"]
+
+
+def test_hermes_stream_holds_back_what_may_start_a_call():
+    stream = HermesStream()
+    assert stream.push("Sure <tool") == ("Sure ", [])
+    assert stream.push("tip> ok") == ("<tooltip> ok", [])
+
+
+def test_json_parser_reads_one_call_or_a_list_and_leaves_prose_alone():
+    _, calls = JSON.parse('{"name": "get_weather", "parameters": {"city": "Oslo"}}')
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [("get_weather", {"city": "Oslo"})]
+    _, calls = JSON.parse('[{"name": "a", "arguments": {}}, {"name": "b", "arguments": {"x": 1}}]')
+    assert [c.name for c in calls] == ["a", "b"]
+    assert JSON.parse("The answer is {42}.") == ("The answer is {42}.", [])
+    assert JSON.parse('{"not": "a call"}') == ('{"not": "a call"}', [])
+
+
+def test_tool_choice_plan():
+    assert tool_choice_plan(HERMES, None, None, None) == (None, None)
+    assert tool_choice_plan(HERMES, [WEATHER], None, None) == (None, HERMES)  # auto
+    assert tool_choice_plan(HERMES, [WEATHER], "auto", None, auto=False) == (None, None)
+    assert tool_choice_plan(HERMES, [WEATHER], "none", None) == (None, None)
+    grammar, parser = tool_choice_plan(HERMES, [WEATHER, TIME], "required", None)
+    assert parser is HERMES and '"get_weather"' in grammar and '"get_time"' in grammar and "call)*" in grammar
+    grammar, _ = tool_choice_plan(HERMES, [WEATHER, TIME], {"type": "function", "function": {"name": "get_time"}},
+                                  None)
+    assert '"get_time"' in grammar and "get_weather" not in grammar
+    with pytest.raises(InvalidRequest, match="--tool-call-parser"):
+        tool_choice_plan(None, [WEATHER], "auto", None)
+    with pytest.raises(InvalidRequest, match="must be one of"):
+        tool_choice_plan(HERMES, [WEATHER], "sometimes", None)
+
+
+def test_response_format_grammar():
+    assert response_format_grammar(None) is None
+    assert response_format_grammar({"type": "text"}) is None
+    assert response_format_grammar({"type": "json_object"}) == 'start: %json {"type": "object"}'
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}}
+    assert response_format_grammar({"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}) \
+        == "start: %json " + json.dumps(schema)

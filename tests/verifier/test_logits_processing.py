@@ -1,0 +1,286 @@
+"""Logit controls with vLLM's meanings, each verified row processed with the
+draft path that leads to it: hand-computed expectations, greedy speculation
+equal to one-token-at-a-time decoding, sampled speculation distributed as
+the processed target, and validation down to gRPC status codes."""
+
+import asyncio
+import math
+
+import grpc
+import numpy as np
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from protos.conventions import chain_parents
+from protos.verifier.v1 import verifier_pb2
+from verifier_service.errors import InvalidRequest
+from verifier_service.logits_processing import LogitsProcessor, make_logits_processor
+from verifier_service.sampling import SamplingParams, target_probs
+from verifier_service.sequence import Draft, FinishReason, GenerationParams
+from verifier_service.service import params_from_proto
+from verifier_service.verify import verify_sampled
+
+from .conftest import GENERATION_EOS, VOCAB
+from .test_engine import PROMPT, wrong
+from .test_service import prefill, running_verifier, session_error, wait_serving
+from .test_tree import decoy_tree
+
+CPU = torch.device("cpu")
+INF = math.inf
+
+
+def processed(params: SamplingParams, prompt, output, rows, draft=(), parents=None, stop=frozenset()):
+    processor = LogitsProcessor(params, prompt, frozenset(stop), rows.shape[-1], CPU)
+    return processor(rows, [*prompt, *output], list(draft), parents or chain_parents(len(draft)))
+
+
+def test_logit_bias_is_added_to_every_row():
+    rows = torch.tensor([[1.0, 2.0, 3.0, 4.0], [0.0, 0.0, 0.0, 0.0]])
+    out = processed(SamplingParams(logit_bias={0: 2.5, 3: -100.0}), [1], [], rows, draft=[2])
+    assert torch.equal(out, torch.tensor([[3.5, 2.0, 3.0, -96.0], [2.5, 0.0, 0.0, -100.0]]))
+    assert torch.equal(rows[0], torch.tensor([1.0, 2.0, 3.0, 4.0]))  # the raw rows stay raw (logprobs use them)
+
+
+def test_min_tokens_masks_stop_tokens_in_rows_short_of_it():
+    # One token generated, min_tokens 3; tree rows at depths 0, 1, 1, 2 have generated 1, 2, 2, 3 tokens.
+    out = processed(SamplingParams(min_tokens=3), [0], [1], torch.zeros(4, 6),
+                    draft=[2, 3, 2], parents=(-1, -1, 1), stop={4, 5})
+    expected = torch.zeros(4, 6)
+    expected[:3, 4:] = -INF
+    assert torch.equal(out, expected)
+    assert torch.equal(processed(SamplingParams(min_tokens=3), [0], [1, 1, 1], torch.zeros(1, 6), stop={4}),
+                       torch.zeros(1, 6))
+
+
+def test_repetition_penalty_shrinks_prompt_and_output_tokens_towards_unlikely():
+    rows = torch.tensor([[2.0, 2.0, -2.0, 2.0, -2.0]])
+    out = processed(SamplingParams(repetition_penalty=2.0), [0], [1, 4], rows)
+    assert torch.equal(out, torch.tensor([[1.0, 1.0, -2.0, 2.0, -4.0]]))
+
+
+def test_frequency_and_presence_penalties_count_output_tokens_only():
+    out = processed(SamplingParams(frequency_penalty=0.5, presence_penalty=0.25), [0, 3], [1, 1, 2], torch.zeros(1, 4))
+    assert torch.equal(out, torch.tensor([[0.0, -1.25, -0.75, 0.0]]))
+
+
+def test_each_row_is_penalised_with_the_draft_path_that_leads_to_it():
+    # root -> node 0 (token 2); root -> node 1 (token 1) -> node 2 (token 3) -> node 3 (token 2)
+    params = SamplingParams(repetition_penalty=2.0, frequency_penalty=1.0, presence_penalty=0.5)
+    out = processed(params, [0], [1], torch.ones(5, 5), draft=[2, 1, 3, 2], parents=(-1, -1, 1, 2))
+    assert torch.equal(out, torch.tensor([
+        [0.5, -1.0, 1.0, 1.0, 1.0],  # output 1
+        [0.5, -1.0, -1.0, 1.0, 1.0],  # output 1, 2
+        [0.5, -2.0, 1.0, 1.0, 1.0],  # output 1, 1
+        [0.5, -2.0, 1.0, -1.0, 1.0],  # output 1, 1, 3
+        [0.5, -2.0, -1.0, -1.0, 1.0],  # output 1, 1, 3, 2
+    ]))
+
+
+def test_output_counts_follow_each_steps_committed_tokens():
+    processor = LogitsProcessor(SamplingParams(frequency_penalty=1.0), [0], frozenset(), 4, CPU)
+    assert torch.equal(processor(torch.zeros(1, 4), [0, 1], [], ()), torch.tensor([[0.0, -1.0, 0.0, 0.0]]))
+    assert torch.equal(processor(torch.zeros(1, 4), [0, 1, 2, 2], [], ()), torch.tensor([[0.0, -1.0, -2.0, 0.0]]))
+
+
+def test_min_p_cuts_after_temperature():
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    # At temperature 2, p is proportional to sqrt(probs): only the last token is under 0.4 x the top one.
+    out = target_probs(probs.log()[None], SamplingParams(temperature=2.0, min_p=0.4))[0]
+    expected = probs.sqrt() * torch.tensor([1.0, 1.0, 1.0, 0.0])
+    assert torch.allclose(out, expected / expected.sum())
+
+
+def test_a_request_without_controls_gets_no_processor():
+    def processor(**controls):
+        return make_logits_processor(SamplingParams(**controls), [1], frozenset({2}), VOCAB, CPU)
+
+    assert processor(temperature=1.0, top_k=5, top_p=0.9, min_p=0.1) is None
+    for control in ({"presence_penalty": 0.1}, {"frequency_penalty": -0.1}, {"repetition_penalty": 1.1},
+                    {"logit_bias": {3: 1.0}}, {"min_tokens": 1}):
+        assert processor(**control) is not None, control
+
+
+def controlled(raw: torch.Tensor, prompt, output, params: SamplingParams, stop) -> torch.Tensor:
+    """vLLM's controls written out token by token: the reference for the per-row version."""
+    logits = raw.tolist()
+    for token, bias in params.logit_bias.items():
+        logits[token] += bias
+    if len(output) < params.min_tokens:
+        for token in stop:
+            logits[token] = -INF
+    for token, logit in enumerate(logits):
+        count = output.count(token)
+        if count or token in prompt:
+            logit = logit / params.repetition_penalty if logit > 0 else logit * params.repetition_penalty
+        logits[token] = logit - params.frequency_penalty * count - params.presence_penalty * (count > 0)
+    return torch.tensor(logits)
+
+
+def last_logits(hf_model, tokens: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return hf_model(torch.tensor([tokens])).logits[0, -1]
+
+
+def reference_greedy(hf_model, params: GenerationParams, stop, prompt=PROMPT) -> list[int]:
+    """One token at a time: the argmax of the controlled last row over everything so far."""
+    output: list[int] = []
+    while len(output) < params.max_new_tokens and not (output and output[-1] in stop):
+        raw = last_logits(hf_model, prompt + output)
+        output.append(int(controlled(raw, prompt, output, params.sampling, stop).argmax()))
+    return output
+
+
+DRAFTERS = {
+    "none": lambda future: Draft(),
+    "right": lambda future: Draft(tuple(future[:4])),
+    "wrong": lambda future: Draft(tuple(wrong(t) for t in future[:4])),
+    "partly_right": lambda future: Draft((*future[:2], *(wrong(t) for t in future[2:4]))),
+    "tree": lambda future: decoy_tree(future) if len(future) > 3 else Draft(tuple(future)),
+}
+# Strong enough to change this prompt's greedy output; EOS stays on, held back by min_tokens.
+CONTROLS = SamplingParams(presence_penalty=0.4, frequency_penalty=0.3, repetition_penalty=1.3,
+                          logit_bias={45: -2.0, 21: 1.5}, min_tokens=8)
+STOP = frozenset(GENERATION_EOS)
+
+
+def speculate(engine, params: GenerationParams, drafter, ref: list[int]):
+    """Drives a sequence to its end with drafts made from the reference continuation."""
+    seq = engine.open("s", PROMPT, params)
+    steps = [engine.prefill(seq)]
+    while not seq.finished:
+        steps.append(engine.verify(seq, drafter(ref[seq.num_generated:])))
+    engine.close(seq)
+    return seq, steps
+
+
+@pytest.mark.parametrize("drafter", DRAFTERS)
+def test_greedy_speculation_with_controls_equals_one_token_at_a_time(engine, hf_model, drafter):
+    params = GenerationParams(CONTROLS, max_new_tokens=24)
+    ref = reference_greedy(hf_model, params, STOP)
+    assert ref != reference_greedy(hf_model, GenerationParams(max_new_tokens=24), STOP)  # the controls matter
+    seq, steps = speculate(engine, params, DRAFTERS[drafter], ref)
+    assert seq.tokens[len(PROMPT):] == ref
+    if drafter in ("right", "tree"):
+        assert all(step.num_accepted >= 3 for step in steps[1:-1])
+
+
+@pytest.mark.parametrize("temperature", [None, 1.0])
+def test_min_tokens_holds_a_favoured_stop_token_back_even_when_drafted(engine, temperature):
+    eos = GENERATION_EOS[0]
+    sampling = SamplingParams(temperature=temperature, seed=0, logit_bias={eos: 100.0}, min_tokens=5)
+    seq = engine.open("s", PROMPT, GenerationParams(sampling, max_new_tokens=20))
+    engine.prefill(seq)
+    while not seq.finished:
+        engine.verify(seq, Draft((eos, eos, eos)))
+    output = seq.tokens[len(PROMPT):]
+    assert eos not in output[:5] and output[5] == eos
+    assert seq.finish_reason is FinishReason.STOP
+
+
+TRIALS = 10_000
+# A context (prompt, committed output) and a draft token the processed target
+# takes ~70% of the time, found so that counting the draft token in the next
+# row's penalties changes that row's distribution a lot.
+CHI_PROMPT, CHI_OUTPUT, CHI_DRAFT = [9, 27, 51, 60, 11, 34], [6, 49], 20
+SAMPLED = SamplingParams(temperature=1.0, presence_penalty=1.0, frequency_penalty=1.5, repetition_penalty=1.5,
+                         min_p=0.05)
+
+
+def reference_probs(raw: torch.Tensor, output: list[int]) -> torch.Tensor:
+    p = torch.softmax(controlled(raw, CHI_PROMPT, output, SAMPLED, ()) / SAMPLED.temperature, -1)
+    p[p < SAMPLED.min_p * p.max()] = 0.0
+    return p / p.sum()
+
+
+def p_value(tokens: list[int], probs: torch.Tensor) -> float:
+    """Chi-square over the tokens `probs` allows (min_p leaves many at 0), the
+    rare ones pooled: the test wants about 5 expected counts per cell."""
+    observed = np.bincount(tokens, minlength=len(probs))[probs > 0]
+    expected = probs[probs > 0].double().numpy() * len(tokens)
+    rare = expected < 5
+    if rare.any():
+        observed = np.append(observed[~rare], observed[rare].sum())
+        expected = np.append(expected[~rare], expected[rare].sum())
+    return chisquare(observed, expected * observed.sum() / expected.sum()).pvalue
+
+
+def test_sampled_speculation_draws_each_position_from_its_processed_distribution(hf_model):
+    tokens, draft = CHI_PROMPT + CHI_OUTPUT, [CHI_DRAFT, 7]
+    with torch.no_grad():
+        rows = hf_model(torch.tensor([tokens + draft])).logits[0, len(tokens) - 1:]
+    processor = LogitsProcessor(SAMPLED, CHI_PROMPT, frozenset(), VOCAB, CPU)
+    probs = target_probs(processor(rows, tokens, draft, chain_parents(2)), SAMPLED)
+    generator = torch.Generator().manual_seed(0)
+    outputs = [verify_sampled(draft, probs, generator).token_ids for _ in range(TRIALS)]
+
+    first_expected = reference_probs(rows[0], CHI_OUTPUT)
+    second_expected = reference_probs(rows[1], CHI_OUTPUT + [CHI_DRAFT])
+    path_blind = reference_probs(rows[1], CHI_OUTPUT)
+    assert 0.5 * (second_expected - path_blind).abs().sum() > 0.3  # otherwise the test could not tell
+    first = [out[0] for out in outputs]
+    second = [out[1] for out in outputs if out[0] == CHI_DRAFT]
+    assert 0.5 < len(second) / TRIALS < 0.9
+    assert p_value(first, first_expected) > 0.001
+    assert p_value(second, second_expected) > 0.001
+    # min_p: tokens it cuts are never drawn.
+    assert all(first_expected[t] > 0 for t in set(first)) and all(second_expected[t] > 0 for t in set(second))
+
+
+@pytest.mark.parametrize("controls, message", [
+    ({"presence_penalty": 2.5}, "presence_penalty must be in [-2, 2]"),
+    ({"presence_penalty": math.nan}, "presence_penalty"),
+    ({"frequency_penalty": -2.1}, "frequency_penalty must be in [-2, 2]"),
+    ({"repetition_penalty": 0.0}, "repetition_penalty must be in (0, 2]"),
+    ({"repetition_penalty": 2.5}, "repetition_penalty"),
+    ({"min_p": -0.1}, "min_p must be in [0, 1]"),
+    ({"min_p": 1.5}, "min_p"),
+    ({"logit_bias": {3: 100.5}}, "logit_bias of token 3 must be in [-100, 100]"),
+    ({"min_tokens": -1}, "min_tokens must be >= 0"),
+])
+def test_bad_controls_are_refused(controls, message):
+    with pytest.raises(InvalidRequest, match=message.replace("[", r"\[").replace("(", r"\(")):
+        SamplingParams(**controls)
+
+
+def test_controls_the_engine_checks_are_refused(engine):
+    with pytest.raises(InvalidRequest, match="min_tokens must be <= max_new_tokens"):
+        GenerationParams(SamplingParams(min_tokens=5), max_new_tokens=4)
+    for token in (VOCAB, -1):
+        with pytest.raises(InvalidRequest, match="logit_bias token id"):
+            engine.open("s", PROMPT, GenerationParams(SamplingParams(logit_bias={token: 1.0})))
+    assert engine.num_live == 0
+
+
+def test_proto_controls_map_to_the_domain_and_absent_ones_are_off():
+    assert params_from_proto(verifier_pb2.SamplingParams(max_new_tokens=4)).sampling == SamplingParams()
+    params = params_from_proto(verifier_pb2.SamplingParams(
+        max_new_tokens=4, presence_penalty=0.5, frequency_penalty=-0.25, repetition_penalty=1.5, min_p=0.125,
+        logit_bias={7: -3.5}, min_tokens=2, logprobs=3))
+    assert params.sampling == SamplingParams(presence_penalty=0.5, frequency_penalty=-0.25, repetition_penalty=1.5,
+                                             min_p=0.125, logit_bias={7: -3.5}, min_tokens=2)
+    assert params.logprobs == 3
+
+
+BAD_PREFILLS = {
+    "presence_penalty": ({"presence_penalty": 3}, "presence_penalty"),
+    "repetition_penalty": ({"repetition_penalty": 0}, "repetition_penalty"),
+    "min_p": ({"min_p": 2}, "min_p"),
+    "logit_bias value": ({"logit_bias": {3: -200}}, "logit_bias of token 3"),
+    "logit_bias token": ({"logit_bias": {VOCAB: 1}}, "logit_bias token id"),
+    "min_tokens": ({"min_tokens": 5}, "min_tokens"),
+}
+
+
+def test_bad_controls_are_invalid_argument_through_grpc(tiny_model_dir):
+    async def main():
+        async with running_verifier(tiny_model_dir) as (channel, engine):
+            await wait_serving(channel)
+            for name, (fields, message) in BAD_PREFILLS.items():
+                sampling = verifier_pb2.SamplingParams(max_new_tokens=4, **fields)
+                error = await session_error(channel, prefill(sampling=sampling))
+                assert error.code() == grpc.StatusCode.INVALID_ARGUMENT, name
+                assert message in error.details(), name
+            assert await engine.num_live() == 0
+
+    asyncio.run(main())
