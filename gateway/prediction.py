@@ -11,9 +11,10 @@ from collections import defaultdict
 from collections.abc import Sequence
 
 # Shortest run of output tokens that re-aligns the output with the prediction:
-# a single common token (a space, a newline) would re-align at random.
-MIN_REALIGN_TOKENS = 2
-MAX_REALIGN_TOKENS = 8
+# shorter runs ("the output", a newline and an indent) recur in any text and
+# re-align at random, and each wrong re-alignment wastes a step's draft.
+MIN_REALIGN_TOKENS = 4
+MAX_REALIGN_TOKENS = 16
 
 
 class PredictionDrafter:
