@@ -1,10 +1,12 @@
 """Configuration of the drafter service (flags `--max-tree-depth`, env `SPECLANE_DRAFTER_MAX_TREE_DEPTH`, ...)."""
 
+import dataclasses
 from dataclasses import dataclass
 
 from speclane.config import option
 from speclane.log import check_log_level
 from speclane.speculation import MAX_TREE_DEPTH, DrafterLimits
+from speclane.tls import TlsFiles, server_tls
 
 ENV_PREFIX = "SPECLANE_DRAFTER_"
 
@@ -24,8 +26,18 @@ class DrafterConfig:
                                     "restored from at start; empty disables persistence")
     snapshot_interval_seconds: float = option(300.0, "seconds between periodic snapshots")
     metrics_port: int = option(0, "port of the Prometheus /metrics endpoint; 0 disables it")
-    max_concurrent_rpcs: int = option(1024, "open sessions beyond which new ones get RESOURCE_EXHAUSTED")
+    # Sessions, not RPCs: health checks and GetInfo must answer however busy the drafter is.
+    max_sessions: int = option(1024, "open sessions beyond which new ones get RESOURCE_EXHAUSTED (the gateway "
+                                     "then generates without drafts)")
+    # Each session's own suffix tree takes up to ~80 bytes a token: with max_sessions, a memory bound.
+    max_session_tokens: int = option(131072, "prompt + output tokens one session may hold: a longer prompt is "
+                                             "refused, a session growing past it ends (RESOURCE_EXHAUSTED)")
     log_level: str = option("info", "debug, info, warning or error")
+    tls_cert: str = option("", "PEM certificate of the gRPC server: it then serves TLS (mTLS with --tls-ca)")
+    tls_key: str = option("", "PEM private key of --tls-cert")
+    tls_ca: str = option("", "PEM certificate of the CA that signs the clients' certificates: every client must then "
+                             "show one (mTLS); needs --tls-cert")
+    tls: TlsFiles = dataclasses.field(init=False, repr=False)
 
     def __post_init__(self):
         host, _, port = self.address.rpartition(":")
@@ -41,9 +53,12 @@ class DrafterConfig:
             raise ValueError("snapshot_interval_seconds must be > 0")
         if not 0 <= self.metrics_port <= 65535:
             raise ValueError("metrics_port must be a port number (0 disables metrics)")
-        if self.max_concurrent_rpcs < 1:
-            raise ValueError("max_concurrent_rpcs must be >= 1")
+        if self.max_sessions < 1:
+            raise ValueError("max_sessions must be >= 1")
+        if self.max_session_tokens < 1:
+            raise ValueError("max_session_tokens must be >= 1")
         check_log_level(self.log_level)
+        object.__setattr__(self, "tls", server_tls(self.tls_cert, self.tls_key, self.tls_ca))
 
     @property
     def limits(self) -> DrafterLimits:

@@ -69,9 +69,10 @@ async def run(config: DrafterConfig, ready: Callable[[int], None] | None = None)
 
     log.info("drafter_starting", max_tree_depth=config.max_tree_depth,
              max_cached_requests=config.max_cached_requests, max_cached_tokens=config.max_cached_tokens,
+             max_sessions=config.max_sessions, max_session_tokens=config.max_session_tokens,
              snapshot_path=config.snapshot_path or None)
     await serve(address=config.address, add_servicers=add_servicers, warmup=warmup, on_shutdown=on_shutdown,
-                max_concurrent_rpcs=config.max_concurrent_rpcs, ready=ready)
+                ready=ready, tls=config.tls)
 
 
 def main(argv: list[str] | None = None, prog: str = "python -m drafter_service") -> None:

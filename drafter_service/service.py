@@ -47,9 +47,26 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         self._limits = config.limits
         self._info = info_to_proto(config.limits, config.max_cached_tokens, config.share_tenants)
         self._metrics = metrics
+        # Together a memory bound: each open session holds a suffix tree over its tokens.
+        self._max_sessions = config.max_sessions
+        self._max_session_tokens = config.max_session_tokens
+        self._open_sessions = 0
 
     async def GetInfo(self, request, context: grpc.aio.ServicerContext):
         return self._info
+
+    async def _admit(self, context: grpc.aio.ServicerContext, start: drafter_pb2.Start) -> None:
+        """Refuses a session beyond the limits with RESOURCE_EXHAUSTED, which costs its
+        request only the drafts (INVALID_ARGUMENT would fail the request at the gateway)."""
+        if self._open_sessions >= self._max_sessions:
+            detail = f"the drafter has its maximum of {self._max_sessions} sessions open (--max-sessions)"
+        elif len(start.prompt_token_ids) > self._max_session_tokens:
+            detail = (f"the prompt has {len(start.prompt_token_ids)} tokens; a drafter session holds at most "
+                      f"{self._max_session_tokens} (--max-session-tokens)")
+        else:
+            return
+        log.warning("session_refused", sequence_id=start.sequence_id, reason=detail)
+        await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, detail)
 
     async def Session(self, request_iterator, context: grpc.aio.ServicerContext):
         bind_request_id_from(context)
@@ -65,12 +82,14 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         if _has_negative(start.prompt_token_ids):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "start.prompt_token_ids must not be negative")
         tenant = start.tenant or metadata_value(context.invocation_metadata(), TENANT_METADATA_KEY) or ""
+        await self._admit(context, start)
         proposer = SequenceProposer(self._engine, settings, tenant)
         proposer.start(start.prompt_token_ids)
         log.info("session_start", sequence_id=start.sequence_id, tenant=tenant, method=settings.method,
                  prompt_tokens=len(start.prompt_token_ids), num_speculative_tokens=settings.num_speculative_tokens)
         steps = drafted = 0
         ended_by = "error"
+        self._open_sessions += 1  # no await since _admit checked it
         try:
             async for request in requests:
                 kind = request.WhichOneof("kind")
@@ -85,6 +104,9 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
                     proposer.commit(step.committed_token_ids, step.committed_len)
                 except CommittedLengthMismatch as exc:
                     await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+                if proposer.committed_len > self._max_session_tokens:
+                    await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"the session passed the drafter's "
+                                        f"limit of {self._max_session_tokens} tokens (--max-session-tokens)")
                 started = time.perf_counter()
                 draft = await proposer.propose()
                 self._metrics.observe_step(draft, time.perf_counter() - started)
@@ -96,6 +118,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
             ended_by = "cancelled"
             raise
         finally:
+            self._open_sessions -= 1
             proposer.end()
             log.info("session_end", sequence_id=start.sequence_id, tenant=tenant, ended_by=ended_by, steps=steps,
                      output_tokens=proposer.committed_len - len(start.prompt_token_ids), drafted_tokens=drafted)

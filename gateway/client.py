@@ -13,6 +13,12 @@ restarting) before any token arrived is retried with back-off; once tokens
 have arrived an error is raised, never a silent restart. `timeout` is the
 deadline of the whole call, retries included. Leaving a stream early (break,
 or cancelling the task) cancels the generation on the server.
+
+A gateway serving TLS (`--tls-cert`) is reached with `root_certificates`, the PEM
+of the CA that signed its certificate (`speclane certs` writes it as ca.pem), or
+with `tls=True` when a CA the system trusts signed it:
+
+    GenerationClient("gateway.example:50060", root_certificates=pathlib.Path("ca.pem").read_bytes())
 """
 
 import asyncio
@@ -187,13 +193,23 @@ class _Settings:
         return delay
 
 
+def _credentials(tls: bool, root_certificates: bytes | None) -> grpc.ChannelCredentials | None:
+    """TLS when asked for or given a CA (else None: plaintext); without a CA, gRPC's default roots."""
+    if not tls and root_certificates is None:
+        return None
+    return grpc.ssl_channel_credentials(root_certificates=root_certificates)
+
+
 def _remaining(deadline: float | None) -> float | None:
     return None if deadline is None else max(deadline - time.monotonic(), 0.0)
 
 
 class GenerationClient:
-    def __init__(self, address: str, *, api_key: str | None = None, tenant: str | None = None, retries: int = 3):
-        self._channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+    def __init__(self, address: str, *, api_key: str | None = None, tenant: str | None = None, retries: int = 3,
+                 tls: bool = False, root_certificates: bytes | None = None):
+        credentials = _credentials(tls, root_certificates)
+        self._channel = (grpc.insecure_channel(address, options=CHANNEL_OPTIONS) if credentials is None
+                         else grpc.secure_channel(address, credentials, options=CHANNEL_OPTIONS))
         self._stub = gateway_pb2_grpc.GenerationStub(self._channel)
         self._settings = _Settings(api_key=api_key, tenant=tenant, retries=retries)
 
@@ -237,8 +253,11 @@ class GenerationClient:
 
 
 class AsyncGenerationClient:
-    def __init__(self, address: str, *, api_key: str | None = None, tenant: str | None = None, retries: int = 3):
-        self._channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+    def __init__(self, address: str, *, api_key: str | None = None, tenant: str | None = None, retries: int = 3,
+                 tls: bool = False, root_certificates: bytes | None = None):
+        credentials = _credentials(tls, root_certificates)
+        self._channel = (grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS) if credentials is None
+                         else grpc.aio.secure_channel(address, credentials, options=CHANNEL_OPTIONS))
         self._stub = gateway_pb2_grpc.GenerationStub(self._channel)
         self._settings = _Settings(api_key=api_key, tenant=tenant, retries=retries)
 

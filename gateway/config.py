@@ -3,11 +3,14 @@
 import dataclasses
 from dataclasses import dataclass
 
+from gateway.auth import Keyring
+from gateway.limits import DEFAULT_MAX_REQUEST_BODY_BYTES
 from gateway.sampling_defaults import GENERATION_CONFIG_MODES
 from gateway.tool_calls import TOOL_CALL_PARSERS
 from speclane.config import option
 from speclane.log import check_log_level
 from speclane.speculation import SpeculationSettings, parse_speculative_config
+from speclane.tls import TlsFiles, check_pair
 
 ENV_PREFIX = "SPECLANE_GATEWAY_"
 
@@ -34,16 +37,40 @@ class GatewayConfig:
     enable_auto_tool_choice: bool = option(True, "read tool calls from the output when tool_choice is auto "
                                                  "(vLLM needs the flag; here it is on by default)")
     draft_timeout_ms: int = option(200, "a draft slower than this is skipped and the drafter given a rest")
+    # Above the verifier's default --max-queue-wait (30 s), which a prefill may legitimately spend waiting for KV.
+    verifier_timeout_s: float = option(60.0, "seconds a prefill or verify step waits for the verifier's answer "
+                                             "before the request fails with 503 / UNAVAILABLE (a frozen link "
+                                             "would otherwise hang it); 0: no deadline")
     max_concurrent_requests: int = option(64, "requests in flight before new ones get HTTP 429 / RESOURCE_EXHAUSTED")
     api_key: tuple[str, ...] = option((), "comma-separated keys a client must send (Authorization: Bearer KEY, "
                                           "or gRPC metadata authorization); empty: no authentication",
                                       secret=True)
+    api_keys_file: str = option("", "JSON or YAML file mapping each API key to its tenant and concurrency limit, "
+                                    "{\"KEY\": {\"tenant\": \"team-a\", \"max_concurrent_requests\": 4}}; with "
+                                    "keys, a request's tenant is its key's, never the x-tenant-id header")
+    protect_metrics: bool = option(False, "/metrics needs an API key too (/health stays open for probes)")
+    max_tokens_limit: int = option(0, "largest max_tokens a request may ask for (400 beyond), and the default of "
+                                      "requests that ask for none; 0: the context length is the only limit")
+    max_request_body_bytes: int = option(DEFAULT_MAX_REQUEST_BODY_BYTES, "largest HTTP request body; a larger "
+                                                                         "one gets 413")
     log_level: str = option("info", "debug, info, warning or error")
+    tls_cert: str = option("", "PEM certificate of the gateway: the gRPC Generate API serves TLS with it (client "
+                               "certificates not required: clients show API keys), and it is the gateway's client "
+                               "certificate towards the drafter and verifiers")
+    tls_key: str = option("", "PEM private key of --tls-cert")
+    tls_ca: str = option("", "PEM certificate of the CA that signs the drafter's and verifiers' certificates: the "
+                             "gateway then dials them over TLS (mTLS with --tls-cert); empty: plaintext")
+    tls_server_name: str = option("", "name the drafter's and verifiers' certificates must carry, instead of the host "
+                                      "dialled (grpc.ssl_target_name_override); needs --tls-ca")
+    ssl_certfile: str = option("", "PEM certificate of the HTTP API: it then serves HTTPS (vLLM's flag)")
+    ssl_keyfile: str = option("", "PEM private key of --ssl-certfile (vLLM's flag)")
     speculation: SpeculationSettings = dataclasses.field(init=False, repr=False)
     # Drafter-wide keys of --speculative-config (tree depth, cached requests): the
     # drafter's own flags set them; `speclane serve` passes these on to it.
     drafter_wide_speculation: dict = dataclasses.field(init=False, repr=False)
     unused_speculation_keys: tuple[str, ...] = dataclasses.field(init=False, repr=False)  # warned about
+    tls: TlsFiles = dataclasses.field(init=False, repr=False)  # the drafter and verifier links
+    keyring: Keyring = dataclasses.field(init=False, repr=False, compare=False)  # --api-key and --api-keys-file
 
     def __post_init__(self):
         if not 0 < self.port < 65536:
@@ -57,9 +84,21 @@ class GatewayConfig:
                              f"got {self.tool_call_parser!r}")
         if self.draft_timeout_ms <= 0:
             raise ValueError("draft_timeout_ms must be positive")
+        if self.verifier_timeout_s < 0:
+            raise ValueError("verifier_timeout_s must be >= 0 (0: no deadline)")
         if self.max_concurrent_requests < 1:
             raise ValueError("max_concurrent_requests must be >= 1")
+        if self.max_tokens_limit < 0:
+            raise ValueError("max_tokens_limit must be >= 0 (0: no limit but the context length)")
+        if self.max_request_body_bytes < 1:
+            raise ValueError("max_request_body_bytes must be >= 1")
+        # Read once, here: a bad keys file stops the start with a usage error.
+        object.__setattr__(self, "keyring", Keyring.load(self.api_key, self.api_keys_file))
+        if self.protect_metrics and not self.keyring:
+            raise ValueError("protect_metrics needs API keys (--api-key or --api-keys-file) to check")
         check_log_level(self.log_level)
+        check_pair("--ssl-certfile", self.ssl_certfile, "--ssl-keyfile", self.ssl_keyfile)
+        object.__setattr__(self, "tls", TlsFiles(self.tls_cert, self.tls_key, self.tls_ca, self.tls_server_name))
         speculation, drafter_wide, unused = parse_speculative_config(self.speculative_config)
         object.__setattr__(self, "speculation", speculation)
         object.__setattr__(self, "drafter_wide_speculation", drafter_wide)

@@ -15,6 +15,7 @@ from protos.common.v1 import common_pb2
 from protos.conventions import CHANNEL_OPTIONS, request_metadata
 from protos.drafter.v1 import drafter_pb2, drafter_pb2_grpc
 from speclane.speculation import DrafterLimits, limits_from_proto, settings_to_proto
+from speclane.tls import TlsFiles, aio_channel
 
 log = structlog.get_logger()
 
@@ -70,20 +71,25 @@ class DrafterSession:
         try:
             return await asyncio.wait_for(awaitable, self._timeout)
         except Exception as exc:  # noqa: BLE001 - whatever breaks the drafter must not break the request
-            refusal = await self._refusal()
+            code, details = await self._status()
             self._end()
-            if refusal is not None:
-                raise InvalidRequest(f"the drafter refused the speculation settings: {refusal}",
+            if code == grpc.StatusCode.INVALID_ARGUMENT:
+                raise InvalidRequest(f"the drafter refused the speculation settings: {details}",
                                      "speculation") from None
-            self._on_failure(exc)
+            if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                # A full drafter is not a dead one: this request goes on without drafts and
+                # the next ones still ask, where a rest would cost every request its drafts.
+                log.info("drafter_session_refused", reason=details)
+            else:
+                self._on_failure(exc)
         return None
 
-    async def _refusal(self) -> str | None:
-        """Why the drafter refused the session's settings, if it did. Its status may
-        come before our next write, which then fails with a local error instead."""
-        if self._call.done() and await self._call.code() == grpc.StatusCode.INVALID_ARGUMENT:
-            return await self._call.details()
-        return None
+    async def _status(self) -> tuple[grpc.StatusCode | None, str]:
+        """How the drafter ended the session, if it did. Its status may come before
+        our next write, which then fails with a local error instead."""
+        if self._call.done():
+            return await self._call.code(), await self._call.details()
+        return None, ""
 
     def _end(self) -> None:
         self.alive = False
@@ -95,8 +101,9 @@ class DrafterClient:
     dead drafter costs nothing but the missing speculation. Knows the drafter's
     limits (its GetInfo) once it has reached it, to check requests against."""
 
-    def __init__(self, address: str, timeout_seconds: float, retry_seconds: float = 5.0):
-        self._channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+    def __init__(self, address: str, timeout_seconds: float, retry_seconds: float = 5.0,
+                 tls: TlsFiles = TlsFiles()):
+        self._channel = aio_channel(address, tls, CHANNEL_OPTIONS)
         self._stub = drafter_pb2_grpc.DrafterStub(self._channel)
         self._timeout = timeout_seconds
         self._retry_seconds = retry_seconds

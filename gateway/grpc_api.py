@@ -6,7 +6,7 @@ import contextlib
 import grpc
 
 from gateway import grpc_messages
-from gateway.auth import AUTHORIZATION_METADATA_KEY, authorized
+from gateway.auth import AUTHORIZATION_METADATA_KEY, ApiKey, tenant_for
 from gateway.errors import InvalidRequest, ModelNotFound, Overloaded, Unavailable
 from gateway.model_info import Backends, model_info
 from gateway.serving import ServingContext, build_generation_request, generate_text
@@ -21,11 +21,17 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServicer):
         self._ctx = context
         self._backends = backends
 
-    async def _require_key(self, context) -> None:
-        if not authorized(self._ctx.api_keys, metadata_value(context.invocation_metadata(),
-                                                             AUTHORIZATION_METADATA_KEY)):
+    async def _require_key(self, context) -> ApiKey | None:
+        """The caller's key; None when no keys are configured (aborts without a good one)."""
+        if not self._ctx.keyring:
+            return None
+        caller = self._ctx.keyring.authenticate(metadata_value(context.invocation_metadata(),
+                                                               AUTHORIZATION_METADATA_KEY))
+        if caller is None:
+            self._ctx.metrics.record_error("unauthenticated")
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, "incorrect or missing API key "
                                 "(metadata authorization: Bearer KEY)")
+        return caller
 
     async def GetModelInfo(self, request, context):
         bind_request_id_from(context)
@@ -35,15 +41,15 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServicer):
     async def Generate(self, request, context):
         request_id = bind_request_id_from(context)
         metadata = context.invocation_metadata()
-        await self._require_key(context)
-        tenant = metadata_value(metadata, TENANT_METADATA_KEY) or ""
+        caller = await self._require_key(context)
+        tenant = tenant_for(caller, metadata_value(metadata, TENANT_METADATA_KEY))
         try:
             tool_grammar, tool_parser = grpc_messages.tool_plan(self._ctx, request)
             params = grpc_messages.params(request, tenant, tool_grammar)
             generation = build_generation_request(self._ctx, request_id, params, **grpc_messages.prompt(request))
             tools = tool_parser.stream() if tool_parser else None
             called = False
-            with self._ctx.limiter.acquire():
+            with self._ctx.limiter.acquire(1, caller):
                 completion_tokens = 0
                 async with contextlib.aclosing(generate_text(self._ctx, generation, params.stop)) as deltas:
                     async for delta in deltas:

@@ -14,7 +14,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException
 
-from gateway.auth import authorized
+from gateway.auth import ApiKey, tenant_for
 from gateway.chat_template import ChatPrompt
 from gateway.errors import InvalidRequest
 from gateway.metrics import CONTENT_TYPE
@@ -52,9 +52,9 @@ from speclane.log import bind_request_id
 log = structlog.get_logger()
 
 
-async def choice_events(ctx: ServingContext, requests, stop_strings):
+async def choice_events(ctx: ServingContext, requests, stop_strings, caller: ApiKey | None):
     """(choice index, TextDelta) from the n generations as they come; holds n limiter slots."""
-    with ctx.limiter.acquire(len(requests)):
+    with ctx.limiter.acquire(len(requests), caller):
         if len(requests) == 1:  # the common case needs no task and no queue
             async with contextlib.aclosing(generate_text(ctx, requests[0], stop_strings)) as deltas:
                 async for delta in deltas:
@@ -121,27 +121,91 @@ def _client_request_id(request: Request) -> str | None:
     return value if 0 < len(value) <= 256 and value.isascii() and value.isprintable() else None
 
 
+def _caller(request: Request) -> ApiKey | None:
+    """The key RequireApiKey authenticated the request with; None without keys."""
+    return request.scope.get("state", {}).get("api_key")
+
+
 class RequireApiKey:
-    """ASGI middleware: /v1/ answers 401 (OpenAI's body) without a configured key. Plain
-    ASGI rather than Starlette's BaseHTTPMiddleware, which would wrap our streams."""
+    """ASGI middleware: with keys configured, /v1/ (and /metrics with --protect-metrics)
+    answers 401 (OpenAI's body) without one, and the caller's key rides in the request's
+    state. Plain ASGI rather than Starlette's BaseHTTPMiddleware, which would wrap our streams."""
 
     def __init__(self, app, ctx: ServingContext):
         self.app, self.ctx = app, ctx
 
+    def _protected(self, path: str) -> bool:
+        return path.startswith("/v1/") or (self.ctx.protect_metrics and path == "/metrics")
+
     async def __call__(self, scope, receive, send):
-        if scope["type"] == "http" and scope["path"].startswith("/v1/") and self.ctx.api_keys:
+        if scope["type"] == "http" and self.ctx.keyring and self._protected(scope["path"]):
             authorization = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
-            if not authorized(self.ctx.api_keys, authorization):
+            caller = self.ctx.keyring.authenticate(authorization)
+            if caller is None:
                 self.ctx.metrics.record_error("unauthenticated")
                 body = error_body("Incorrect or missing API key: send Authorization: Bearer KEY",
                                   "authentication_error", code="invalid_api_key")
                 await JSONResponse(body, status_code=401)(scope, receive, send)
                 return
+            scope.setdefault("state", {})["api_key"] = caller
         await self.app(scope, receive, send)
+
+
+class LimitRequestBody:
+    """ASGI middleware: a request body over --max-request-body-bytes gets 413 (OpenAI's
+    body) before any of it is parsed: at once when its Content-Length says so, else as
+    soon as the bytes received pass the limit (a chunked upload). It reads the body
+    whole, as the JSON parsing behind it would, and hands it on."""
+
+    def __init__(self, app, ctx: ServingContext):
+        self.app, self.ctx = app, ctx
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        limit = self.ctx.max_request_body_bytes
+        declared = dict(scope["headers"]).get(b"content-length", b"")
+        if declared.isdigit() and int(declared) > limit:
+            await self._refuse(scope, receive, send)
+            return
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":
+                return  # the client left before its body was in: nobody to answer
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > limit:
+                await self._refuse(scope, receive, send)
+                return
+            if not message.get("more_body", False):
+                break
+        body_sent = False
+
+        async def replay():
+            # The body once, then the client's own messages (its disconnect, which streams watch for).
+            nonlocal body_sent
+            if body_sent:
+                return await receive()
+            body_sent = True
+            return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+
+        await self.app(scope, replay, send)
+
+    async def _refuse(self, scope, receive, send):
+        self.ctx.metrics.record_error("request_too_large")
+        limit = self.ctx.max_request_body_bytes
+        body = error_body(f"The request body is larger than this server's limit of {limit} bytes",
+                          "invalid_request_error", code="request_too_large")
+        # The rest of the body is never read, so this connection cannot carry another request.
+        await JSONResponse(body, status_code=413, headers={"Connection": "close"})(scope, receive, send)
 
 
 def create_app(ctx: ServingContext) -> FastAPI:
     app = FastAPI(title="speclane gateway")
+    # The last added runs first: a caller without a key is refused before its body is read.
+    app.add_middleware(LimitRequestBody, ctx=ctx)
     app.add_middleware(RequireApiKey, ctx=ctx)
     started = int(time.time())
 
@@ -162,6 +226,7 @@ def create_app(ctx: ServingContext) -> FastAPI:
         request_id = _client_request_id(request) or response_id
         bind_request_id(request_id)
         headers = {"X-Request-Id": request_id}
+        caller = _caller(request)
         try:
             check_extra_fields(body)
             if not 1 <= body.n <= ctx.max_concurrent_requests:
@@ -178,7 +243,8 @@ def create_app(ctx: ServingContext) -> FastAPI:
                 model=body.model, max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p,
                 top_k=body.top_k, seed=body.seed, stop=stop, stop_token_ids=body.stop_token_ids or (),
                 ignore_eos=body.ignore_eos, speculation=body.speculation,
-                tenant=request.headers.get(TENANT_METADATA_KEY, ""), logit_controls=body.logit_controls(),
+                tenant=tenant_for(caller, request.headers.get(TENANT_METADATA_KEY)),
+                logit_controls=body.logit_controls(),
                 logit_bias=body.logit_bias or {}, logprobs=body.top_logprobs_count(),
                 prediction=body.prediction_text() if flavor.chat else None, grammar=grammar or tool_grammar)
             prompt = {"chat": _chat_prompt(body)} if flavor.chat else completion_prompt(body.prompt)
@@ -188,7 +254,7 @@ def create_app(ctx: ServingContext) -> FastAPI:
                 dataclasses.replace(base, request_id=f"{request_id}-{index}",
                                     seed=None if base.seed is None else (base.seed + index) % MAX_SEED)
                 for index in range(body.n)]
-            events = choice_events(ctx, requests, stop)
+            events = choice_events(ctx, requests, stop, caller)
             writer = ResponseWriter(ctx, flavor, response_id, body.n, UsageTally(len(base.prompt_token_ids)),
                                     tool_parser=tool_parser, logprobs=base.logprobs is not None)
             if body.stream:

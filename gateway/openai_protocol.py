@@ -3,7 +3,7 @@ terms: what is accepted, what is refused, and how the prompt is read."""
 
 from typing import Any, ClassVar
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
 from gateway.errors import InvalidRequest
 from gateway.types import LogitControls
@@ -12,6 +12,17 @@ LEGACY_DEFAULT_MAX_TOKENS = 16  # /v1/completions' default in OpenAI's API (and 
 MAX_LEGACY_LOGPROBS = 5  # /v1/completions' limit in OpenAI's API
 # Values of refused fields that ask for nothing, so clients sending defaults still work.
 NEUTRAL_VALUES = {"best_of": (1,), "modalities": (["text"],), "service_tier": ("auto", "default")}
+
+
+def documented(default: Any = None, **schema: Any) -> Any:
+    """A field whose OpenAPI schema states the bounds the serving layer checks (which
+    refuses with its own messages): documentation and fuzzing only, never validation."""
+    return Field(default, json_schema_extra=schema)
+
+
+# What a request may not carry: the schema lists every field it takes (the refused ones, taken
+# only with neutral values, are left out); validation itself still lets them through to be named.
+CLOSED_OBJECT = {"additionalProperties": False}
 
 
 class StrictModel(BaseModel):
@@ -25,7 +36,7 @@ class ContentPart(BaseModel):
 
 
 class ChatMessage(StrictModel):
-    role: str
+    role: str = documented(..., enum=["system", "developer", "user", "assistant", "tool"])
     content: str | list[ContentPart] | None = None
     name: str | None = None
     tool_calls: list[dict[str, Any]] | None = None  # assistant: the calls it made
@@ -43,29 +54,32 @@ class StreamOptions(StrictModel):
 
 class CompletionBase(BaseModel):
     # Other fields are checked by check_extra_fields: refused unless neutral, or unknown.
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", json_schema_extra=CLOSED_OBJECT)
     refused: ClassVar[tuple[str, ...]] = ()
 
     model: str | None = None
-    max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None  # extension (vLLM)
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None  # extension (vLLM)
+    max_tokens: int | None = documented(minimum=1)
+    temperature: float | None = documented(minimum=0, maximum=2)
+    top_p: float | None = documented(exclusiveMinimum=0, maximum=1)
+    top_k: int | None = documented(minimum=-1)  # extension (vLLM)
+    seed: int | None = documented(minimum=0, maximum=2**64 - 1)
+    stop: str | list[str] | None = documented(minLength=1, maxItems=4, items={"type": "string", "minLength": 1})
+    stop_token_ids: list[int] | None = documented(items={"type": "integer", "minimum": 0})  # extension (vLLM)
     ignore_eos: bool = False  # extension (vLLM)
-    n: int = 1
+    n: int = documented(1, minimum=1)
     stream: bool = False
     stream_options: StreamOptions | None = None
     speculation: dict[str, Any] | None = None  # extension: vLLM --speculative-config keys
     user: str | None = None  # an end-user id for the provider's abuse tracking: nothing to do
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    repetition_penalty: float | None = None  # extension (vLLM)
-    min_p: float | None = None  # extension (vLLM)
-    min_tokens: int = 0  # extension (vLLM)
-    logit_bias: dict[str, float] | None = None
+    presence_penalty: float | None = documented(minimum=-2, maximum=2)
+    frequency_penalty: float | None = documented(minimum=-2, maximum=2)
+    repetition_penalty: float | None = documented(exclusiveMinimum=0, maximum=2)  # extension (vLLM)
+    min_p: float | None = documented(minimum=0, maximum=1)  # extension (vLLM)
+    min_tokens: int = documented(0, minimum=0)  # extension (vLLM)
+    # Token id (as a JSON key) -> bias.
+    logit_bias: dict[str, float] | None = documented(propertyNames={"pattern": "^[0-9]+$"},
+                                                     additionalProperties={"type": "number", "minimum": -100,
+                                                                           "maximum": 100})
     response_format: dict[str, Any] | None = None
 
     def logit_controls(self) -> LogitControls:
@@ -78,11 +92,11 @@ class ChatCompletionRequest(CompletionBase):
     refused: ClassVar[tuple[str, ...]] = (*CompletionBase.refused, "functions", "function_call", "audio",
                                           "modalities", "store", "reasoning_effort", "service_tier",
                                           "web_search_options")
-    messages: list[ChatMessage]
+    messages: list[ChatMessage] = documented(..., minItems=1)
     max_completion_tokens: int | None = None
     metadata: dict[str, str] | None = None  # only labels stored completions, which we do not store
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: int | None = documented(minimum=0, maximum=20)
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
@@ -107,8 +121,11 @@ class ChatCompletionRequest(CompletionBase):
 
 class CompletionRequest(CompletionBase):
     refused: ClassVar[tuple[str, ...]] = (*CompletionBase.refused, "echo", "suffix", "best_of")
-    prompt: Any
-    logprobs: int | None = None  # the legacy API's count of top alternatives (up to 5)
+    # A text, or token ids (batched prompts are refused).
+    prompt: Any = documented(..., anyOf=[{"type": "string"}, {"type": "array", "items": {"type": "integer",
+                                                                                         "minimum": 0}}])
+    # The legacy API's count of top alternatives (up to 5).
+    logprobs: int | None = documented(minimum=0, maximum=MAX_LEGACY_LOGPROBS)
 
     def top_logprobs_count(self) -> int | None:
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LEGACY_LOGPROBS:

@@ -24,6 +24,7 @@ from speclane.config import parse_config
 from speclane.log import configure_logging
 from speclane.models import resolve_model, served_name
 from speclane.speculation import DRAFTER_WIDE_KEYS
+from speclane.tls import TlsFiles
 
 log = structlog.get_logger()
 
@@ -59,8 +60,10 @@ async def run(config: GatewayConfig) -> None:
     if config.unused_speculation_keys:
         log.warning("speculative_config_keys_unused", keys=list(config.unused_speculation_keys),
                     action="ignored: speclane does not use them")
-    verifiers = VerifierPool(config.verifier_addresses)
-    drafter = DrafterClient(config.drafter_address, config.draft_timeout_ms / 1000) if config.drafter_address else None
+    verifiers = VerifierPool(config.verifier_addresses, step_timeout_seconds=config.verifier_timeout_s or None,
+                             tls=config.tls)
+    drafter = (DrafterClient(config.drafter_address, config.draft_timeout_ms / 1000, tls=config.tls)
+               if config.drafter_address else None)
     log.info("waiting_for_verifier", addresses=config.verifier_addresses)
     await verifiers.wait_ready()
     info = await verifiers.model_info()
@@ -74,6 +77,9 @@ async def run(config: GatewayConfig) -> None:
         async with files_from_verifier(verifiers) as model_dir:
             tokenizer, defaults = _load(model_dir, config)
     metrics = GatewayMetrics(model_name)
+    # How many keys, never which: a key must not reach a log.
+    log.info("authentication", api_keys=len(config.keyring), tenant_from="api_key" if config.keyring
+             else "x-tenant-id header (trusted network)", protect_metrics=config.protect_metrics)
     verifiers.attach_metrics(metrics)
     orchestrator = Orchestrator(verifiers, drafter, metrics)
     if drafter is not None:
@@ -87,7 +93,10 @@ async def run(config: GatewayConfig) -> None:
         max_concurrent_requests=config.max_concurrent_requests,
         metrics=metrics,
         sampling_defaults=defaults,
-        api_keys=config.api_key,
+        keyring=config.keyring,
+        protect_metrics=config.protect_metrics,
+        max_tokens_limit=config.max_tokens_limit,
+        max_request_body_bytes=config.max_request_body_bytes,
         chat_template=read_chat_template(config.chat_template),
         tool_call_parser=TOOL_CALL_PARSERS.get(config.tool_call_parser),
         auto_tool_choice=config.enable_auto_tool_choice,
@@ -96,7 +105,7 @@ async def run(config: GatewayConfig) -> None:
     )
     http = _EmbeddedHttpServer(uvicorn.Config(
         create_app(context), host=config.host, port=config.port, log_config=None, access_log=False,
-        timeout_graceful_shutdown=5,
+        timeout_graceful_shutdown=5, ssl_certfile=config.ssl_certfile or None, ssl_keyfile=config.ssl_keyfile or None,
     ))
     http_task = asyncio.ensure_future(http.serve())
     watching = asyncio.ensure_future(verifiers.watch())  # a restarted verifier gets work again
@@ -107,7 +116,8 @@ async def run(config: GatewayConfig) -> None:
                 http_task.result()
                 raise OSError(f"HTTP server on {config.host}:{config.port} did not start")
             await asyncio.sleep(0.05)
-        log.info("http_listening", url=f"http://{config.host}:{config.port}/v1", model=model_name,
+        scheme = "https" if config.ssl_certfile else "http"
+        log.info("http_listening", url=f"{scheme}://{config.host}:{config.port}/v1", model=model_name,
                  speculation=config.speculation.method)
 
     async def shutdown():
@@ -123,6 +133,8 @@ async def run(config: GatewayConfig) -> None:
         add_servicers=lambda server: [add_generation_servicer(server, context, Backends(verifiers, drafter))],
         warmup=wait_for_http,
         on_shutdown=shutdown,
+        # Server TLS only: clients of the public API authenticate with API keys, not certificates.
+        tls=TlsFiles(cert=config.tls_cert, key=config.tls_key),
     )
 
 

@@ -7,9 +7,11 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field, replace
 
+from gateway.auth import Keyring
 from gateway.chat_template import ChatPrompt, render_chat
 from gateway.detokenizer import IncrementalDetokenizer
-from gateway.errors import InvalidRequest, ModelNotFound, Overloaded
+from gateway.errors import InvalidRequest, ModelNotFound
+from gateway.limits import DEFAULT_MAX_REQUEST_BODY_BYTES, ConcurrencyLimiter
 from gateway.metrics import GatewayMetrics
 from gateway.sampling_defaults import SamplingDefaults
 from gateway.stop_strings import StopStringMatcher
@@ -21,27 +23,6 @@ MAX_STOP_STRINGS = 4  # OpenAI's limit
 MAX_SEED = 2**64  # seeds travel as uint64
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit
 MAX_REPETITION_PENALTY = 2.0  # vLLM's bound
-
-
-class ConcurrencyLimiter:
-    """Admits up to `limit` generations at once and refuses the rest at once
-    (no queue: the client retries, and a queue would hide overload)."""
-
-    def __init__(self, limit: int):
-        self.limit = limit
-        self.in_flight = 0
-
-    @contextlib.contextmanager
-    def acquire(self, count: int = 1):
-        # A single event loop runs all requests, so check-and-add is atomic.
-        if self.in_flight + count > self.limit:
-            raise Overloaded(f"server is at its limit of {self.limit} concurrent generations; retry later")
-        self.in_flight += count
-        try:
-            yield
-        finally:
-            self.in_flight -= count
-
 
 GenerateFn = Callable[[GenerationRequest], AsyncIterator[TokenDelta]]
 
@@ -57,7 +38,10 @@ class ServingContext:
     metrics: GatewayMetrics
     ready: Callable[[], Awaitable[bool]]
     sampling_defaults: SamplingDefaults = SamplingDefaults()
-    api_keys: tuple[str, ...] = ()  # empty: no authentication
+    keyring: Keyring = field(default_factory=Keyring)  # empty: no authentication
+    protect_metrics: bool = False  # /metrics needs a key too
+    max_tokens_limit: int = 0  # 0: only the context length limits max_tokens
+    max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES  # HTTP only
     chat_template: str | None = None  # None: the tokenizer's
     tool_call_parser: ToolCallParser | None = TOOL_CALL_PARSERS["hermes"]  # None: tools are refused
     auto_tool_choice: bool = True  # tool_choice auto reads calls from the output
@@ -152,16 +136,21 @@ def _logit_bias(ctx: ServingContext, bias: dict) -> tuple[tuple[int, float], ...
 
 
 def _max_tokens(ctx: ServingContext, prompt_len: int, requested: int | None) -> int:
+    """The request's output budget; refusals word it as vLLM does, which clients parse."""
     room = ctx.max_context_len - prompt_len
     if room < 1:
-        raise InvalidRequest(f"the prompt has {prompt_len} tokens, which leaves no room to generate within the "
-                             f"model's maximum context length of {ctx.max_context_len} tokens")
+        raise InvalidRequest(f"This model's maximum context length is {ctx.max_context_len} tokens. However, your "
+                             f"request has {prompt_len} input tokens. Please reduce the length of the input messages.")
     if requested is None:
-        return room
+        return min(room, ctx.max_tokens_limit) if ctx.max_tokens_limit else room
+    if ctx.max_tokens_limit and requested > ctx.max_tokens_limit:
+        raise InvalidRequest(f"max_tokens must be at most {ctx.max_tokens_limit} on this server, got {requested}",
+                             "max_tokens")
     if requested > room:
-        raise InvalidRequest(f"this model's maximum context length is {ctx.max_context_len} tokens, but "
-                             f"{prompt_len + requested} were requested ({prompt_len} in the prompt, {requested} "
-                             "for the completion); reduce the prompt or max_tokens", "max_tokens")
+        raise InvalidRequest(f"'max_tokens' or 'max_completion_tokens' is too large: {requested}. This model's "
+                             f"maximum context length is {ctx.max_context_len} tokens and your request has "
+                             f"{prompt_len} input tokens ({requested} > {ctx.max_context_len} - {prompt_len}).",
+                             "max_tokens")
     return requested
 
 

@@ -15,6 +15,7 @@ from gateway.types import GenerationRequest, LogitControls
 from protos.common.v1 import common_pb2
 from protos.conventions import CHANNEL_OPTIONS, request_metadata
 from protos.verifier.v1 import verifier_pb2, verifier_pb2_grpc
+from speclane.tls import TlsFiles, aio_channel
 
 log = structlog.get_logger()
 
@@ -26,11 +27,21 @@ NEUTRAL_LOGIT_CONTROLS = {name: getattr(LogitControls(), name)
 class VerifierSession:
     """A sequence on a verifier: prefill once, then one verify per step."""
 
-    def __init__(self, call, timer: SequenceTimer | None = None):
+    def __init__(self, call, timer: SequenceTimer | None = None, step_timeout_seconds: float | None = None):
         self._call = call
         self._timer = timer
+        self._step_timeout = step_timeout_seconds
 
     async def _exchange(self, message: verifier_pb2.SessionRequest) -> verifier_pb2.SessionResponse:
+        # A link that stops carrying bytes without closing (a frozen peer, a dropped
+        # route) never fails the stream by itself: without this deadline the request
+        # would wait forever. The caller's close() then cancels the call.
+        try:
+            return await asyncio.wait_for(self._write_and_read(message), self._step_timeout)
+        except TimeoutError:
+            raise Unavailable(f"the verifier did not answer within {self._step_timeout:g} s") from None
+
+    async def _write_and_read(self, message: verifier_pb2.SessionRequest) -> verifier_pb2.SessionResponse:
         await self._call.write(message)
         response = await self._call.read()
         if response is grpc.aio.EOF:  # an error status would have raised in read()
@@ -83,8 +94,10 @@ class VerifierPool:
     one that is serving. A verifier counts as serving until a health check or a
     broken session says otherwise, and again once a health check says SERVING."""
 
-    def __init__(self, addresses: tuple[str, ...]):
-        self._channels = [grpc.aio.insecure_channel(a, options=CHANNEL_OPTIONS) for a in addresses]
+    def __init__(self, addresses: tuple[str, ...], step_timeout_seconds: float | None = None,
+                 tls: TlsFiles = TlsFiles()):
+        self._step_timeout = step_timeout_seconds  # per prefill or verify answer; None: no deadline
+        self._channels = [aio_channel(a, tls, CHANNEL_OPTIONS) for a in addresses]
         self._stubs = [verifier_pb2_grpc.VerifierStub(c) for c in self._channels]
         self._health = [health_pb2_grpc.HealthStub(c) for c in self._channels]
         self._in_flight = [0] * len(addresses)
@@ -105,7 +118,8 @@ class VerifierPool:
         index = min(self._serving_indices(), key=self._in_flight.__getitem__)
         self._in_flight[index] += 1
         timer = SequenceTimer(self._metrics) if self._metrics is not None else None
-        return index, VerifierSession(self._stubs[index].Session(metadata=request_metadata(request_id)), timer)
+        call = self._stubs[index].Session(metadata=request_metadata(request_id))
+        return index, VerifierSession(call, timer, self._step_timeout)
 
     def release(self, index: int) -> None:
         self._in_flight[index] -= 1

@@ -1,5 +1,5 @@
 """gRPC server lifecycle shared by the services: health, reflection, message
-limits, overload limit, warm-up before SERVING and a graceful drain on SIGTERM."""
+limits, overload limit, TLS, warm-up before SERVING and a graceful drain on SIGTERM."""
 
 import asyncio
 import signal
@@ -12,6 +12,7 @@ from grpc_reflection.v1alpha import reflection
 
 from protos.conventions import CHANNEL_OPTIONS, REQUEST_ID_METADATA_KEY
 from speclane.log import bind_request_id, metadata_value, new_request_id
+from speclane.tls import TlsFiles
 
 log = structlog.get_logger()
 
@@ -32,12 +33,14 @@ async def serve(
     max_concurrent_rpcs: int | None = None,
     grace_seconds: float = 5.0,
     ready: Callable[[int], None] | None = None,
+    tls: TlsFiles = TlsFiles(),
 ) -> None:
     """Runs a gRPC server until SIGTERM/SIGINT.
 
     `add_servicers` registers the service's servicers and returns their full
     names; health reports NOT_SERVING until `warmup` finished, and again while
-    draining. `ready` receives the bound port (useful with port 0).
+    draining. `ready` receives the bound port (useful with port 0). With a
+    certificate in `tls` it serves TLS, and with a CA too only mTLS clients.
     """
     server = grpc.aio.server(options=CHANNEL_OPTIONS, maximum_concurrent_rpcs=max_concurrent_rpcs)
     service_names = add_servicers(server)
@@ -47,7 +50,8 @@ async def serve(
         [*service_names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME],
         server,
     )
-    port = server.add_insecure_port(address)
+    credentials = tls.server_credentials()
+    port = server.add_insecure_port(address) if credentials is None else server.add_secure_port(address, credentials)
     if port == 0:
         raise OSError(f"cannot bind gRPC address {address}")
 
@@ -61,7 +65,7 @@ async def serve(
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stopping.set)
-    log.info("grpc_listening", address=address, port=port)
+    log.info("grpc_listening", address=address, port=port, tls=tls.server_mode)
     if ready is not None:
         ready(port)
     if warmup is not None:

@@ -1,6 +1,7 @@
 """Addresses on this host, and waiting for a server on one."""
 
 import socket
+import ssl
 import subprocess
 import time
 import urllib.error
@@ -14,10 +15,11 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-def probe_http(url: str, timeout: float = 2.0) -> tuple[bool, str]:
-    """Whether GET `url` answers 200, and what it answered. Never through a proxy:
-    an HTTP(S)_PROXY in the environment must not reroute a probe of a local service."""
-    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+def probe_http(url: str, timeout: float = 2.0, context: ssl.SSLContext | None = None) -> tuple[bool, str]:
+    """Whether GET `url` answers 200, and what it answered; `context` checks an https
+    server (default: the system's CAs). Never through a proxy: an HTTP(S)_PROXY in
+    the environment must not reroute a probe of a local service."""
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}), urllib.request.HTTPSHandler(context=context))
     try:
         with opener.open(url, timeout=timeout) as reply:
             return reply.status == 200, f"HTTP {reply.status}"
@@ -27,8 +29,8 @@ def probe_http(url: str, timeout: float = 2.0) -> tuple[bool, str]:
         return False, str(getattr(error, "reason", error))
 
 
-def http_ok(url: str, timeout: float = 2.0) -> bool:
-    return probe_http(url, timeout)[0]
+def http_ok(url: str, timeout: float = 2.0, context: ssl.SSLContext | None = None) -> bool:
+    return probe_http(url, timeout, context)[0]
 
 
 def wait_http_ok(url: str, process: subprocess.Popen | None = None, timeout: float = 600.0) -> None:

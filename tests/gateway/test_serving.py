@@ -76,7 +76,7 @@ def test_requests_are_checked_against_the_drafters_limits(ctx):
     (GenerationParams(speculation={"num_speculative_tokens": "8"}), None, "speculation", "must be of type int"),
     (GenerationParams(speculation={"method": "eagle"}), None, "speculation", "method must be one of"),
     (GenerationParams(max_tokens=100), {"token_ids": [5] * 200}, "max_tokens", "maximum context length is 256"),
-    (GenerationParams(), {"token_ids": [5] * 256}, None, "leaves no room"),
+    (GenerationParams(), {"token_ids": [5] * 256}, None, "your request has 256 input tokens"),
     (GenerationParams(), {"chat": ChatPrompt([])}, "messages", "must not be empty"),
     (GenerationParams(), {"chat": ChatPrompt([{"role": "robot", "content": "x"}])}, "messages.0.role",
      "must be one of"),
