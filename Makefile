@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 INSTALLED := $(VENV)/.installed
 ARGS ?=
 
-.PHONY: install serve test lint test-containers protos clean
+.PHONY: install serve test lint fuzz test-containers protos clean
 
 # Editing the C++ drafter core re-runs the install, which rebuilds it.
 $(INSTALLED): pyproject.toml setup.py $(wildcard drafter_service/csrc/*)
@@ -27,6 +27,13 @@ test: install
 
 lint: install
 	$(BIN)/ruff check .
+
+# The fuzz tests (tests/*/test_fuzz_*.py) with many more examples than `make test` runs, new ones
+# on every run: FUZZ_EXAMPLES per test (~5 min at the default on 2 cores).
+FUZZ_EXAMPLES ?= 2000
+fuzz: install
+	SPECLANE_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) $(BIN)/python -m pytest -q -p no:cacheprovider \
+		$(wildcard tests/*/test_fuzz_*.py) $(ARGS)
 
 # Opt-in, slow (~5 min), needs root and podman: the single-host compose stack in real containers.
 test-containers: install

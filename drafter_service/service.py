@@ -55,7 +55,16 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
     async def GetInfo(self, request, context: grpc.aio.ServicerContext):
         return self._info
 
-    async def _admit(self, context: grpc.aio.ServicerContext, start: drafter_pb2.Start) -> None:
+    @staticmethod
+    async def _refuse(context: grpc.aio.ServicerContext, requests, code: grpc.StatusCode, detail: str) -> None:
+        """Ends a session its start cannot open, once the client's next message (or its end) is in.
+        A start has no reply, so the client hears of the refusal on its next write: sent at once,
+        the status races that write, which grpc then fails with a client-side INTERNAL that hides
+        the status (and a gateway takes a full drafter for a dead one, resting it for everyone)."""
+        await anext(requests, None)
+        await context.abort(code, detail)
+
+    async def _admit(self, context: grpc.aio.ServicerContext, requests, start: drafter_pb2.Start) -> None:
         """Refuses a session beyond the limits with RESOURCE_EXHAUSTED, which costs its
         request only the drafts (INVALID_ARGUMENT would fail the request at the gateway)."""
         if self._open_sessions >= self._max_sessions:
@@ -66,7 +75,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         else:
             return
         log.warning("session_refused", sequence_id=start.sequence_id, reason=detail)
-        await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, detail)
+        await self._refuse(context, requests, grpc.StatusCode.RESOURCE_EXHAUSTED, detail)
 
     async def Session(self, request_iterator, context: grpc.aio.ServicerContext):
         bind_request_id_from(context)
@@ -78,11 +87,12 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         try:
             settings = settings_from_proto(start.params, self._limits)
         except ValueError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            await self._refuse(context, requests, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         if _has_negative(start.prompt_token_ids):
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "start.prompt_token_ids must not be negative")
+            await self._refuse(context, requests, grpc.StatusCode.INVALID_ARGUMENT,
+                               "start.prompt_token_ids must not be negative")
         tenant = start.tenant or metadata_value(context.invocation_metadata(), TENANT_METADATA_KEY) or ""
-        await self._admit(context, start)
+        await self._admit(context, requests, start)
         proposer = SequenceProposer(self._engine, settings, tenant)
         proposer.start(start.prompt_token_ids)
         log.info("session_start", sequence_id=start.sequence_id, tenant=tenant, method=settings.method,

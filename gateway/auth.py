@@ -19,6 +19,9 @@ from dataclasses import dataclass
 import structlog
 import yaml  # a dependency of transformers, which the gateway needs anyway
 
+from gateway.errors import InvalidRequest
+from protos.conventions import TENANT_METADATA_KEY
+
 AUTHORIZATION_METADATA_KEY = "authorization"
 DEFAULT_TENANT = ""  # the drafter's tenant of requests that name none
 MAX_TENANT_LENGTH = 128
@@ -78,6 +81,11 @@ def tenant_for(caller: ApiKey | None, claimed: str | None) -> str:
     `tenant=`) keep working when keys are turned on, and none can reach another's
     tree. Without keys the network is trusted and the named tenant is taken."""
     if caller is None:
+        # It travels to the drafter as gRPC metadata, which takes printable ASCII only: a
+        # bad one would fail the drafter session there, and rest the drafter for everyone.
+        if claimed and not (len(claimed) <= MAX_TENANT_LENGTH and claimed.isascii() and claimed.isprintable()):
+            raise InvalidRequest(f"{TENANT_METADATA_KEY} must be 1 to {MAX_TENANT_LENGTH} printable ASCII "
+                                 "characters", TENANT_METADATA_KEY)
         return claimed or DEFAULT_TENANT
     if claimed and claimed != caller.tenant:
         log.debug("tenant_header_ignored", key_id=caller.key_id, claimed=claimed, tenant=caller.tenant)

@@ -37,6 +37,8 @@ def _tool_call_for_template(call: dict, where: str) -> dict:
     """Templates write a call's arguments with `tojson`: give them the object, not
     OpenAI's JSON text (vLLM does the same)."""
     function = call.get("function") or {}
+    if not isinstance(function, dict):
+        raise InvalidRequest(f"{where}.function must be an object with name and arguments", f"{where}.function")
     arguments = function.get("arguments", "{}")
     if isinstance(arguments, str):
         try:

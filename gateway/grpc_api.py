@@ -42,8 +42,8 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServicer):
         request_id = bind_request_id_from(context)
         metadata = context.invocation_metadata()
         caller = await self._require_key(context)
-        tenant = tenant_for(caller, metadata_value(metadata, TENANT_METADATA_KEY))
         try:
+            tenant = tenant_for(caller, metadata_value(metadata, TENANT_METADATA_KEY))
             tool_grammar, tool_parser = grpc_messages.tool_plan(self._ctx, request)
             params = grpc_messages.params(request, tenant, tool_grammar)
             generation = build_generation_request(self._ctx, request_id, params, **grpc_messages.prompt(request))

@@ -5,6 +5,7 @@ import json
 
 from gateway.chat_template import ChatPrompt
 from gateway.errors import InvalidRequest
+from gateway.json_limits import json_problem
 from gateway.serving import GenerationParams, ServingContext, TextDelta
 from gateway.structured_output import json_grammar, tool_choice_plan
 from gateway.tool_calls import ToolCall, ToolCallParser
@@ -19,10 +20,12 @@ _LOGIT_CONTROL_FIELDS = ("presence_penalty", "frequency_penalty", "repetition_pe
 def _json_object(text: str, param: str) -> dict:
     try:
         value = json.loads(text or "{}")
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: nested deeper than the parser goes
         raise InvalidRequest(f"{param} is not valid JSON", param) from None
     if not isinstance(value, dict):
         raise InvalidRequest(f"{param} must be a JSON object", param)
+    if (problem := json_problem(value)) is not None:
+        raise InvalidRequest(f"{param}: {problem[0] or 'the value'} {problem[1]}", param)
     return value
 
 

@@ -3,9 +3,11 @@ terms: what is accepted, what is refused, and how the prompt is read."""
 
 from typing import Any, ClassVar
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic_core import PydanticCustomError
 
 from gateway.errors import InvalidRequest
+from gateway.json_limits import json_problem
 from gateway.types import LogitControls
 
 LEGACY_DEFAULT_MAX_TOKENS = 16  # /v1/completions' default in OpenAI's API (and vLLM's)
@@ -82,6 +84,16 @@ class CompletionBase(BaseModel):
                                                                            "maximum": 100})
     response_format: dict[str, Any] | None = None
 
+    @model_validator(mode="before")
+    @classmethod
+    def _readable_json(cls, data: Any) -> Any:
+        """Refuses lone surrogates and too deep nesting anywhere in the body (a 400 naming the field)."""
+        if (problem := json_problem(data)) is not None:
+            param, what = problem
+            raise PydanticCustomError("unreadable_json", "{message}",
+                                      {"message": f"{param or 'the request body'} {what}", "param": param})
+        return data
+
     def logit_controls(self) -> LogitControls:
         given = {name: getattr(self, name) for name in ("presence_penalty", "frequency_penalty",
                                                         "repetition_penalty", "min_p", "min_tokens")}
@@ -141,7 +153,11 @@ def validation_message(error: dict) -> tuple[str, str | None]:
         return f"the request body is not valid JSON: {error.get('ctx', {}).get('error', error['msg'])}", None
     if error["type"] == "extra_forbidden":
         return f"Unrecognized request argument supplied: {param}", param
+    if error["type"] == "unreadable_json":
+        return error["msg"], error["ctx"]["param"]
     if error["type"] == "missing":
+        if param is None:  # no body at all
+            return "the request body is missing: send a JSON object", None
         return f"missing required parameter: {param}", param
     return (f"{param}: {error['msg']}" if param else error["msg"]), param
 

@@ -23,6 +23,7 @@ MAX_STOP_STRINGS = 4  # OpenAI's limit
 MAX_SEED = 2**64  # seeds travel as uint64
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit
 MAX_REPETITION_PENALTY = 2.0  # vLLM's bound
+MAX_TOP_K = 2**31 - 1  # larger top_k are sent as this (the same: no cut)
 
 GenerateFn = Callable[[GenerationRequest], AsyncIterator[TokenDelta]]
 
@@ -123,10 +124,11 @@ def _logit_bias(ctx: ServingContext, bias: dict) -> tuple[tuple[int, float], ...
     """OpenAI's logit_bias (JSON keys are token id strings) as checked (id, bias) pairs."""
     pairs = []
     for key, value in bias.items():
-        try:
-            token_id = int(key)
-        except (TypeError, ValueError):
-            raise InvalidRequest(f"logit_bias keys must be token ids, got {key!r}", "logit_bias") from None
+        # A string of ASCII digits (int() would also take " 5", "+5", "5_0" and other scripts' digits: "٥").
+        digits = isinstance(key, str) and key.isascii() and key.isdigit()
+        if not digits and (isinstance(key, bool) or not isinstance(key, int)):
+            raise InvalidRequest(f"logit_bias keys must be token ids, got {key!r}", "logit_bias")
+        token_id = int(key)
         if not isinstance(value, int | float) or not -100 <= value <= 100:
             raise InvalidRequest(f"logit_bias values must be numbers between -100 and 100, got {value!r}",
                                  "logit_bias")
@@ -193,7 +195,9 @@ def build_generation_request(ctx: ServingContext, request_id: str, params: Gener
         speculation=speculation,
         temperature=_given_or(params.temperature, ctx.sampling_defaults.temperature),
         top_p=_given_or(params.top_p, ctx.sampling_defaults.top_p),
-        top_k=top_k if (top_k := _given_or(params.top_k, ctx.sampling_defaults.top_k)) and top_k > 0 else None,
+        # Any k beyond the vocabulary keeps every token; the verifier's field is an int32.
+        top_k=min(top_k, MAX_TOP_K) if (top_k := _given_or(params.top_k, ctx.sampling_defaults.top_k)) and top_k > 0
+        else None,
         seed=params.seed,
         stop_token_ids=stop_token_ids,
         ignore_eos=params.ignore_eos,

@@ -22,7 +22,8 @@ def response_format_grammar(response_format: dict | None) -> str | None:
     if kind == "json_object":
         return json_grammar({"type": "object"})
     if kind == "json_schema":
-        schema = (response_format.get("json_schema") or {}).get("schema")
+        json_schema = response_format.get("json_schema")
+        schema = json_schema.get("schema") if isinstance(json_schema, dict) else None
         if not isinstance(schema, dict):
             raise InvalidRequest("response_format.json_schema.schema must be a JSON schema object",
                                  "response_format.json_schema.schema")
@@ -61,7 +62,8 @@ def tool_choice_plan(parser: ToolCallParser | None, tools: list[dict] | None, to
         return None, parser if auto else None
     if choice == "required":
         return parser.grammar(tools, parallel), parser
-    name = ((choice.get("function") or {}).get("name") if isinstance(choice, dict) else None)
+    function = choice.get("function") if isinstance(choice, dict) else None
+    name = function.get("name") if isinstance(function, dict) else None
     if not isinstance(name, str):
         raise InvalidRequest(f"tool_choice must be one of {', '.join(TOOL_CHOICE_MODES)} or "
                              "{\"type\": \"function\", \"function\": {\"name\": ...}}", "tool_choice")

@@ -17,6 +17,8 @@ DRAFTER_METHODS = ("suffix", "ngram")  # what the drafter service proposes with
 MAX_SPECULATIVE_TOKENS = 64
 # Appending costs O(depth) per token and tree, so a drafter's depth is bounded.
 MAX_TREE_DEPTH = 256
+# The longest n-gram prompt lookup matches (the drafter core's bound).
+MAX_PROMPT_LOOKUP = 1024
 # vLLM keys that shape the drafter's shared trees: configured on the drafter, for
 # all sequences (key -> DrafterLimits field). A request may only repeat the value.
 DRAFTER_WIDE_KEYS = {
@@ -56,8 +58,8 @@ class SpeculationSettings:
         if not 1 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
             raise ValueError(f"num_speculative_tokens must be between 1 and {MAX_SPECULATIVE_TOKENS}, "
                              f"got {self.num_speculative_tokens}")
-        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
-            raise ValueError(f"need 1 <= prompt_lookup_min <= prompt_lookup_max, got "
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max <= MAX_PROMPT_LOOKUP:
+            raise ValueError(f"need 1 <= prompt_lookup_min <= prompt_lookup_max <= {MAX_PROMPT_LOOKUP}, got "
                              f"{self.prompt_lookup_min} and {self.prompt_lookup_max}")
         for name in ("suffix_decoding_max_spec_factor", "suffix_decoding_max_spec_offset",
                      "suffix_decoding_min_token_prob"):

@@ -85,6 +85,8 @@ class Engine:
                                  f"{runner.max_context_len}, leaving no room to generate")
         sampling = params.sampling
         check_token_ids(sampling.logit_bias, runner.vocab_size, "logit_bias token id")
+        # Masked by index until min_tokens: one outside the vocabulary would fail every step.
+        check_token_ids(params.stop_token_ids, runner.vocab_size, "stop token id")
         stop = frozenset(params.stop_token_ids if params.ignore_eos
                          else params.stop_token_ids | set(runner.eos_token_ids))
         return Sequence(sequence_id, list(prompt), params, stop, runner.max_context_len,
@@ -138,7 +140,12 @@ class Engine:
         for entry in picked:
             rows = logits[row: row + entry.segment.num_logit_rows]
             row += entry.segment.num_logit_rows
-            self._settle(entry, rows)
+            try:
+                self._settle(entry, rows)
+            except Exception as exc:  # noqa: BLE001 - fail this step alone: left queued, it would fail every pass
+                log.exception("step_failed", sequence_id=entry.work.seq.sequence_id)
+                self.close(entry.work.seq)
+                entry.work.done(exc)
         if self.on_step is not None:
             self.on_step(self._stats(picked, plan, forward_seconds))
         return True

@@ -25,7 +25,12 @@ class GrammarCompiler:
         import llguidance.hf
         from transformers import AutoTokenizer
 
-        return llguidance.hf.from_tokenizer(AutoTokenizer.from_pretrained(self.model_dir), n_vocab=self.vocab_size)
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
+        except (OSError, ValueError) as exc:  # a model directory without tokenizer files
+            raise InvalidRequest(f"structured output needs the model's tokenizer, which does not load here "
+                                 f"({type(exc).__name__})") from None
+        return llguidance.hf.from_tokenizer(tokenizer, n_vocab=self.vocab_size)
 
     def matcher(self, grammar: str) -> "GrammarMatcher":
         import llguidance

@@ -24,8 +24,8 @@ class SamplingParams:
     min_tokens: int = 0  # stop tokens are masked until this many tokens are generated
 
     def __post_init__(self):
-        if self.temperature is not None and not self.temperature >= 0:
-            raise InvalidRequest(f"temperature must be >= 0, got {self.temperature}")
+        if self.temperature is not None and not 0 <= self.temperature < float("inf"):
+            raise InvalidRequest(f"temperature must be finite and >= 0, got {self.temperature}")
         if self.top_p is not None and not 0 < self.top_p <= 1:
             raise InvalidRequest(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k is not None and self.top_k < 0:

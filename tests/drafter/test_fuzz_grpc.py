@@ -1,0 +1,330 @@
+"""Fuzzing the drafter's Session API (issue 14), through the real servicer and
+compiled engine on a real in-process gRPC server.
+
+Each example is one session: a start (often malformed: unknown method, k of 0
+or beyond the limit, lookup min above max, probabilities outside [0, 1] or NaN,
+another tree depth, negative or huge token ids, a prompt over the session limit)
+or a step or an empty message first; then steps with good and bad commits
+(negative ids, committed_len wrong or going backwards, past the session limit),
+second starts and empty messages. The status that ends the session is the one
+the contract names (INVALID_ARGUMENT / FAILED_PRECONDITION / RESOURCE_EXHAUSTED),
+never UNKNOWN or INTERNAL; every draft is well formed.
+
+Meanwhile witness sessions of a tenant of their own run the same script again
+and again, by suffix decoding and by n-gram lookup, sharing the engine's batched
+steps with the fuzzed ones: their drafts must equal those of a private engine that
+sees only the witness. Afterwards no session is left open on the engine.
+"""
+
+import asyncio
+import collections
+import contextlib
+import dataclasses
+import math
+
+import grpc
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from drafter_service.config import DrafterConfig
+from drafter_service.engine import DraftEngine
+from drafter_service.metrics import DrafterMetrics
+from drafter_service.proposer import SequenceProposer
+from drafter_service.service import DrafterServicer, draft_to_proto
+from protos.conventions import CHANNEL_OPTIONS
+from protos.drafter.v1 import drafter_pb2, drafter_pb2_grpc
+from speclane.speculation import MAX_PROMPT_LOOKUP, MAX_SPECULATIVE_TOKENS, settings_from_proto
+from tests.fuzz_support import fuzz_settings, serving, wait_for
+
+CONFIG = DrafterConfig(max_tree_depth=24, max_cached_requests=50, max_session_tokens=200)
+ANSWER_SECONDS = 10.0  # any answer slower than this is a hang
+INVALID, PRECONDITION, EXHAUSTED = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION,
+                                    grpc.StatusCode.RESOURCE_EXHAUSTED)
+OK = grpc.StatusCode.OK
+ENDED = "ENDED"  # the stream had ended before a write, its status lost
+WITNESS_TENANT = "witness"
+WITNESS_PROMPT = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3, 2, 3, 8, 4, 6]
+WITNESS_COMMITS = [[], [2, 6, 4], [3, 3], [8, 3, 2, 7, 9], [5], [0, 2, 8, 8, 4, 1, 9, 7]]
+WITNESS_PARAMS = {
+    "suffix": drafter_pb2.ProposerParams(method=drafter_pb2.METHOD_SUFFIX, num_speculative_tokens=6,
+                                         max_spec_factor=2.0, min_token_prob=0.0, use_tree_spec=True),
+    "ngram": drafter_pb2.ProposerParams(method=drafter_pb2.METHOD_NGRAM, num_speculative_tokens=4,
+                                        prompt_lookup_min=1, prompt_lookup_max=3),
+}
+
+
+@dataclasses.dataclass
+class Drafter:
+    stub: drafter_pb2_grpc.DrafterStub
+    engine: DraftEngine
+    witness_runs: int = 0
+    witness_failures: list = dataclasses.field(default_factory=list)
+
+
+def draft_fields(draft) -> tuple:
+    return tuple(draft.token_ids), tuple(draft.parents), tuple(draft.confidences), draft.score, draft.source
+
+
+async def served_witness(stub, params) -> list[tuple]:
+    call = stub.Session()
+    await call.write(drafter_pb2.SessionRequest(start=drafter_pb2.Start(
+        sequence_id="witness", prompt_token_ids=WITNESS_PROMPT, params=params, tenant=WITNESS_TENANT)))
+    length, drafts = len(WITNESS_PROMPT), []
+    for tokens in WITNESS_COMMITS:
+        length += len(tokens)
+        await call.write(drafter_pb2.SessionRequest(step=drafter_pb2.Step(committed_token_ids=tokens,
+                                                                          committed_len=length)))
+        drafts.append(draft_fields((await asyncio.wait_for(call.read(), ANSWER_SECONDS)).draft))
+    await call.done_writing()
+    assert await call.read() == grpc.aio.EOF
+    return drafts
+
+
+async def private_witness(engine: DraftEngine, params) -> list[tuple]:
+    """The witness's drafts from an engine of its own, as the servicer would send them."""
+    proposer = SequenceProposer(engine, settings_from_proto(params, CONFIG.limits), WITNESS_TENANT)
+    proposer.start(WITNESS_PROMPT)
+    drafts = []
+    for tokens in WITNESS_COMMITS:
+        proposer.commit(tokens, proposer.committed_len + len(tokens))
+        drafts.append(draft_fields(draft_to_proto(await proposer.propose(), proposer.committed_len)))
+    proposer.end()
+    return drafts
+
+
+@contextlib.asynccontextmanager
+async def running_drafter():
+    engine = DraftEngine(CONFIG.max_tree_depth, CONFIG.max_cached_requests)
+    server = grpc.aio.server(options=CHANNEL_OPTIONS)
+    drafter_pb2_grpc.add_DrafterServicer_to_server(DrafterServicer(engine, CONFIG, DrafterMetrics(engine.core)), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=CHANNEL_OPTIONS) as channel:
+            drafter = Drafter(drafter_pb2_grpc.DrafterStub(channel), engine)
+            private = DraftEngine(CONFIG.max_tree_depth, CONFIG.max_cached_requests)
+            stop = asyncio.Event()
+
+            async def witness():
+                while not stop.is_set():
+                    for method, params in WITNESS_PARAMS.items():
+                        try:
+                            served = await served_witness(drafter.stub, params)
+                        except Exception as error:  # noqa: BLE001 - recorded; the test fails on it
+                            drafter.witness_failures.append(f"{method}: {error!r}")
+                            continue
+                        expected = await private_witness(private, params)
+                        drafter.witness_runs += 1
+                        if served != expected:
+                            drafter.witness_failures.append(f"{method}: drafts {served} != {expected}")
+
+            task = asyncio.ensure_future(witness())
+            try:
+                yield drafter
+            finally:
+                stop.set()
+                await asyncio.wait_for(task, 60)
+    finally:
+        await server.stop(None)
+
+
+@pytest.fixture(scope="module")
+def drafter():
+    with serving(running_drafter) as (portal, drafter):
+        yield portal, drafter
+
+
+# -- what to send ------------------------------------------------------------------------------------------------
+
+tokens = st.integers(0, 12) | st.sampled_from([2**31 - 1, 2**31 - 2, 100_000])  # repeats, so drafts happen
+bad_tokens = st.sampled_from([-1, -2**31])
+floats32 = st.floats(width=32, allow_nan=True, allow_infinity=True)
+
+
+@st.composite
+def params(draw) -> tuple[drafter_pb2.ProposerParams, bool]:
+    """(params, whether they are within bounds): within them three times in four."""
+    any_values = draw(st.sampled_from([False, False, False, True]))
+    message = drafter_pb2.ProposerParams(
+        method=draw(st.sampled_from([drafter_pb2.METHOD_SUFFIX, drafter_pb2.METHOD_NGRAM]
+                                    + [drafter_pb2.METHOD_UNSPECIFIED, 7] * any_values)),
+        num_speculative_tokens=draw(st.sampled_from([8, 1, 3, MAX_SPECULATIVE_TOKENS])
+                                    | (st.sampled_from([0, MAX_SPECULATIVE_TOKENS + 1, 2**32 - 1]) if any_values
+                                       else st.nothing())),
+        use_tree_spec=draw(st.booleans()))
+    valid = message.method in (drafter_pb2.METHOD_SUFFIX, drafter_pb2.METHOD_NGRAM) \
+        and 1 <= message.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS
+    lookups = st.integers(1, 6) | (st.sampled_from([0, MAX_PROMPT_LOOKUP, MAX_PROMPT_LOOKUP + 1, 2**32 - 1])
+                                   if any_values else st.nothing())
+    if draw(st.booleans()):
+        message.prompt_lookup_min = draw(lookups)
+    if draw(st.booleans()):
+        message.prompt_lookup_max = draw(lookups)
+    low = message.prompt_lookup_min if message.HasField("prompt_lookup_min") else None
+    high = message.prompt_lookup_max if message.HasField("prompt_lookup_max") else None
+    if low is None and high is None:
+        low, high = 2, 5  # vLLM's defaults
+    else:  # as in vLLM, one given: the other takes its value
+        low, high = (high if low is None else low), (low if high is None else high)
+    valid = valid and 1 <= low <= high <= MAX_PROMPT_LOOKUP
+    any_float = floats32 if any_values else st.nothing()
+    if draw(st.booleans()):
+        message.max_spec_factor = draw(st.sampled_from([0.0, 1.0, 2.5]) | any_float)
+        valid = valid and math.isfinite(message.max_spec_factor) and message.max_spec_factor >= 0
+    if draw(st.booleans()):
+        message.max_spec_offset = draw(st.sampled_from([0.0, -1.0, 3.0]) | any_float)
+        valid = valid and math.isfinite(message.max_spec_offset)
+    if draw(st.booleans()):
+        message.min_token_prob = draw(st.sampled_from([0.0, 0.1, 1.0]) | any_float)
+        valid = valid and math.isfinite(message.min_token_prob) and 0 <= message.min_token_prob <= 1
+    if draw(st.booleans()):
+        message.max_tree_depth = draw(st.just(CONFIG.max_tree_depth)
+                                      | (st.sampled_from([0, 1, 256, 2**32 - 1]) if any_values else st.nothing()))
+        valid = valid and message.max_tree_depth == CONFIG.max_tree_depth
+    return message, valid
+
+
+@st.composite
+def starts(draw) -> tuple[drafter_pb2.SessionRequest, set]:
+    """(start message, the status codes it may get)."""
+    message, valid = draw(params())
+    length = draw(st.sampled_from([10, 0, 1, 40, CONFIG.max_session_tokens, CONFIG.max_session_tokens + 1]))
+    prompt = draw(st.lists(tokens, min_size=length, max_size=length))
+    if prompt and draw(st.sampled_from([False] * 7 + [True])):
+        prompt[draw(st.integers(0, len(prompt) - 1))] = draw(bad_tokens)
+        valid = False
+    start = drafter_pb2.Start(sequence_id=draw(st.text(max_size=8)), prompt_token_ids=prompt, params=message,
+                              tenant=draw(st.sampled_from(["", "a", "b"]) | st.text(max_size=8)).replace(
+                                  WITNESS_TENANT, ""))
+    expected = {INVALID} if not valid else {EXHAUSTED} if length > CONFIG.max_session_tokens else {OK}
+    return drafter_pb2.SessionRequest(start=start), expected
+
+
+async def _open(stub):
+    return stub.Session()
+
+
+async def _answer(call, request, reply: bool = True):
+    """Writes `request` and reads the reply: a response, or the code that ended the stream. A write
+    the stream had already ended gives ENDED: grpc fails it with a client-side INTERNAL that hides
+    the server's status."""
+    try:
+        await call.write(request)
+    except (grpc.aio.AioRpcError, asyncio.InvalidStateError):
+        return ENDED
+    if not reply:
+        return None
+    try:
+        return await asyncio.wait_for(call.read(), ANSWER_SECONDS)
+    except grpc.aio.AioRpcError as error:
+        return error.code()
+
+
+async def _cancel(call):
+    call.cancel()
+
+
+def check_draft(draft, committed_len: int, k: int, trace) -> None:
+    assert draft.committed_len == committed_len, trace
+    n = len(draft.token_ids)
+    assert n <= k and all(token >= 0 for token in draft.token_ids), trace
+    assert not draft.parents or (len(draft.parents) == n and all(-1 <= p < i for i, p in enumerate(draft.parents))), \
+        trace
+    assert len(draft.confidences) in (0, n) and all(0 <= p <= 1 for p in draft.confidences), trace
+    assert draft.source in ("suffix-request", "suffix-global", "ngram", ""), trace
+
+
+def check_session(portal, stub, data) -> list[str]:
+    first_kind = data.draw(st.sampled_from(["start"] * 8 + ["step first", "empty first"]), label="first")
+    call = portal.call(_open, stub)
+    try:
+        if first_kind == "start":
+            first, expected = data.draw(starts(), label="start")
+        else:
+            first = drafter_pb2.SessionRequest(step=drafter_pb2.Step()) if first_kind == "step first" \
+                else drafter_pb2.SessionRequest()
+            expected = {INVALID}
+        length = len(first.start.prompt_token_ids)
+        if first_kind == "start":
+            # A start gets no reply of its own: the first step's reply (or the stream's status) tells how it
+            # went, as the gateway hears it. Written apart, as the gateway writes them (the verifier's prefill
+            # comes between): the drafter must not end the stream before that step arrives (ENDED).
+            assert portal.call(_answer, call, first, False) is None
+            outcome = portal.call(_answer, call, drafter_pb2.SessionRequest(step=drafter_pb2.Step(
+                committed_len=length)))
+        else:
+            outcome = portal.call(_answer, call, first)
+        code = OK if isinstance(outcome, drafter_pb2.SessionResponse) else outcome
+        trace = [f"{first_kind}: {getattr(code, 'name', code)}"]
+        assert code in expected, f"{trace}: expected {expected}"
+        if code != OK:
+            return trace
+        k = first.start.params.num_speculative_tokens
+        check_draft(outcome.draft, length, k, trace)
+        for _ in range(data.draw(st.sampled_from([4, 2, 6, 1, 3, 5]), label="steps")):
+            kind = data.draw(st.sampled_from(["step"] * 6 + ["start", "empty", "bad step"]), label="kind")
+            commit = data.draw(st.lists(tokens, max_size=12), label="commit")
+            expected = {INVALID}
+            if kind == "start":
+                request = first
+            elif kind == "empty":
+                request = drafter_pb2.SessionRequest()
+            else:
+                claimed = length + len(commit)
+                if kind == "bad step":
+                    defect = data.draw(st.sampled_from(["negative id", "length", "backwards", "huge length"]),
+                                       label="defect")
+                    if defect == "negative id" and commit:
+                        commit[data.draw(st.integers(0, len(commit) - 1))] = data.draw(bad_tokens)
+                    elif defect == "length":
+                        claimed = max(claimed + data.draw(st.sampled_from([-1, 1, 5])), 0)
+                        expected = {PRECONDITION} if claimed != length + len(commit) else None
+                    elif defect == "backwards":
+                        claimed = data.draw(st.integers(0, length))
+                        expected = {PRECONDITION} if claimed != length + len(commit) else None
+                    elif defect == "huge length":
+                        claimed = 2**64 - 1
+                        expected = {PRECONDITION}
+                    else:
+                        expected = None
+                    kind = f"bad step ({defect})"
+                else:
+                    expected = None
+                if expected is None:  # a good step
+                    expected = {EXHAUSTED} if claimed > CONFIG.max_session_tokens else {OK}
+                request = drafter_pb2.SessionRequest(step=drafter_pb2.Step(committed_token_ids=commit,
+                                                                           committed_len=claimed))
+            outcome = portal.call(_answer, call, request)
+            code = OK if isinstance(outcome, drafter_pb2.SessionResponse) else outcome
+            trace.append(f"{kind}: {code.name}")
+            assert code in expected, f"{trace}: expected {expected}"
+            if code != OK:
+                return trace
+            length += len(commit)
+            check_draft(outcome.draft, length, k, trace)
+        return trace
+    finally:
+        portal.call(_cancel, call)
+
+
+def test_sessions(drafter):
+    portal, state = drafter
+    traces = []
+
+    @fuzz_settings(300)
+    @given(data=st.data())
+    def run(data):
+        traces.append(check_session(portal, state.stub, data))
+
+    run()
+    wait_for(lambda: state.witness_runs >= 2, what="witness runs")
+    assert not state.witness_failures, state.witness_failures
+    steps = collections.Counter(step.split(":")[0] for trace in traces for step in trace[1:])
+    assert steps["step"] > len(traces) / 2, steps  # sessions got past their first steps
+    # Only the witness's sessions may still be open.
+    wait_for(lambda: portal.call(_active_requests, state.engine) <= 1, what="fuzzed sessions ended")
+
+
+async def _active_requests(engine: DraftEngine) -> int:
+    return len(engine.core.active_requests())
