@@ -8,7 +8,7 @@ from pydantic_core import PydanticCustomError
 
 from gateway.errors import InvalidRequest
 from gateway.json_limits import json_problem
-from gateway.types import LogitControls
+from gateway.types import SCALAR_LOGIT_CONTROLS, LogitControls
 
 LEGACY_DEFAULT_MAX_TOKENS = 16  # /v1/completions' default in OpenAI's API (and vLLM's)
 MAX_LEGACY_LOGPROBS = 5  # /v1/completions' limit in OpenAI's API
@@ -95,8 +95,7 @@ class CompletionBase(BaseModel):
         return data
 
     def logit_controls(self) -> LogitControls:
-        given = {name: getattr(self, name) for name in ("presence_penalty", "frequency_penalty",
-                                                        "repetition_penalty", "min_p", "min_tokens")}
+        given = {name: getattr(self, name) for name in SCALAR_LOGIT_CONTROLS}
         return LogitControls(**{name: value for name, value in given.items() if value is not None})
 
 

@@ -13,7 +13,7 @@ from fastapi.responses import StreamingResponse
 from gateway.errors import InvalidRequest, ModelNotFound, Overloaded, Unavailable
 from gateway.openai_logprobs import TextLogprobs, chat_logprobs, merge_text_logprobs
 from gateway.serving import ServingContext, TextDelta
-from gateway.tool_calls import ToolCallParser
+from gateway.tool_calls import ToolCallParser, ToolCallReader
 from gateway.types import SpeculationUsage
 
 log = structlog.get_logger()
@@ -91,30 +91,23 @@ class _Choice:
         self.chat = writer.flavor.chat
         self.tokenizer = writer.ctx.tokenizer
         self.want_logprobs = writer.logprobs
-        self.tools = writer.tool_parser.stream() if writer.tool_parser else None
+        self.tools = ToolCallReader(writer.tool_parser)
         self.text_logprobs = TextLogprobs(self.tokenizer)
-        self.num_calls = 0
 
     def read(self, delta: TextDelta) -> dict:
         """The delta's part of the choice: content/text, tool_calls, logprobs, finish_reason."""
-        text, calls = delta.text, []
-        if self.tools is not None:
-            text, calls = self.tools.push(text)
-            if delta.finish_reason:
-                rest, more = self.tools.finish()
-                text, calls = text + rest, calls + more
-        part = {"text": text, "tool_calls": [self._call(call) for call in calls], "logprobs": None,
-                "finish_reason": delta.finish_reason}
-        if self.num_calls and delta.finish_reason == "stop":
-            part["finish_reason"] = "tool_calls"
+        first = self.tools.num_calls
+        text, calls, finish_reason = self.tools.read(delta.text, delta.finish_reason)
+        part = {"text": text, "tool_calls": [self._call(first + i, call) for i, call in enumerate(calls)],
+                "logprobs": None, "finish_reason": finish_reason}
         if self.want_logprobs:
             part["logprobs"] = (chat_logprobs(self.tokenizer, delta.token_ids, delta.logprobs) if self.chat
                                 else self.text_logprobs.add(delta.token_ids, delta.logprobs))
         return part
 
-    def _call(self, call) -> dict:
-        self.num_calls += 1
-        return {"index": self.num_calls - 1, "id": call.id, "type": "function",
+    @staticmethod
+    def _call(index: int, call) -> dict:
+        return {"index": index, "id": call.id, "type": "function",
                 "function": {"name": call.name, "arguments": call.arguments}}
 
     def whole(self, parts: list[dict]) -> dict:

@@ -152,6 +152,26 @@ class ToolCallParser:
         return content + rest, calls + more
 
 
+class ToolCallReader:
+    """One choice's output as the front ends send it: text split into content and
+    calls as it streams, and "tool_calls" as the finish reason of an output that
+    called one. Without a parser the text passes through."""
+
+    def __init__(self, parser: ToolCallParser | None):
+        self._stream = parser.stream() if parser is not None else None
+        self.num_calls = 0
+
+    def read(self, text: str, finish_reason: str | None) -> tuple[str, list[ToolCall], str | None]:
+        if self._stream is None:
+            return text, [], finish_reason
+        text, calls = self._stream.push(text)
+        if finish_reason:
+            rest, more = self._stream.finish()
+            text, calls = text + rest, calls + more
+        self.num_calls += len(calls)
+        return text, calls, "tool_calls" if self.num_calls and finish_reason == "stop" else finish_reason
+
+
 TOOL_CALL_PARSERS = {
     "hermes": ToolCallParser("hermes", HermesStream, _hermes_grammar),
     "json": ToolCallParser("json", JsonStream, _json_grammar),

@@ -18,6 +18,10 @@ class LogitControls:
     min_tokens: int = 0
 
 
+# The controls that are one number each (logit_bias is a map).
+SCALAR_LOGIT_CONTROLS = ("presence_penalty", "frequency_penalty", "repetition_penalty", "min_p", "min_tokens")
+
+
 @dataclass(frozen=True)
 class GenerationRequest:
     request_id: str

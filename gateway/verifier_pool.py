@@ -11,7 +11,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from gateway.errors import Unavailable
 from gateway.metrics import GatewayMetrics, SequenceTimer
-from gateway.types import GenerationRequest, LogitControls
+from gateway.types import SCALAR_LOGIT_CONTROLS, GenerationRequest, LogitControls
 from protos.common.v1 import common_pb2
 from protos.conventions import CHANNEL_OPTIONS, request_metadata
 from protos.verifier.v1 import verifier_pb2, verifier_pb2_grpc
@@ -19,9 +19,7 @@ from speclane.tls import TlsFiles, aio_channel
 
 log = structlog.get_logger()
 
-NEUTRAL_LOGIT_CONTROLS = {name: getattr(LogitControls(), name)
-                          for name in ("presence_penalty", "frequency_penalty", "repetition_penalty", "min_p",
-                                       "min_tokens")}
+NEUTRAL_LOGIT_CONTROLS = {name: getattr(LogitControls(), name) for name in SCALAR_LOGIT_CONTROLS}
 
 
 class VerifierSession:
