@@ -113,7 +113,9 @@ def response(delta: TextDelta, text: str, calls: list[ToolCall], finish_reason: 
             prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
             speculation=gateway_pb2.SpeculationUsage(draft_tokens=usage.draft_tokens,
                                                      accepted_tokens=usage.accepted_tokens,
-                                                     verify_steps=usage.verify_steps),
+                                                     verify_steps=usage.verify_steps,
+                                                     drafter_steps=usage.drafter_steps,
+                                                     head_steps=usage.head_steps),
             accepted_prediction_tokens=usage.prediction_accepted_tokens,
             rejected_prediction_tokens=usage.prediction_draft_tokens - usage.prediction_accepted_tokens,
         ))

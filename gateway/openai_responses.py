@@ -57,7 +57,9 @@ class UsageTally:
                     - speculation.prediction_accepted_tokens},
                 "speculation": {"draft_tokens": speculation.draft_tokens,
                                 "accepted_tokens": speculation.accepted_tokens,
-                                "verify_steps": speculation.verify_steps}}
+                                "verify_steps": speculation.verify_steps,
+                                "drafter_steps": speculation.drafter_steps,
+                                "head_steps": speculation.head_steps}}
 
 
 def error_body(message: str, kind: str, param: str | None = None, code: str | None = None) -> dict:

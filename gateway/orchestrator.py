@@ -14,8 +14,11 @@ from gateway.types import GenerationRequest, SpeculationUsage, TokenDelta, Token
 from gateway.verifier_pool import VerifierPool
 from protos.common.v1 import common_pb2
 from protos.conventions import FINISH_REASON_NAMES
+from speclane.speculation import HEAD_METHODS
 
 _NO_DRAFT = common_pb2.Draft()
+# Where a step's draft came from.
+PREDICTION, DRAFTER, HEAD, NONE = "prediction", "drafter", "head", "none"
 
 
 class Orchestrator:
@@ -42,8 +45,9 @@ class Orchestrator:
                 draft = await _next_draft(drafter, result)
                 predicted = _predicted_draft(prediction, result, request.speculation.num_speculative_tokens)
                 yield _delta(result, speculation=usage)
-                result = await _checked(verifier.verify(predicted or draft))
-                usage += _step_usage(result, from_prediction=predicted is not None)
+                source, draft = _pick_draft(request.speculation.method, predicted, draft, result.head_draft)
+                result = await _checked(verifier.verify(draft, use_head_draft=source == HEAD))
+                usage += _step_usage(result, source)
                 self._metrics.record_verify_step(result.num_draft_tokens, result.num_accepted_draft_tokens)
             if drafter is not None:
                 self._finish_in_background(drafter, list(result.token_ids), result.committed_len)
@@ -70,9 +74,26 @@ def _delta(result, finish_reason: str | None = None, speculation: SpeculationUsa
     return TokenDelta(list(result.token_ids), finish_reason, speculation, logprobs)
 
 
-def _step_usage(result, from_prediction: bool) -> SpeculationUsage:
+def _step_usage(result, source: str) -> SpeculationUsage:
     drafted, accepted = result.num_draft_tokens, result.num_accepted_draft_tokens
-    return SpeculationUsage(drafted, accepted, 1, *((drafted, accepted) if from_prediction else (0, 0)))
+    return SpeculationUsage(drafted, accepted, 1, *((drafted, accepted) if source == PREDICTION else (0, 0)),
+                            drafter_steps=int(source == DRAFTER), head_steps=int(source == HEAD))
+
+
+def _pick_draft(method: str, predicted: common_pb2.Draft | None, drafted: common_pb2.Draft,
+                head_draft: common_pb2.Draft) -> tuple[str, common_pb2.Draft | None]:
+    """Which draft this step verifies, and its source. A predicted output wins
+    while it lasts. Hybrid takes the draft expected to commit more: both
+    scores estimate accepted tokens (suffix from its tree's counts, the head
+    from its own token probabilities). Arctic's rule compares the suffix score
+    with the head draft's length, as if every head token were accepted; that
+    sends steps to a head that is unsure, so we compare like with like."""
+    if predicted is not None:
+        return PREDICTION, predicted
+    if method in HEAD_METHODS or (method == "hybrid" and head_draft.token_ids
+                                  and not (drafted.token_ids and drafted.score >= head_draft.score)):
+        return HEAD, None
+    return (DRAFTER, drafted) if drafted.token_ids else (NONE, drafted)
 
 
 def _predicted_draft(prediction: PredictionDrafter | None, last, max_tokens: int) -> common_pb2.Draft | None:

@@ -102,6 +102,7 @@ async def run(config: GatewayConfig) -> None:
         auto_tool_choice=config.enable_auto_tool_choice,
         ready=verifiers.ready,
         drafter_limits=(lambda: drafter.limits) if drafter is not None else (lambda: None),
+        draft_head=info.draft_head,
     )
     http = _EmbeddedHttpServer(uvicorn.Config(
         create_app(context), host=config.host, port=config.port, log_config=None, access_log=False,

@@ -17,7 +17,7 @@ from gateway.sampling_defaults import SamplingDefaults
 from gateway.stop_strings import StopStringMatcher
 from gateway.tool_calls import TOOL_CALL_PARSERS, ToolCallParser
 from gateway.types import GenerationRequest, LogitControls, SpeculationUsage, TokenDelta, TokenLogprob
-from speclane.speculation import DrafterLimits, SpeculationSettings
+from speclane.speculation import HEAD_METHODS, DrafterLimits, SpeculationSettings
 
 MAX_STOP_STRINGS = 4  # OpenAI's limit
 MAX_SEED = 2**64  # seeds travel as uint64
@@ -48,10 +48,21 @@ class ServingContext:
     auto_tool_choice: bool = True  # tool_choice auto reads calls from the output
     # What the drafter reported of itself (None until reached): requests are checked against it.
     drafter_limits: Callable[[], DrafterLimits | None] = lambda: None
+    draft_head: str = ""  # the verifiers' head method (eagle, eagle3, mtp); "" without one
     limiter: ConcurrencyLimiter = field(init=False)
 
     def __post_init__(self):
         self.limiter = ConcurrencyLimiter(self.max_concurrent_requests)
+
+
+def _check_head(ctx: ServingContext, method: str) -> None:
+    """A head method must be the verifiers' own head; hybrid needs one of any kind."""
+    wanted = method if method in HEAD_METHODS else ("a draft head" if method == "hybrid" else None)
+    if wanted is None or (ctx.draft_head and method in (ctx.draft_head, "hybrid")):
+        return
+    have = f"a {ctx.draft_head} head" if ctx.draft_head else "no draft head"
+    raise InvalidRequest(f"speculation method {method!r} needs {wanted}; the verifier has {have} "
+                         "(start it with --speculative-config method eagle, eagle3 or mtp)", "speculation")
 
 
 @dataclass(frozen=True)
@@ -185,6 +196,7 @@ def build_generation_request(ctx: ServingContext, request_id: str, params: Gener
         speculation = ctx.default_speculation.merged(params.speculation or {}, ctx.drafter_limits())
     except ValueError as error:
         raise InvalidRequest(str(error), "speculation") from error
+    _check_head(ctx, speculation.method)
     stop_token_ids = _check_token_ids(ctx, params.stop_token_ids, "stop_token_ids")
     if not params.ignore_eos and ctx.tokenizer.eos_token_id is not None:
         stop_token_ids.append(ctx.tokenizer.eos_token_id)

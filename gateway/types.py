@@ -49,6 +49,9 @@ class SpeculationUsage:
     # Of the above, the draft tokens that came from the request's predicted output.
     prediction_draft_tokens: int = 0
     prediction_accepted_tokens: int = 0
+    # Steps whose draft came from the drafter service, and from the verifier's head (hybrid picks per step).
+    drafter_steps: int = 0
+    head_steps: int = 0
 
     def __add__(self, other: "SpeculationUsage") -> "SpeculationUsage":
         return SpeculationUsage(*(a + b for a, b in zip(astuple(self), astuple(other))))

@@ -61,8 +61,10 @@ class VerifierSession:
             if getattr(controls, name) != neutral:
                 setattr(sampling, name, getattr(controls, name))
         sampling.logit_bias.update(controls.logit_bias)
+        speculation = request.speculation
         prefill = verifier_pb2.Prefill(
-            sequence_id=request.request_id, prompt_token_ids=request.prompt_token_ids, sampling=sampling
+            sequence_id=request.request_id, prompt_token_ids=request.prompt_token_ids, sampling=sampling,
+            num_head_draft_tokens=speculation.num_speculative_tokens if speculation.uses_head else 0,
         )
         response = await self._exchange(verifier_pb2.SessionRequest(prefill=prefill))
         if self._timer is not None:
@@ -70,8 +72,11 @@ class VerifierSession:
                                   _optional(response, "prefill_seconds"))
         return response
 
-    async def verify(self, draft: common_pb2.Draft) -> verifier_pb2.SessionResponse:
-        response = await self._exchange(verifier_pb2.SessionRequest(verify=verifier_pb2.Verify(draft=draft)))
+    async def verify(self, draft: common_pb2.Draft | None, use_head_draft: bool = False
+                     ) -> verifier_pb2.SessionResponse:
+        """Verifies `draft`, or with `use_head_draft` the verifier head's own last draft."""
+        verify = verifier_pb2.Verify(draft=draft, use_head_draft=use_head_draft)
+        response = await self._exchange(verifier_pb2.SessionRequest(verify=verify))
         if self._timer is not None:
             self._timer.stepped(len(response.token_ids))
         return response

@@ -12,8 +12,12 @@ from dataclasses import dataclass
 
 from protos.drafter.v1 import drafter_pb2
 
-METHODS = ("suffix", "ngram", "none")
+HEAD_METHODS = ("eagle", "eagle3", "mtp")  # drafted by a head inside the verifier
+METHODS = ("suffix", "ngram", "none", *HEAD_METHODS, "hybrid")  # hybrid: suffix or the head, per step
 DRAFTER_METHODS = ("suffix", "ngram")  # what the drafter service proposes with
+METHOD_ALIASES = {"deepseek_mtp": "mtp"}  # vLLM's older name
+# --speculative-config keys that configure the verifier's head (where it is loaded), not a sequence.
+VERIFIER_KEYS = ("model", "draft_tensor_parallel_size")
 MAX_SPECULATIVE_TOKENS = 64
 # Appending costs O(depth) per token and tree, so a drafter's depth is bounded.
 MAX_TREE_DEPTH = 256
@@ -53,6 +57,8 @@ class SpeculationSettings:
     suffix_decoding_use_tree_spec: bool = False
 
     def __post_init__(self):
+        if self.method in METHOD_ALIASES:
+            object.__setattr__(self, "method", METHOD_ALIASES[self.method])
         if self.method not in METHODS:
             raise ValueError(f"method must be one of {', '.join(METHODS)}, got {self.method!r}")
         if not 1 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
@@ -102,7 +108,16 @@ class SpeculationSettings:
 
     @property
     def uses_drafter(self) -> bool:
-        return self.method in DRAFTER_METHODS
+        return self.method in DRAFTER_METHODS or self.method == "hybrid"
+
+    @property
+    def uses_head(self) -> bool:
+        return self.method in HEAD_METHODS or self.method == "hybrid"
+
+    @property
+    def drafter_method(self) -> str:
+        """What the drafter service is asked for (hybrid pairs the head with suffix decoding)."""
+        return "suffix" if self.method == "hybrid" else self.method
 
 
 def _typed(key: str, value, expected: type):
@@ -127,6 +142,8 @@ def parse_speculative_config(text: str) -> tuple[SpeculationSettings, dict[str, 
     if not isinstance(values, dict):
         raise ValueError("speculative config must be a JSON object")
     drafter_wide = {key: values.pop(key) for key in DRAFTER_WIDE_KEYS if key in values}
+    for key in VERIFIER_KEYS:
+        values.pop(key, None)
     for key, value in drafter_wide.items():
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise ValueError(f"{key} must be a non-negative integer")
@@ -150,9 +167,9 @@ _PROTO_KEYS = {
 
 
 def settings_to_proto(settings: SpeculationSettings) -> drafter_pb2.ProposerParams:
-    """What a client sends the drafter for these settings (method suffix or ngram)."""
+    """What a client sends the drafter for these settings (a method that uses_drafter)."""
     return drafter_pb2.ProposerParams(
-        method=_PROTO_METHODS[settings.method], num_speculative_tokens=settings.num_speculative_tokens,
+        method=_PROTO_METHODS[settings.drafter_method], num_speculative_tokens=settings.num_speculative_tokens,
         **{field: getattr(settings, key) for field, key in _PROTO_KEYS.items() if key not in DRAFTER_WIDE_KEYS},
     )
 

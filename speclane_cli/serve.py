@@ -27,8 +27,10 @@ from verifier_service.config import VerifierConfig
 log = structlog.get_logger()
 
 # Verifier flags `speclane serve` passes through; the rest it sets itself (the TLS
-# files, from the gateway's flags of the same names or from --tls-dir).
-_VERIFIER_OWN_FLAGS = frozenset({"model", "model_name", "address", "log_level", "tls_cert", "tls_key", "tls_ca"})
+# files, from the gateway's flags of the same names or from --tls-dir; the gateway's
+# --speculative-config, whose head method and model the verifier loads).
+_VERIFIER_OWN_FLAGS = frozenset({"model", "model_name", "address", "log_level", "tls_cert", "tls_key", "tls_ca",
+                                 "speculative_config"})
 _TLS_FLAGS = ("tls_cert", "tls_key", "tls_ca")
 
 
@@ -70,7 +72,7 @@ def configs_from_args(args):
     )
     verifier = config_flags.from_namespace(
         VerifierConfig, args, model=model_dir, model_name=model_name, address=verifier_address,
-        log_level=args.log_level, **tls["verifier"],
+        log_level=args.log_level, speculative_config=args.speculative_config, **tls["verifier"],
     )
     # The drafter-wide keys of --speculative-config configure the drafter itself.
     drafter_wide = {DRAFTER_WIDE_KEYS[key]: value for key, value in gateway.drafter_wide_speculation.items()}

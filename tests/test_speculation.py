@@ -67,7 +67,7 @@ def test_the_drafters_limit_bounds_the_draft_length():
 
 
 @pytest.mark.parametrize("values", [
-    {"method": "eagle"},
+    {"method": "medusa"},
     {"num_speculative_tokens": 0},
     {"num_speculative_tokens": 65},
     {"num_speculative_tokens": "8"},
@@ -85,7 +85,7 @@ def test_bad_values_are_refused(values):
 
 
 def test_bad_config_json_is_refused():
-    for text in ("{", "[1]", '{"suffix_decoding_max_tree_depth": -1}', '{"method": "eagle"}'):
+    for text in ("{", "[1]", '{"suffix_decoding_max_tree_depth": -1}', '{"method": "medusa"}'):
         with pytest.raises(ValueError):
             parse_speculative_config(text)
 
@@ -112,4 +112,21 @@ def test_what_the_gateway_accepts_the_drafter_accepts_unchanged(overrides):
         return
     if settings.uses_drafter:
         received = settings_from_proto(settings_to_proto(settings), LIMITS)  # floats cross as float32
-        assert dataclasses.asdict(received) == pytest.approx(dataclasses.asdict(settings))
+        # hybrid's drafter half is suffix decoding; everything else crosses unchanged.
+        expected = dataclasses.replace(settings, method=settings.drafter_method)
+        assert dataclasses.asdict(received) == pytest.approx(dataclasses.asdict(expected))
+
+
+def test_head_methods_and_the_verifier_keys_of_a_vllm_eagle3_command_line():
+    settings, _, unused = parse_speculative_config(
+        '{"method": "eagle3", "model": "/heads/eagle3", "num_speculative_tokens": 4, '
+        '"draft_tensor_parallel_size": 1}')
+    assert (settings.method, settings.num_speculative_tokens, unused) == ("eagle3", 4, ())
+    assert settings.uses_head and not settings.uses_drafter
+
+
+def test_deepseek_mtp_is_mtp_and_hybrid_uses_both_sources():
+    assert SpeculationSettings(method="deepseek_mtp").method == "mtp"
+    hybrid = SpeculationSettings(method="hybrid")
+    assert hybrid.uses_head and hybrid.uses_drafter and hybrid.drafter_method == "suffix"
+    assert settings_to_proto(hybrid).method == settings_to_proto(SpeculationSettings(method="suffix")).method

@@ -3,6 +3,7 @@
 No torch here: a launcher builds and checks this config without the model's libraries."""
 
 import dataclasses
+import json
 import re
 from dataclasses import dataclass
 
@@ -57,12 +58,18 @@ class VerifierConfig:
     max_concurrent_rpcs: int = option(256, "concurrent RPCs before RESOURCE_EXHAUSTED")
     max_draft_tokens: int = option(DEFAULT_MAX_DRAFT_TOKENS, "nodes one draft may have (INVALID_ARGUMENT beyond): "
                                                              "a huge draft would hold every sequence's pass up")
+    speculative_config: str = option("", "vLLM's --speculative-config JSON. With method eagle, eagle3, mtp or "
+                                         "deepseek_mtp the verifier loads that draft head from `model` (mtp: the "
+                                         "target's own MTP layers when omitted; eagle/eagle3: the head shipped for "
+                                         "a packaged model). Other methods and keys are the gateway's")
     log_level: str = option("info", "debug, info, warning or error (debug logs every forward pass)")
     tls_cert: str = option("", "PEM certificate of the gRPC server: it then serves TLS (mTLS with --tls-ca)")
     tls_key: str = option("", "PEM private key of --tls-cert")
     tls_ca: str = option("", "PEM certificate of the CA that signs the clients' certificates: every client must then "
                              "show one (mTLS); needs --tls-cert")
     tls: TlsFiles = dataclasses.field(init=False, repr=False)
+    head_method: str = dataclasses.field(init=False, default="")  # "" without a head
+    head_model: str = dataclasses.field(init=False, default="")  # "" : the default place (see heads/loading.py)
 
     def __post_init__(self):
         if not self.model:
@@ -110,4 +117,31 @@ class VerifierConfig:
             raise ValueError(f"max_draft_tokens must be at least {MAX_SPECULATIVE_TOKENS}, the most "
                              "num_speculative_tokens a request may ask for")
         check_log_level(self.log_level)
+        method, head_model = head_settings(self.speculative_config)
+        object.__setattr__(self, "head_method", method)
+        object.__setattr__(self, "head_model", head_model)
         object.__setattr__(self, "tls", server_tls(self.tls_cert, self.tls_key, self.tls_ca))
+
+
+HEAD_METHODS = ("eagle", "eagle3", "mtp", "deepseek_mtp")
+
+
+def head_settings(speculative_config: str) -> tuple[str, str]:
+    """(head method, head directory) named by a --speculative-config; ("", "") when it names no head."""
+    if not speculative_config.strip():
+        return "", ""
+    try:
+        values = json.loads(speculative_config)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"speculative_config is not valid JSON: {exc}") from None
+    if not isinstance(values, dict):
+        raise ValueError("speculative_config must be a JSON object")
+    method = values.get("method", "")
+    if method not in HEAD_METHODS:
+        return "", ""
+    if values.get("draft_tensor_parallel_size", 1) != 1:
+        raise ValueError("draft_tensor_parallel_size must be 1: the head runs on rank 0")
+    model = values.get("model") or ""
+    if not isinstance(model, str):
+        raise ValueError("speculative_config.model must be a head directory")
+    return method, model

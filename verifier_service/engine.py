@@ -6,6 +6,7 @@ every finished segment and reports the results through the work's callback.
 `AsyncEngine` (async_engine.py) runs it on one dedicated model thread.
 """
 
+import dataclasses
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -16,6 +17,7 @@ import torch
 from verifier_service.batch import StepPlan
 from verifier_service.errors import InvalidRequest, SequenceFinished, StaleDraft
 from verifier_service.grammar import GrammarCompiler
+from verifier_service.heads.drafting import HeadDrafter, HeadState
 from verifier_service.kv_pool import KVPool
 from verifier_service.kv_store import Keep
 from verifier_service.logits_processing import make_logits_processor
@@ -52,12 +54,14 @@ class Engine:
     """Not thread-safe: AsyncEngine calls it from its model thread only."""
 
     def __init__(self, runner: ModelRunner, pool: KVPool, limits: BatchLimits = BatchLimits(),
-                 on_step: Callable[[StepStats], None] | None = None):
+                 on_step: Callable[[StepStats], None] | None = None, head: HeadDrafter | None = None):
         self.runner = runner
         self.pool = pool
         self.scheduler = Scheduler(pool, limits)
         self.grammars = GrammarCompiler(runner.model_dir, runner.vocab_size)
         self.on_step = on_step
+        self.head = head
+        runner.feature_layers = head.head.feature_layers if head is not None else ()
         self._live: set[Sequence] = set()
 
     @property
@@ -87,12 +91,18 @@ class Engine:
         check_token_ids(sampling.logit_bias, runner.vocab_size, "logit_bias token id")
         # Masked by index until min_tokens: one outside the vocabulary would fail every step.
         check_token_ids(params.stop_token_ids, runner.vocab_size, "stop token id")
+        if params.num_head_draft_tokens and self.head is None:
+            raise InvalidRequest("this verifier has no draft head (start it with --speculative-config "
+                                 "method eagle, eagle3 or mtp)")
         stop = frozenset(params.stop_token_ids if params.ignore_eos
                          else params.stop_token_ids | set(runner.eos_token_ids))
-        return Sequence(sequence_id, list(prompt), params, stop, runner.max_context_len,
-                        make_generator(sampling.seed, runner.device),
-                        make_logits_processor(sampling, prompt, stop, runner.vocab_size, runner.device),
-                        self.grammars.matcher(params.grammar) if params.grammar else None)
+        seq = Sequence(sequence_id, list(prompt), params, stop, runner.max_context_len,
+                       make_generator(sampling.seed, runner.device),
+                       make_logits_processor(sampling, prompt, stop, runner.vocab_size, runner.device),
+                       self.grammars.matcher(params.grammar) if params.grammar else None)
+        if params.num_head_draft_tokens:
+            seq.head = HeadState()
+        return seq
 
     def submit(self, seq: Sequence, draft: Draft, done: Callable[[object], None]) -> None:
         """Queues the sequence's next step (the first token when it has none yet);
@@ -128,7 +138,7 @@ class Engine:
         plan = StepPlan(ops, tuple(t for e in picked for t in _fed_tokens(e)), tuple(e.segment for e in picked))
         started = time.perf_counter()
         try:
-            logits = self.runner.execute(plan)
+            logits, features = self.runner.execute(plan)
         except Exception as exc:  # noqa: BLE001 - fail these steps, keep serving the rest
             log.exception("forward_failed", sequences=len(picked), tokens=plan.num_tokens)
             for entry in picked:
@@ -136,12 +146,14 @@ class Engine:
                 entry.work.done(exc)
             return True
         forward_seconds = time.perf_counter() - started
-        row = 0
+        row = token = 0
         for entry in picked:
             rows = logits[row: row + entry.segment.num_logit_rows]
             row += entry.segment.num_logit_rows
+            fed = None if features is None else features[token: token + entry.segment.num_tokens]
+            token += entry.segment.num_tokens
             try:
-                self._settle(entry, rows)
+                self._settle(entry, rows, fed)
             except Exception as exc:  # noqa: BLE001 - fail this step alone: left queued, it would fail every pass
                 log.exception("step_failed", sequence_id=entry.work.seq.sequence_id)
                 self.close(entry.work.seq)
@@ -167,9 +179,12 @@ class Engine:
     def verify(self, seq: Sequence, draft: Draft) -> StepResult:
         return self.run(seq, draft)
 
-    def _settle(self, entry: Scheduled, rows: torch.Tensor) -> None:
+    def _settle(self, entry: Scheduled, rows: torch.Tensor, features: torch.Tensor | None) -> None:
         seq, segment, draft = entry.work.seq, entry.segment, entry.draft
         if not segment.wants_logits:  # a prompt chunk: more to come
+            if seq.head is not None:
+                start = seq.num_cached
+                seq.head.add(start, features, seq.tokens[start + 1: start + 1 + segment.num_pending])
             seq.num_cached += segment.num_pending
             return
         verdict = self._judge(seq, draft, rows)
@@ -181,11 +196,29 @@ class Engine:
         result = seq.commit(verdict.token_ids, verdict.num_accepted, len(draft.token_ids), logprobs)
         if seq.grammar is not None:
             seq.grammar.commit(result.token_ids)
+        if seq.head is not None:
+            self._draft_with_head(seq, segment, features, verdict, result.token_ids)
+            if seq.head_draft is not None:
+                result = dataclasses.replace(result, head_draft=seq.head_draft.token_ids,
+                                             head_draft_score=seq.head_draft.score)
         seq.num_cached = min(len(seq.tokens) - 1, base + len(verdict.path))
         self.scheduler.ready.remove(entry.work)
         if seq.finished:
             self.scheduler.release(seq)
         entry.work.done(result)
+
+    def _draft_with_head(self, seq: Sequence, segment, features: torch.Tensor, verdict: Verdict,
+                         committed: list[int]) -> None:
+        """Feeds the head this pass's (feature, next token) pairs, then drafts
+        the next step. Pending prompt tokens pair with the token after them;
+        the rows that judged the committed tokens pair with those tokens."""
+        start, pending = seq.num_cached, segment.num_pending
+        seq.head.add(start, features[: pending - 1], seq.tokens[start + 1: start + pending])
+        judged = [pending - 1 + row for row in verdict.rows[: len(committed)]]
+        seq.head.add(start + pending - 1, features[judged], committed)
+        k = min(seq.params.num_head_draft_tokens, seq.max_draft_depth())
+        seq.head_draft = None if seq.finished else self.head.draft(
+            seq.head, k, seq.params.sampling.temperature, seq.generator)
 
     def _judge(self, seq: Sequence, draft: Draft, rows: torch.Tensor) -> Verdict:
         """Accepts against the request's distribution: `rows` are raw logits, and
@@ -198,7 +231,7 @@ class Engine:
             rows = rows.masked_fill(~seq.grammar.row_masks(tokens, parents).to(rows.device), float("-inf"))
         if sampling.greedy:
             return verify_greedy(tokens, rows, parents)
-        proposals = None
+        proposals = draft.proposal_probs
         if draft.proposals:
             sparse = [(p.token_ids, p.probs) for p in draft.proposals]
             proposals = dense_proposals(sparse, rows.shape[-1], rows.device)

@@ -49,6 +49,8 @@ class ModelRunner:
         layers, kv_heads, head_dim = kv_geometry(text_config, self.tp_size)
         self.kv_bytes_per_token = 2 * layers * kv_heads * head_dim * torch.finfo(dtype).bits // 8
         self.store = KVStore(layers, block_size)
+        # Hidden states a draft head reads (indices into transformers' hidden_states); () when no head.
+        self.feature_layers: tuple[int, ...] = ()
         # The output layer's width (it may pad the tokenizer's vocabulary); sharded under TP, gathered in logits.
         self.vocab_size: int = (text_config.vocab_size if tp is not None
                                 else self.model.get_output_embeddings().weight.shape[0])
@@ -60,20 +62,24 @@ class ModelRunner:
                  max_context_len=self.max_context_len, eos_token_ids=list(self.eos_token_ids),
                  tensor_parallel_size=self.tp_size, rank=tp.rank if tp else 0)
 
-    def execute(self, plan: StepPlan) -> torch.Tensor:
+    def execute(self, plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Runs a plan (on every rank); returns fp32 logits [rows, vocab] in
-        segment order (Segment.num_logit_rows each)."""
+        segment order (Segment.num_logit_rows each), and with a head the fp32
+        features [tokens, F] of every token fed (its layers concatenated)."""
         if self.tp is not None:
             self.tp.broadcast(plan)
         return self.run(plan)
 
     @torch.inference_mode()
-    def run(self, plan: StepPlan) -> torch.Tensor:
+    def run(self, plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor | None]:
         for op in plan.ops:
             self.store.apply(op)
         if not plan.segments:
-            return torch.empty(0, self.vocab_size)
+            return torch.empty(0, self.vocab_size), None
         ids, positions, rows, batch = prepare(plan, self.store, self.device)
         out = self.model(input_ids=ids, position_ids=positions, use_cache=False, logits_to_keep=rows,
-                         speclane_batch=batch)
-        return out.logits[0].float()
+                         speclane_batch=batch, output_hidden_states=bool(self.feature_layers))
+        features = None
+        if self.feature_layers:
+            features = torch.cat([out.hidden_states[i][0] for i in self.feature_layers], dim=-1).float()
+        return out.logits[0].float(), features

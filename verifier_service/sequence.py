@@ -9,8 +9,10 @@ from dataclasses import dataclass, field
 import torch
 
 from protos.conventions import chain_parents
+from speclane.speculation import MAX_SPECULATIVE_TOKENS
 from verifier_service.errors import InvalidRequest
 from verifier_service.grammar import GrammarMatcher
+from verifier_service.heads.drafting import HeadDraft, HeadState
 from verifier_service.logits_processing import LogitsProcessor
 from verifier_service.sampling import SamplingParams
 from verifier_service.tree import check_parents, depths, keep_nodes
@@ -34,6 +36,7 @@ class GenerationParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # None: not reported; else how many most likely alternatives with each token
     grammar: str | None = None  # structured output, llguidance's Lark syntax
+    num_head_draft_tokens: int = 0  # > 0: the verifier's head drafts this many tokens after each step
 
     def __post_init__(self):
         if self.max_new_tokens < 1:
@@ -43,6 +46,9 @@ class GenerationParams:
                                  f"got {self.sampling.min_tokens}")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise InvalidRequest(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        if not 0 <= self.num_head_draft_tokens <= MAX_SPECULATIVE_TOKENS:
+            raise InvalidRequest(f"num_head_draft_tokens must be in [0, {MAX_SPECULATIVE_TOKENS}], "
+                                 f"got {self.num_head_draft_tokens}")
 
 
 @dataclass(frozen=True)
@@ -59,6 +65,8 @@ class Draft:
     parents: tuple[int, ...] = ()  # empty: a chain; else a tree (see tree.py)
     proposals: tuple[Proposal, ...] = ()  # empty: deterministic draft
     committed_len: int = 0  # 0: not tagged
+    # Dense q rows [k, vocab] of a draft sampled inside the verifier (a head's): never crosses the wire.
+    proposal_probs: torch.Tensor | None = field(default=None, compare=False)
 
     @property
     def tree_parents(self) -> tuple[int, ...]:
@@ -87,6 +95,7 @@ class Draft:
             parents=keep_nodes(parents, keep),
             proposals=tuple(self.proposals[i] for i in keep) if self.proposals else (),
             committed_len=self.committed_len,
+            proposal_probs=None if self.proposal_probs is None else self.proposal_probs[keep],
         )
 
 
@@ -125,6 +134,8 @@ class StepResult:
     finish_reason: FinishReason
     num_draft_tokens: int = 0  # draft tokens verified in this step
     logprobs: list[TokenLogprob] = field(default_factory=list)  # one per token_ids entry, when requested
+    head_draft: tuple[int, ...] = ()  # the head's draft for the next step (kept in the sequence with its q)
+    head_draft_score: float = 0.0
 
 
 class Sequence:
@@ -144,6 +155,8 @@ class Sequence:
         self.generator = generator
         self.logits_processor = logits_processor  # None: the request sets no logit control
         self.grammar = grammar  # None: free-form output
+        self.head: HeadState | None = None  # set when the verifier's head drafts for this sequence
+        self.head_draft: HeadDraft | None = None  # its draft continuing the committed tokens
         self.slot: int | None = None  # KV slot while admitted
         self.num_cached = 0
         self.finish_reason = FinishReason.NONE
@@ -168,6 +181,13 @@ class Sequence:
         """How deep a draft can still pay off: a step commits the accepted tokens
         plus one of the target's own, so a deeper node could never add a token."""
         return self.budget() - 1
+
+    def own_draft(self) -> Draft:
+        """The head's draft for the next step, with its q (empty without a head)."""
+        draft = self.head_draft
+        if draft is None:
+            return Draft()
+        return Draft(token_ids=draft.token_ids, proposal_probs=draft.proposals, committed_len=len(self.tokens))
 
     def commit(self, token_ids: list[int], num_accepted: int, num_draft_tokens: int = 0,
                logprobs: list[TokenLogprob] | None = None) -> StepResult:

@@ -32,7 +32,7 @@ def _optional(message, name: str, default=None):
     return getattr(message, name) if message.HasField(name) else default
 
 
-def params_from_proto(sampling: verifier_pb2.SamplingParams) -> GenerationParams:
+def params_from_proto(sampling: verifier_pb2.SamplingParams, num_head_draft_tokens: int = 0) -> GenerationParams:
     return GenerationParams(
         sampling=SamplingParams(
             temperature=_optional(sampling, "temperature"),
@@ -51,6 +51,7 @@ def params_from_proto(sampling: verifier_pb2.SamplingParams) -> GenerationParams
         ignore_eos=sampling.ignore_eos,
         logprobs=_optional(sampling, "logprobs"),
         grammar=_optional(sampling, "grammar"),
+        num_head_draft_tokens=num_head_draft_tokens,
     )
 
 
@@ -67,8 +68,11 @@ def draft_from_proto(draft: common_pb2.Draft, max_tokens: int) -> Draft:
     )
 
 
-def response_from(result: StepResult) -> verifier_pb2.SessionResponse:
+def response_from(result: StepResult, head_method: str = "") -> verifier_pb2.SessionResponse:
+    head_draft = (common_pb2.Draft(token_ids=result.head_draft, score=result.head_draft_score, source=head_method)
+                  if result.head_draft else None)
     return verifier_pb2.SessionResponse(
+        head_draft=head_draft,
         token_ids=result.token_ids,
         num_accepted_draft_tokens=result.num_accepted,
         committed_len=result.committed_len,
@@ -107,6 +111,12 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         self.model_dir = model_dir
         self.max_draft_tokens = max_draft_tokens
 
+    @property
+    def head_method(self) -> str:
+        """The loaded head's method ("" without one, or while loading)."""
+        engine = self.engine.engine
+        return engine.head.head.kind if engine is not None and engine.head is not None else ""
+
     async def _require_loaded(self, context) -> None:
         if self.engine.engine is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the model is still loading")
@@ -123,6 +133,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             device=str(runner.device),
             dtype=str(runner.dtype).removeprefix("torch."),
             tensor_parallel_size=runner.tp_size,
+            draft_head=self.head_method,
         )
 
     async def GetTokenizer(self, request, context):
@@ -139,18 +150,19 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
                 if seq is None:
                     if kind != "prefill":
                         raise InvalidRequest("the first message of a session must be prefill")
-                    params = params_from_proto(request.prefill.sampling)
+                    params = params_from_proto(request.prefill.sampling, request.prefill.num_head_draft_tokens)
                     # Opened before the await, so `finally` frees it even if the prefill is cancelled.
                     seq = self.engine.open(request.prefill.sequence_id, list(request.prefill.prompt_token_ids), params)
                     result, timing = await self._prefill(seq)
                 elif kind == "verify":
-                    draft = draft_from_proto(request.verify.draft, self.max_draft_tokens)
+                    draft = (seq.own_draft() if request.verify.use_head_draft
+                             else draft_from_proto(request.verify.draft, self.max_draft_tokens))
                     result, timing = await self.engine.verify(seq, draft), None
                 else:
                     raise InvalidRequest("after prefill, every message must be verify")
                 if result.finish_reason is not FinishReason.NONE:
                     _log_finish(seq, result.finish_reason)
-                response = response_from(result)
+                response = response_from(result, self.head_method)
                 if timing is not None:
                     response.MergeFrom(timing)
                 yield response

@@ -34,6 +34,7 @@ from verifier_service.distributed import (
     rank_device,
 )
 from verifier_service.engine import Engine
+from verifier_service.heads.loading import load_head
 from verifier_service.kv_pool import KVPool
 from verifier_service.model_runner import ModelRunner
 from verifier_service.scheduler import BatchLimits
@@ -89,7 +90,9 @@ class Rank0:
                                   weights_bytes=weights_bytes(runner.model) * ranks_here)
         pool = KVPool(budget, config.kv_block_size, config.enable_prefix_caching)
         limits = BatchLimits(config.max_batch_tokens, config.max_batch_sequences, config.max_queue_wait)
-        engine = Engine(runner, pool, limits, on_step=self.on_step)
+        # The head runs on rank 0 only (draft_tensor_parallel_size 1, as in vLLM).
+        head = load_head(config.head_method, config.head_model, runner) if config.head_method else None
+        engine = Engine(runner, pool, limits, on_step=self.on_step, head=head)
         log.info("kv_pool_ready", max_kv_tokens=pool.max_tokens, block_size=pool.block_size,
                  bytes_per_token=per_token, prefix_caching=pool.prefix_caching)
         warm_up(engine)

@@ -102,8 +102,10 @@ def start_stack(model_dir: pathlib.Path, log_dir: pathlib.Path, speculative_conf
     """With `tls_dir` (made by `speclane certs`): mTLS between the services, TLS on the
     gateway's gRPC port and HTTPS, each service with its own certificate."""
     drafter = DrafterConfig(address=f"127.0.0.1:{free_port()}", **tls_fields(tls_dir, "drafter"))
+    # As `speclane serve`: the verifier loads the head a head method names.
     verifier = VerifierConfig(model=str(model_dir), model_name="smollm2-135m-instruct",
-                              address=f"127.0.0.1:{free_port()}", **tls_fields(tls_dir, "verifier"))
+                              address=f"127.0.0.1:{free_port()}", speculative_config=speculative_config,
+                              **tls_fields(tls_dir, "verifier"))
     gateway_tls = tls_fields(tls_dir, "gateway")
     https = {"ssl_certfile": gateway_tls["tls_cert"], "ssl_keyfile": gateway_tls["tls_key"]} if tls_dir else {}
     gateway = GatewayConfig(

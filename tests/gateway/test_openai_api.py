@@ -50,7 +50,8 @@ async def test_chat_completion(ctx, engine):
         "total_tokens": prompt_tokens + len(engine.token_ids),
         "completion_tokens_details": {"accepted_prediction_tokens": 0, "rejected_prediction_tokens": 0},
         "speculation": {"draft_tokens": usage.draft_tokens, "accepted_tokens": usage.accepted_tokens,
-                        "verify_steps": usage.verify_steps}}
+                        "verify_steps": usage.verify_steps, "drafter_steps": usage.drafter_steps,
+                        "head_steps": usage.head_steps}}
     assert engine.requests[0].request_id == body["id"]
 
 

@@ -43,7 +43,8 @@ async def test_verifier_gets_drafts_untrimmed_and_usage_counts_the_verified_draf
     # verifier cuts its 6-token draft to 3 (all accepted): 9 verified, not the 12 drafted.
     assert verifier.drafts == [target_tokens(1, 6), target_tokens(6, 6)]
     assert deltas[-1].finish_reason == "length"
-    assert deltas[-1].speculation == SpeculationUsage(draft_tokens=9, accepted_tokens=7, verify_steps=2)
+    assert deltas[-1].speculation == SpeculationUsage(draft_tokens=9, accepted_tokens=7, verify_steps=2,
+                                                      drafter_steps=2)
     text = gw.metrics.render().decode()
     for name, value in [("vllm:spec_decode_num_draft_tokens_total", 9), ("speclane:verify_steps_total", 2),
                         ("vllm:spec_decode_num_accepted_tokens_total", 7), ("vllm:spec_decode_num_drafts_total", 2)]:

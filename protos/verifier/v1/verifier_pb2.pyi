@@ -49,20 +49,24 @@ class SamplingParams(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., min_p: _Optional[float] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., min_tokens: _Optional[int] = ..., logprobs: _Optional[int] = ..., grammar: _Optional[str] = ...) -> None: ...
 
 class Prefill(_message.Message):
-    __slots__ = ("sequence_id", "prompt_token_ids", "sampling")
+    __slots__ = ("sequence_id", "prompt_token_ids", "sampling", "num_head_draft_tokens")
     SEQUENCE_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    NUM_HEAD_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     sequence_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: SamplingParams
-    def __init__(self, sequence_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ...) -> None: ...
+    num_head_draft_tokens: int
+    def __init__(self, sequence_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., num_head_draft_tokens: _Optional[int] = ...) -> None: ...
 
 class Verify(_message.Message):
-    __slots__ = ("draft",)
+    __slots__ = ("draft", "use_head_draft")
     DRAFT_FIELD_NUMBER: _ClassVar[int]
+    USE_HEAD_DRAFT_FIELD_NUMBER: _ClassVar[int]
     draft: _common_pb2.Draft
-    def __init__(self, draft: _Optional[_Union[_common_pb2.Draft, _Mapping]] = ...) -> None: ...
+    use_head_draft: bool
+    def __init__(self, draft: _Optional[_Union[_common_pb2.Draft, _Mapping]] = ..., use_head_draft: _Optional[bool] = ...) -> None: ...
 
 class SessionRequest(_message.Message):
     __slots__ = ("prefill", "verify")
@@ -73,7 +77,7 @@ class SessionRequest(_message.Message):
     def __init__(self, prefill: _Optional[_Union[Prefill, _Mapping]] = ..., verify: _Optional[_Union[Verify, _Mapping]] = ...) -> None: ...
 
 class SessionResponse(_message.Message):
-    __slots__ = ("token_ids", "num_accepted_draft_tokens", "committed_len", "finish_reason", "num_draft_tokens", "logprobs", "queue_seconds", "prefill_seconds")
+    __slots__ = ("token_ids", "num_accepted_draft_tokens", "committed_len", "finish_reason", "num_draft_tokens", "logprobs", "queue_seconds", "prefill_seconds", "head_draft")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_ACCEPTED_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COMMITTED_LEN_FIELD_NUMBER: _ClassVar[int]
@@ -82,6 +86,7 @@ class SessionResponse(_message.Message):
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     QUEUE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    HEAD_DRAFT_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     num_accepted_draft_tokens: int
     committed_len: int
@@ -90,7 +95,8 @@ class SessionResponse(_message.Message):
     logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
     queue_seconds: float
     prefill_seconds: float
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., num_accepted_draft_tokens: _Optional[int] = ..., committed_len: _Optional[int] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., num_draft_tokens: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., queue_seconds: _Optional[float] = ..., prefill_seconds: _Optional[float] = ...) -> None: ...
+    head_draft: _common_pb2.Draft
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., num_accepted_draft_tokens: _Optional[int] = ..., committed_len: _Optional[int] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., num_draft_tokens: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., queue_seconds: _Optional[float] = ..., prefill_seconds: _Optional[float] = ..., head_draft: _Optional[_Union[_common_pb2.Draft, _Mapping]] = ...) -> None: ...
 
 class TokenLogprob(_message.Message):
     __slots__ = ("logprob", "top_token_ids", "top_logprobs")
@@ -107,7 +113,7 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model_name", "vocab_size", "max_context_len", "eos_token_ids", "device", "dtype", "tensor_parallel_size")
+    __slots__ = ("model_name", "vocab_size", "max_context_len", "eos_token_ids", "device", "dtype", "tensor_parallel_size", "draft_head")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     MAX_CONTEXT_LEN_FIELD_NUMBER: _ClassVar[int]
@@ -115,6 +121,7 @@ class ModelInfo(_message.Message):
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_HEAD_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     vocab_size: int
     max_context_len: int
@@ -122,7 +129,8 @@ class ModelInfo(_message.Message):
     device: str
     dtype: str
     tensor_parallel_size: int
-    def __init__(self, model_name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_context_len: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., tensor_parallel_size: _Optional[int] = ...) -> None: ...
+    draft_head: str
+    def __init__(self, model_name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_context_len: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., tensor_parallel_size: _Optional[int] = ..., draft_head: _Optional[str] = ...) -> None: ...
 
 class GetTokenizerRequest(_message.Message):
     __slots__ = ()

@@ -1,0 +1,233 @@
+"""Draft heads inside the verifier: every checkpoint layout loads into the same
+module, a wrong checkpoint is refused by name, the head's cache follows the
+committed sequence, and head drafts keep greedy output and the sampled
+distribution exactly the target's."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+import verifier_service.sequence as sequence_module
+from tests.heads_support import add_mtp_layer, random_head, write_random_head
+from tests.verifier.conftest import VOCAB, make_engine, save_tiny_llama
+from tests.verifier.test_engine import SAMPLING_PROMPT, SAMPLING_TRIALS, exact_second_token, p_value
+from verifier_service.errors import InvalidRequest
+from verifier_service.heads.checkpoint import CheckpointError, build_head, read_head
+from verifier_service.heads.drafting import HeadDrafter
+from verifier_service.heads.layer import HeadKV
+from verifier_service.heads.loading import load_head
+from verifier_service.sampling import SamplingParams
+from verifier_service.sequence import Draft, GenerationParams
+
+PROMPT = [5, 9, 11, 20, 7, 30, 41, 12]
+
+
+def config_of(model_dir) -> dict:
+    return json.loads((model_dir / "config.json").read_text())
+
+
+def outputs(head, config) -> torch.Tensor:
+    torch.manual_seed(3)
+    width = head.fc.in_features if head.kind == "eagle3" else config["hidden_size"]
+    features = torch.randn(5, width)
+    with torch.no_grad():
+        return head.logits(head(torch.tensor([4, 8, 15, 16, 23]), features, torch.arange(5), HeadKV()))
+
+
+@pytest.fixture(scope="module")
+def target_dir(tmp_path_factory):
+    return save_tiny_llama(tmp_path_factory.mktemp("head-target"))
+
+
+def _relabel(path, renames: dict[str, str]) -> None:
+    tensors = load_file(path / "model.safetensors")
+    renamed = {next((to + k[len(frm):] for frm, to in renames.items() if k.startswith(frm)), k): v
+               for k, v in tensors.items()}
+    save_file(renamed, path / "model.safetensors")
+
+
+@pytest.mark.parametrize("kind,method,renames", [
+    ("eagle", "eagle", {}),
+    ("eagle3", "eagle3", {}),
+    ("eagle3", "eagle3", {"midlayer.": "layers.0."}),  # SpecForge-style name of the one layer
+])
+def test_eagle_layouts_load_into_the_module_that_wrote_them(tmp_path, target_dir, kind, method, renames):
+    import pathlib
+    target = pathlib.Path(target_dir)
+    written, config = random_head(kind, target, seed=1)
+    out = write_random_head(kind, target, tmp_path / kind, seed=1)
+    _relabel(out, renames)
+    checkpoint = read_head(out, method, config)
+    loaded = build_head(checkpoint, written.embed_weight, written.embed_weight)
+    assert checkpoint.kind == kind
+    assert torch.allclose(outputs(loaded, config), outputs(written, config))
+
+
+MTP_LAYOUTS = {  # layout -> renames from DeepSeek's names inside the MTP layer, and its prefix
+    "qwen3_next_mtp": ("mtp.", {"enorm.": "pre_fc_norm_embedding.", "hnorm.": "pre_fc_norm_hidden.",
+                                "eh_proj.": "fc.", "shared_head.norm.": "norm.", "": "layers.0."}),
+    "mimo_mtp": ("model.mtp_layers.0.", {"enorm.": "token_layernorm.", "hnorm.": "hidden_layernorm.",
+                                         "eh_proj.": "input_proj.", "shared_head.norm.": "final_layernorm.", "": ""}),
+}
+
+
+@pytest.mark.parametrize("layout", ["deepseek_mtp", *MTP_LAYOUTS])
+def test_mtp_layouts_load_from_the_target_directory(tmp_path, target_dir, layout):
+    import shutil
+    target = tmp_path / "target"
+    shutil.copytree(target_dir, target)
+    add_mtp_layer(target, seed=2)
+    written, config = random_head("mtp", target, seed=2)
+    if layout != "deepseek_mtp":
+        prefix, renames = MTP_LAYOUTS[layout]
+        deepseek = f"model.layers.{config['num_hidden_layers']}."
+        tensors = load_file(target / "model.safetensors")
+        for key in [k for k in tensors if k.startswith(deepseek)]:
+            inner = key[len(deepseek):]
+            frm = next(f for f in renames if inner.startswith(f))
+            value = tensors.pop(key)
+            if layout == "qwen3_next_mtp" and inner.endswith("norm.weight"):
+                value = value - 1  # zero-centred norms store weight - 1 for the same function
+            tensors[prefix + renames[frm] + inner[len(frm):]] = value
+        save_file(tensors, target / "model.safetensors")
+    checkpoint = read_head(target, "deepseek_mtp", config)
+    assert (checkpoint.kind, checkpoint.layout) == ("mtp", layout)
+    loaded = build_head(checkpoint, written.embed_weight, written.embed_weight)
+    if layout == "mimo_mtp":  # MiMo concatenates [hidden, embedding]: same weights, another function
+        assert loaded.hidden_first and not torch.allclose(outputs(loaded, config), outputs(written, config))
+    else:
+        assert torch.allclose(outputs(loaded, config), outputs(written, config))
+
+
+def test_a_checkpoint_with_missing_or_unexpected_tensors_is_refused_by_name(tmp_path, target_dir):
+    import pathlib
+    out = write_random_head("eagle3", pathlib.Path(target_dir), tmp_path / "bad")
+    tensors = load_file(out / "model.safetensors")
+    del tensors["midlayer.mlp.up_proj.weight"]
+    tensors["midlayer.mlp.extra_proj.weight"] = torch.zeros(2, 2)
+    save_file(tensors, out / "model.safetensors")
+    config = config_of(pathlib.Path(target_dir))
+    with pytest.raises(CheckpointError, match=r"missing \['midlayer.mlp.up_proj.weight'\].*"
+                                              r"unexpected \['midlayer.mlp.extra_proj.weight'\]"):
+        build_head(read_head(out, "eagle3", config), torch.zeros(VOCAB, 32), torch.zeros(VOCAB, 32))
+    with pytest.raises(CheckpointError, match="holds a eagle3 head, not one for method 'eagle'"):
+        read_head(out, "eagle", config)
+    with pytest.raises(CheckpointError, match="no head layout recognized"):
+        save_file({"w": torch.zeros(1)}, out / "model.safetensors")
+        read_head(out, "eagle3", config)
+
+
+@pytest.fixture(scope="module", params=["eagle", "eagle3", "mtp"])
+def head_engine(request, runner, tmp_path_factory):
+    """An engine over the shared tiny runner with a random head of each kind."""
+    import pathlib
+    directory = write_random_head(request.param, pathlib.Path(runner.model_dir),
+                                  tmp_path_factory.mktemp(request.param), seed=4)
+    head = load_head(request.param, str(directory), runner)
+    engine = make_engine(runner)
+    engine.head = head
+    runner.feature_layers = head.head.feature_layers
+    yield engine
+    runner.feature_layers = ()
+
+
+def generate(engine, k: int, use_head: bool, max_new_tokens: int = 30):
+    seq = engine.open("s", PROMPT, GenerationParams(max_new_tokens=max_new_tokens, ignore_eos=True,
+                                                    num_head_draft_tokens=k))
+    engine.prefill(seq)
+    accepted = 0
+    while not seq.finished:
+        accepted += engine.verify(seq, seq.own_draft() if use_head else Draft()).num_accepted
+    engine.close(seq)
+    return seq, accepted
+
+
+@pytest.mark.parametrize("k", [1, 4])
+def test_greedy_output_with_head_drafts_equals_plain(head_engine, k):
+    plain, _ = generate(head_engine, 0, use_head=False)
+    drafted, _ = generate(head_engine, k, use_head=True)
+    assert drafted.tokens == plain.tokens
+    assert drafted.num_draft_tokens > 0
+
+
+def test_the_head_cache_holds_exactly_the_committed_pairs(head_engine, hf_model):
+    """After a generation with accepted and rejected drafts, the head's keys
+    equal a head run over the whole sequence's features at once."""
+    seq, _ = generate(head_engine, 3, use_head=True)
+    head = head_engine.head.head
+    with torch.no_grad():
+        hidden = hf_model(torch.tensor([seq.tokens]), output_hidden_states=True).hidden_states
+        features = torch.cat([hidden[i][0] for i in head.feature_layers], -1)
+        kv = HeadKV()
+        head(torch.tensor(seq.tokens[1:]), features[:-1], torch.arange(len(seq.tokens) - 1), kv)
+    cached = len(seq.head.kv)
+    assert cached >= len(seq.tokens) - 3  # all but the last step's pairs, fed on the next draft
+    assert torch.allclose(kv.keys[:, :cached], seq.head.kv.keys, atol=1e-4)
+
+
+def test_a_head_method_on_a_verifier_without_a_head_is_invalid(engine):
+    with pytest.raises(InvalidRequest, match="no draft head"):
+        engine.open("s", PROMPT, GenerationParams(num_head_draft_tokens=2))
+
+
+def head_second_tokens(engine) -> tuple[list[int], int]:
+    tokens, accepted = [], 0
+    for seed in range(SAMPLING_TRIALS):
+        params = GenerationParams(SamplingParams(temperature=1.0, seed=seed), max_new_tokens=8, ignore_eos=True,
+                                  num_head_draft_tokens=2)
+        seq = engine.open("s", SAMPLING_PROMPT, params)
+        engine.prefill(seq)
+        result = engine.verify(seq, seq.own_draft())
+        tokens.append(result.token_ids[0])
+        accepted += result.num_accepted > 0
+        engine.close(seq)
+    return tokens, accepted
+
+
+def test_sampling_with_head_proposals_keeps_the_target_distribution(head_engine, hf_model):
+    plain, _ = exact_second_token(hf_model, SAMPLING_PROMPT)
+    tokens, accepted = head_second_tokens(head_engine)
+    assert 0.02 < accepted / SAMPLING_TRIALS < 0.98  # both the accept and the residual paths ran
+    assert p_value(tokens, plain) > 0.001
+
+
+def test_the_chi_square_sees_head_drafts_judged_with_the_wrong_q(head_engine, hf_model, monkeypatch):
+    """Control: min(1, p/q) with a q other than the one the tokens were drawn
+    from is lossy, and the test sees it (judging them as deterministic drafts
+    would not be: any token chosen independently of the target's draw is)."""
+    if head_engine.head.head.kind != "eagle3":
+        pytest.skip("one control is enough")
+
+    def wrong_q(seq):
+        q = seq.head_draft.proposals ** 3
+        return Draft(seq.head_draft.token_ids, proposal_probs=q / q.sum(-1, keepdim=True))
+
+    monkeypatch.setattr(sequence_module.Sequence, "own_draft", wrong_q)
+    plain, _ = exact_second_token(hf_model, SAMPLING_PROMPT)
+    tokens, _ = head_second_tokens(head_engine)
+    assert p_value(tokens, plain) < 1e-6
+
+
+def test_the_drafter_samples_from_the_draft_vocabulary_it_reports(runner, tmp_path):
+    """EAGLE-3 maps draft ids to target ids through d2t, and q lives on those ids only."""
+    import pathlib
+    directory = write_random_head("eagle3", pathlib.Path(runner.model_dir), tmp_path / "h", seed=5)
+    drafter: HeadDrafter = load_head("eagle3", str(directory), runner)
+    allowed = set(drafter.head.draft_token_ids.tolist())
+    engine = make_engine(runner)
+    engine.head = drafter
+    runner.feature_layers = drafter.head.feature_layers
+    try:
+        seq = engine.open("s", PROMPT, GenerationParams(SamplingParams(temperature=1.0, seed=1),
+                                                        max_new_tokens=8, num_head_draft_tokens=3))
+        engine.prefill(seq)
+        draft = seq.own_draft()
+        assert set(draft.token_ids) <= allowed
+        support = set(torch.nonzero(draft.proposal_probs.sum(0)).flatten().tolist())
+        assert support <= allowed
+        assert np.allclose(draft.proposal_probs.sum(-1).numpy(), 1.0, atol=1e-5)
+    finally:
+        runner.feature_layers = ()

@@ -1,0 +1,90 @@
+"""Drafting with a head inside the verifier. Each sequence keeps its own head
+state: the head's KV over the committed (feature, next token) pairs, and the
+pairs not yet fed. After a verify step the committed tokens arrive with the
+target's features from that same pass, so a draft needs no extra target pass
+and no network round trip. The draft steps' KV entries are rolled back after
+drafting, so the head's cache always matches the committed sequence."""
+
+from dataclasses import dataclass, field
+
+import torch
+
+from verifier_service.heads.head import Head
+from verifier_service.heads.layer import HeadKV
+
+
+@dataclass(frozen=True)
+class HeadDraft:
+    token_ids: tuple[int, ...]
+    # q of each draft token over the target vocabulary [k, vocab] when the
+    # tokens were sampled; None for a greedy (deterministic) draft.
+    proposals: torch.Tensor | None
+    score: float  # expected accepted tokens: sum over i of the head's confidence in draft tokens 1..i
+
+
+@dataclass
+class HeadState:
+    kv: HeadKV = field(default_factory=HeadKV)
+    next_position: int = 0  # position of the next pair; pairs before it are in the KV already
+    tokens: list[int] = field(default_factory=list)  # pending pairs
+    features: list[torch.Tensor] = field(default_factory=list)
+    positions: list[int] = field(default_factory=list)
+
+    def add(self, first_position: int, features: torch.Tensor, next_tokens: list[int]) -> None:
+        """Pairs (features[i], next_tokens[i]) at first_position + i. A position
+        already seen (a prefill repeated after preemption) is skipped."""
+        for i, token in enumerate(next_tokens):
+            position = first_position + i
+            if position >= self.next_position:
+                self.tokens.append(token)
+                self.features.append(features[i])
+                self.positions.append(position)
+                self.next_position = position + 1
+
+
+class HeadDrafter:
+    def __init__(self, head: Head):
+        self.head = head
+
+    @torch.inference_mode()
+    def draft(self, state: HeadState, k: int, temperature: float | None,
+              generator: torch.Generator | None = None) -> HeadDraft:
+        """k tokens after the last committed one: greedy, or sampled from
+        q = softmax(logits / temperature) (then the proposals are returned)."""
+        head = self.head
+        device = head.embed_weight.device
+        if not state.tokens or k < 1:  # nothing new was committed: no draft
+            return HeadDraft((), None, 0.0)
+        ids = torch.tensor(state.tokens, device=device)
+        positions = torch.tensor(state.positions, device=device)
+        hidden = head(ids, torch.stack(state.features).to(head.embed_weight.dtype), positions, state.kv)[-1:]
+        committed = len(state.kv)
+        position = state.positions[-1]
+        state.tokens, state.features, state.positions = [], [], []
+        vocab_map = head.draft_token_ids
+        tokens: list[int] = []
+        proposals: list[torch.Tensor] = []
+        score, confidence = 0.0, 1.0
+        for step in range(k):
+            logits = head.logits(hidden)[0].float()
+            if temperature:
+                q = torch.softmax(logits / temperature, dim=-1)
+                choice = int(torch.multinomial(q, 1, generator=generator))
+                proposals.append(q if vocab_map is None else _scatter(q, vocab_map, head.embed_weight.shape[0]))
+            else:
+                q = torch.softmax(logits, dim=-1)
+                choice = int(torch.argmax(logits))
+            confidence *= float(q[choice])
+            score += confidence
+            token = choice if vocab_map is None else int(vocab_map[choice])
+            tokens.append(token)
+            if step + 1 < k:
+                position += 1
+                hidden = head(torch.tensor([token], device=device), hidden, torch.tensor([position], device=device),
+                              state.kv)
+        state.kv.truncate(committed)
+        return HeadDraft(tuple(tokens), torch.stack(proposals) if proposals else None, score)
+
+
+def _scatter(q: torch.Tensor, target_ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    return torch.zeros(vocab_size, dtype=q.dtype, device=q.device).index_copy_(0, target_ids, q)

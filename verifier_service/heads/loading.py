@@ -1,0 +1,60 @@
+"""Finding and loading the verifier's draft head: a head directory, the
+target's own MTP layers, or the head shipped for a packaged model."""
+
+import pathlib
+
+import structlog
+import torch
+from safetensors import safe_open
+
+from verifier_service.heads.checkpoint import METHOD_KINDS, CheckpointError, build_head, read_head
+from verifier_service.heads.drafting import HeadDrafter
+
+log = structlog.get_logger()
+
+SHIPPED = pathlib.Path(__file__).parent / "shipped"  # heads we trained for packaged models: shipped/<model>/<kind>
+
+
+def head_directory(method: str, head_model: str, target_dir: str) -> pathlib.Path:
+    """Where the head for `method` is: `head_model` when given; for MTP the
+    target itself; else the head shipped for the target (by directory name)."""
+    if head_model:
+        return pathlib.Path(head_model).expanduser()
+    kind = METHOD_KINDS[method]
+    if kind == "mtp":
+        return pathlib.Path(target_dir)
+    shipped = SHIPPED / pathlib.Path(target_dir).name / kind
+    if not shipped.is_dir():
+        raise CheckpointError(f"no {kind} head ships for {pathlib.Path(target_dir).name}; give one with the "
+                              "speculative config's \"model\" key")
+    return shipped
+
+
+def _target_weights(model, model_dir: str, sharded: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The target's input embedding and output layer. Under tensor parallelism the
+    model holds shards, so rank 0 reads the whole tensors from the checkpoint."""
+    if not sharded:
+        return model.get_input_embeddings().weight, model.get_output_embeddings().weight
+    found: dict[str, torch.Tensor] = {}
+    for path in sorted(pathlib.Path(model_dir).glob("*.safetensors")):
+        with safe_open(path, "pt") as f:
+            for key in f.keys():
+                if key.endswith("embed_tokens.weight") or key == "lm_head.weight":
+                    found.setdefault("lm_head" if key == "lm_head.weight" else "embed", f.get_tensor(key))
+    embed = found["embed"]
+    return embed, found.get("lm_head", embed)  # tied embeddings have no lm_head tensor
+
+
+def load_head(method: str, head_model: str, runner) -> HeadDrafter:
+    """The head on the runner's device and dtype, checked against the target."""
+    directory = head_directory(method, head_model, runner.model_dir)
+    target_config = runner.model.config.get_text_config().to_dict()
+    embed, lm_head = _target_weights(runner.model, runner.model_dir, runner.tp is not None)
+    checkpoint = read_head(directory, method, target_config)
+    head = build_head(checkpoint, embed.to(runner.device, runner.dtype), lm_head.to(runner.device, runner.dtype))
+    if checkpoint.shape.hidden_size != target_config["hidden_size"] and checkpoint.kind != "eagle3":
+        raise CheckpointError(f"the head's hidden size {checkpoint.shape.hidden_size} is not the target's "
+                              f"{target_config['hidden_size']}")
+    log.info("draft_head_loaded", method=method, layout=checkpoint.layout, directory=str(directory),
+             parameters=sum(p.numel() for p in head.parameters()), feature_layers=list(head.feature_layers))
+    return HeadDrafter(head)
