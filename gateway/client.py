@@ -49,6 +49,8 @@ class Usage:
     verify_steps: int
     accepted_prediction_tokens: int = 0
     rejected_prediction_tokens: int = 0
+    drafter_steps: int = 0  # steps verifying the drafter service's draft
+    head_steps: int = 0  # steps verifying the verifier head's draft
 
 
 @dataclasses.dataclass(frozen=True)
@@ -161,7 +163,8 @@ def chunk_from(response: gateway_pb2.GenerateResponse) -> Chunk:
     return Chunk(list(response.token_ids), response.text, FINISH_REASON_NAMES.get(response.finish_reason, ""),
                  Usage(usage.prompt_tokens, usage.completion_tokens, usage.speculation.draft_tokens,
                        usage.speculation.accepted_tokens, usage.speculation.verify_steps,
-                       usage.accepted_prediction_tokens, usage.rejected_prediction_tokens),
+                       usage.accepted_prediction_tokens, usage.rejected_prediction_tokens,
+                       usage.speculation.drafter_steps, usage.speculation.head_steps),
                  logprobs, calls)
 
 

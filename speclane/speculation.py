@@ -16,8 +16,12 @@ HEAD_METHODS = ("eagle", "eagle3", "mtp")  # drafted by a head inside the verifi
 METHODS = ("suffix", "ngram", "none", *HEAD_METHODS, "hybrid")  # hybrid: suffix or the head, per step
 DRAFTER_METHODS = ("suffix", "ngram")  # what the drafter service proposes with
 METHOD_ALIASES = {"deepseek_mtp": "mtp"}  # vLLM's older name
-# --speculative-config keys that configure the verifier's head (where it is loaded), not a sequence.
-VERIFIER_KEYS = ("model", "draft_tensor_parallel_size")
+# --speculative-config keys that configure the verifier's head (where it is loaded) or its
+# hidden-state capture, not a sequence.
+VERIFIER_KEYS = ("model", "draft_tensor_parallel_size", "draft_model_config", "shared_storage_path",
+                 "draft_min_confidence")
+# vLLM's method that only captures hidden states in the verifier: the sequences themselves are not speculated.
+CAPTURE_METHOD = "extract_hidden_states"
 MAX_SPECULATIVE_TOKENS = 64
 # Appending costs O(depth) per token and tree, so a drafter's depth is bounded.
 MAX_TREE_DEPTH = 256
@@ -144,6 +148,8 @@ def parse_speculative_config(text: str) -> tuple[SpeculationSettings, dict[str, 
     drafter_wide = {key: values.pop(key) for key in DRAFTER_WIDE_KEYS if key in values}
     for key in VERIFIER_KEYS:
         values.pop(key, None)
+    if values.get("method") == CAPTURE_METHOD:
+        values["method"] = "none"
     for key, value in drafter_wide.items():
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise ValueError(f"{key} must be a non-negative integer")

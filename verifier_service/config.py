@@ -10,8 +10,9 @@ from dataclasses import dataclass
 from speclane.config import option
 from speclane.log import check_log_level
 from speclane.models import PACKAGED_MODELS, hub_model, is_model_dir, served_name
-from speclane.speculation import MAX_SPECULATIVE_TOKENS
+from speclane.speculation import CAPTURE_METHOD, MAX_SPECULATIVE_TOKENS
 from speclane.tls import TlsFiles, server_tls
+from verifier_service.heads.shipped import shipped_head, shipped_heads
 
 ENV_PREFIX = "SPECLANE_VERIFIER_"
 DEVICE_PATTERN = re.compile(r"^(auto|cpu|cuda(:\d+)?|npu(:\d+)?)$")
@@ -61,15 +62,16 @@ class VerifierConfig:
     speculative_config: str = option("", "vLLM's --speculative-config JSON. With method eagle, eagle3, mtp or "
                                          "deepseek_mtp the verifier loads that draft head from `model` (mtp: the "
                                          "target's own MTP layers when omitted; eagle/eagle3: the head shipped for "
-                                         "a packaged model). Other methods and keys are the gateway's")
+                                         "a packaged model). With extract_hidden_states it writes each request's "
+                                         "hidden states to `shared_storage_path` and generates 1 token. Other "
+                                         "methods and keys are the gateway's")
     log_level: str = option("info", "debug, info, warning or error (debug logs every forward pass)")
     tls_cert: str = option("", "PEM certificate of the gRPC server: it then serves TLS (mTLS with --tls-ca)")
     tls_key: str = option("", "PEM private key of --tls-cert")
     tls_ca: str = option("", "PEM certificate of the CA that signs the clients' certificates: every client must then "
                              "show one (mTLS); needs --tls-cert")
     tls: TlsFiles = dataclasses.field(init=False, repr=False)
-    head_method: str = dataclasses.field(init=False, default="")  # "" without a head
-    head_model: str = dataclasses.field(init=False, default="")  # "" : the default place (see heads/loading.py)
+    draft: "DraftSettings" = dataclasses.field(init=False, repr=False)
 
     def __post_init__(self):
         if not self.model:
@@ -117,19 +119,35 @@ class VerifierConfig:
             raise ValueError(f"max_draft_tokens must be at least {MAX_SPECULATIVE_TOKENS}, the most "
                              "num_speculative_tokens a request may ask for")
         check_log_level(self.log_level)
-        method, head_model = head_settings(self.speculative_config)
-        object.__setattr__(self, "head_method", method)
-        object.__setattr__(self, "head_model", head_model)
+        object.__setattr__(self, "draft", draft_settings(self.speculative_config))
+        method = self.draft.head_method
+        if method in ("eagle", "eagle3") and not self.draft.head_model and shipped_head(self.model, method) is None:
+            raise ValueError(f"no {method} head ships for {self.model} (shipped: {', '.join(shipped_heads())}); "
+                             "give one with the speculative config's \"model\" key")
         object.__setattr__(self, "tls", server_tls(self.tls_cert, self.tls_key, self.tls_ca))
 
 
 HEAD_METHODS = ("eagle", "eagle3", "mtp", "deepseek_mtp")
+DEFAULT_MIN_CONFIDENCE = 0.0
 
 
-def head_settings(speculative_config: str) -> tuple[str, str]:
-    """(head method, head directory) named by a --speculative-config; ("", "") when it names no head."""
+@dataclass(frozen=True)
+class DraftSettings:
+    """What a --speculative-config asks of the verifier itself."""
+
+    head_method: str = ""  # a head to load ("" for none)
+    head_model: str = ""  # its directory; "": the default place (see heads/loading.py)
+    # ours: a head draft ends where the head's confidence that all of it is accepted falls below this
+    head_min_confidence: float = DEFAULT_MIN_CONFIDENCE
+    # extract_hidden_states: hidden_states indices written per request into capture_dir
+    capture_layers: tuple[int, ...] = ()
+    capture_dir: str = ""
+
+
+def draft_settings(speculative_config: str) -> DraftSettings:
+    """The verifier's part of a --speculative-config (other methods are the gateway's)."""
     if not speculative_config.strip():
-        return "", ""
+        return DraftSettings()
     try:
         values = json.loads(speculative_config)
     except json.JSONDecodeError as exc:
@@ -137,11 +155,24 @@ def head_settings(speculative_config: str) -> tuple[str, str]:
     if not isinstance(values, dict):
         raise ValueError("speculative_config must be a JSON object")
     method = values.get("method", "")
+    if method == CAPTURE_METHOD:
+        # vLLM's keys: the layer ids under draft_model_config.hf_config; where to write ours.
+        hf_config = (values.get("draft_model_config") or {}).get("hf_config") or {}
+        layers = hf_config.get("eagle_aux_hidden_state_layer_ids") or ()
+        directory = values.get("shared_storage_path") or ""
+        if not directory or not isinstance(directory, str):
+            raise ValueError("extract_hidden_states needs \"shared_storage_path\": the directory for the files")
+        if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in layers):
+            raise ValueError("eagle_aux_hidden_state_layer_ids must be non-negative layer indices")
+        return DraftSettings(capture_layers=tuple(layers), capture_dir=directory)
     if method not in HEAD_METHODS:
-        return "", ""
+        return DraftSettings()
     if values.get("draft_tensor_parallel_size", 1) != 1:
         raise ValueError("draft_tensor_parallel_size must be 1: the head runs on rank 0")
     model = values.get("model") or ""
     if not isinstance(model, str):
         raise ValueError("speculative_config.model must be a head directory")
-    return method, model
+    min_confidence = values.get("draft_min_confidence", DEFAULT_MIN_CONFIDENCE)
+    if isinstance(min_confidence, bool) or not isinstance(min_confidence, int | float) or not 0 <= min_confidence < 1:
+        raise ValueError("draft_min_confidence must be a number in [0, 1)")
+    return DraftSettings(head_method=method, head_model=model, head_min_confidence=float(min_confidence))

@@ -17,6 +17,7 @@ import torch
 from verifier_service.batch import StepPlan
 from verifier_service.errors import InvalidRequest, SequenceFinished, StaleDraft
 from verifier_service.grammar import GrammarCompiler
+from verifier_service.heads.capture import HiddenStateCapture
 from verifier_service.heads.drafting import HeadDrafter, HeadState
 from verifier_service.kv_pool import KVPool
 from verifier_service.kv_store import Keep
@@ -61,8 +62,14 @@ class Engine:
         self.grammars = GrammarCompiler(runner.model_dir, runner.vocab_size)
         self.on_step = on_step
         self.head = head
+        self.capture: HiddenStateCapture | None = None
         runner.feature_layers = head.head.feature_layers if head is not None else ()
         self._live: set[Sequence] = set()
+
+    def start_capture(self, capture: HiddenStateCapture) -> None:
+        """vLLM's extract_hidden_states from now on: every prompt's hidden states to a file, 1 token out."""
+        self.capture = capture
+        self.runner.feature_layers = capture.layers
 
     @property
     def num_live(self) -> int:
@@ -91,6 +98,9 @@ class Engine:
         check_token_ids(sampling.logit_bias, runner.vocab_size, "logit_bias token id")
         # Masked by index until min_tokens: one outside the vocabulary would fail every step.
         check_token_ids(params.stop_token_ids, runner.vocab_size, "stop token id")
+        if self.capture is not None:  # vLLM's extract_hidden_states answers one token
+            params = dataclasses.replace(params, max_new_tokens=1,
+                                         sampling=dataclasses.replace(sampling, min_tokens=0))
         if params.num_head_draft_tokens and self.head is None:
             raise InvalidRequest("this verifier has no draft head (start it with --speculative-config "
                                  "method eagle, eagle3 or mtp)")
@@ -124,6 +134,8 @@ class Engine:
         """Forgets the sequence: queued work dropped, KV back to the pool."""
         self.scheduler.remove(seq)
         self._live.discard(seq)
+        if self.capture is not None:
+            self.capture.forget(seq)
 
     def step(self) -> bool:
         """One forward pass over what is ready; False when nothing could run."""
@@ -181,6 +193,8 @@ class Engine:
 
     def _settle(self, entry: Scheduled, rows: torch.Tensor, features: torch.Tensor | None) -> None:
         seq, segment, draft = entry.work.seq, entry.segment, entry.draft
+        if self.capture is not None and not seq.num_generated:
+            self.capture.add(seq, features[: segment.num_pending])
         if not segment.wants_logits:  # a prompt chunk: more to come
             if seq.head is not None:
                 start = seq.num_cached
@@ -196,6 +210,8 @@ class Engine:
         result = seq.commit(verdict.token_ids, verdict.num_accepted, len(draft.token_ids), logprobs)
         if seq.grammar is not None:
             seq.grammar.commit(result.token_ids)
+        if self.capture is not None and seq.num_generated == len(result.token_ids):  # the prompt's pass
+            self.capture.write(seq)
         if seq.head is not None:
             self._draft_with_head(seq, segment, features, verdict, result.token_ids)
             if seq.head_draft is not None:

@@ -34,6 +34,7 @@ from verifier_service.distributed import (
     rank_device,
 )
 from verifier_service.engine import Engine
+from verifier_service.heads.capture import HiddenStateCapture
 from verifier_service.heads.loading import load_head
 from verifier_service.kv_pool import KVPool
 from verifier_service.model_runner import ModelRunner
@@ -88,14 +89,20 @@ class Rank0:
                                   per_token, gpu_memory_utilization=config.gpu_memory_utilization,
                                   total_bytes=total_memory_bytes(where),
                                   weights_bytes=weights_bytes(runner.model) * ranks_here)
-        pool = KVPool(budget, config.kv_block_size, config.enable_prefix_caching)
+        # A captured prompt needs every position's hidden states: none may come from the prefix cache.
+        pool = KVPool(budget, config.kv_block_size, config.enable_prefix_caching and not config.draft.capture_dir)
         limits = BatchLimits(config.max_batch_tokens, config.max_batch_sequences, config.max_queue_wait)
         # The head runs on rank 0 only (draft_tensor_parallel_size 1, as in vLLM).
-        head = load_head(config.head_method, config.head_model, runner) if config.head_method else None
+        draft = config.draft
+        head = (load_head(draft.head_method, draft.head_model, runner, draft.head_min_confidence)
+                if draft.head_method else None)
         engine = Engine(runner, pool, limits, on_step=self.on_step, head=head)
         log.info("kv_pool_ready", max_kv_tokens=pool.max_tokens, block_size=pool.block_size,
                  bytes_per_token=per_token, prefix_caching=pool.prefix_caching)
         warm_up(engine)
+        if draft.capture_dir:  # after the warm-up, whose prompt is no traffic
+            engine.start_capture(HiddenStateCapture(draft.capture_dir, draft.capture_layers,
+                                                    runner.model.config.get_text_config()))
         return engine
 
     def stop(self) -> None:

@@ -9,6 +9,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "serve": ("speclane_cli.bench.serve", "seeds-style benchmark table against an OpenAI-compatible endpoint"),
     "drafter": ("speclane_cli.bench.drafter", "suffix/n-gram drafter microbenchmark vs Arctic Inference"),
     "verifier": ("speclane_cli.bench.verifier", "verifier engine: batching throughput, verify overhead, KV budget"),
+    "head": ("speclane_cli.bench.head", "a draft head's cost next to a verify step, and its acceptance per k"),
     "soak": ("speclane_cli.bench.soak", "hours of mixed traffic in minutes: 0 errors, flat RSS, nothing left held"),
 }
 

@@ -263,3 +263,21 @@ async def test_a_prediction_the_output_leaves_falls_back_to_the_drafter():
     assert tokens_of(deltas) == TARGET
     assert verifier.drafts[0] == target_tokens(1, 3)  # the drafter's
     assert deltas[-1].speculation.prediction_draft_tokens == 0
+
+
+def test_each_step_verifies_the_draft_its_method_picks():
+    from gateway.orchestrator import DRAFTER, HEAD, NONE, PREDICTION, _pick_draft
+
+    def draft(tokens, score=0.0):
+        return common_pb2.Draft(token_ids=tokens, score=score)
+
+    suffix, head = draft([1, 2, 3], score=2.5), draft([4, 5, 6, 7], score=1.2)
+    assert _pick_draft("hybrid", None, suffix, head) == (DRAFTER, suffix)  # expects more accepted tokens
+    assert _pick_draft("hybrid", None, draft([1], score=0.4), head) == (HEAD, None)
+    assert _pick_draft("hybrid", None, draft([]), head) == (HEAD, None)
+    assert _pick_draft("hybrid", None, suffix, draft([])) == (DRAFTER, suffix)
+    assert _pick_draft("eagle3", None, suffix, head) == (HEAD, None)
+    assert _pick_draft("suffix", None, suffix, head) == (DRAFTER, suffix)
+    assert _pick_draft("suffix", None, draft([]), head)[0] == NONE
+    predicted = draft([9, 9])
+    assert _pick_draft("hybrid", predicted, suffix, head) == (PREDICTION, predicted)

@@ -231,3 +231,61 @@ def test_the_drafter_samples_from_the_draft_vocabulary_it_reports(runner, tmp_pa
         assert np.allclose(draft.proposal_probs.sum(-1).numpy(), 1.0, atol=1e-5)
     finally:
         runner.feature_layers = ()
+
+
+def test_extract_hidden_states_writes_each_prompt_and_answers_one_token(runner, hf_model, tmp_path):
+    """vLLM's extract_hidden_states, served: the file holds what a direct forward
+    gives at the chosen layers, also when the prompt is prefilled in chunks."""
+    from verifier_service.heads.capture import HiddenStateCapture
+    from verifier_service.heads.extract import read_shard
+    from verifier_service.scheduler import BatchLimits
+
+    engine = make_engine(runner, limits=BatchLimits(max_tokens=5))
+    layers = (1, 2)
+    engine.start_capture(HiddenStateCapture(str(tmp_path), layers, runner.model.config))
+    try:
+        seq = engine.open("../req-1", PROMPT * 2, GenerationParams(max_new_tokens=8, ignore_eos=True))
+        result = engine.prefill(seq)
+    finally:
+        runner.feature_layers = ()
+    assert len(result.token_ids) == 1 and seq.finished
+    (path,) = tmp_path.glob("*.safetensors")
+    assert path.name == "___req-1.safetensors"  # the client's id cannot leave the directory
+    token_ids, loss_mask, hidden, _ = read_shard(path)
+    with torch.no_grad():
+        expected = hf_model(torch.tensor([PROMPT * 2]), output_hidden_states=True).hidden_states
+    assert token_ids.tolist() == PROMPT * 2 and bool(loss_mask.all())
+    assert hidden.shape == (len(PROMPT) * 2, 2, 32)
+    for i, layer in enumerate(layers):
+        assert torch.allclose(hidden[:, i].float(), expected[layer][0], atol=0.05, rtol=0.02)
+
+
+def test_the_verifier_reads_its_part_of_a_speculative_config():
+    from verifier_service.config import DraftSettings, draft_settings
+
+    assert draft_settings('{"method": "eagle3", "model": "/h", "num_speculative_tokens": 4}') == DraftSettings(
+        head_method="eagle3", head_model="/h")
+    assert draft_settings('{"method": "suffix"}') == DraftSettings()
+    assert draft_settings('{"method": "extract_hidden_states", "shared_storage_path": "/tmp/hs", '
+                          '"draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": [1, 2]}}}'
+                          ) == DraftSettings(capture_layers=(1, 2), capture_dir="/tmp/hs")
+    with pytest.raises(ValueError, match="shared_storage_path"):
+        draft_settings('{"method": "extract_hidden_states"}')
+    with pytest.raises(ValueError, match="draft_tensor_parallel_size must be 1"):
+        draft_settings('{"method": "mtp", "draft_tensor_parallel_size": 2}')
+
+
+def test_a_confidence_floor_cuts_drafts_where_the_head_is_unsure(head_engine, monkeypatch):
+    full, _ = generate(head_engine, 4, use_head=True)
+    monkeypatch.setattr(head_engine.head, "min_confidence", 0.5)
+    cut, _ = generate(head_engine, 4, use_head=True)
+    assert cut.tokens == full.tokens
+    assert cut.num_draft_tokens < full.num_draft_tokens
+
+
+def test_a_head_method_without_a_head_to_load_is_a_config_error(tiny_model_dir):
+    from verifier_service.config import VerifierConfig
+
+    with pytest.raises(ValueError, match="no eagle3 head ships for .*give one with the speculative config's"):
+        VerifierConfig(model=tiny_model_dir, speculative_config='{"method": "eagle3"}')
+    VerifierConfig(model=tiny_model_dir, speculative_config='{"method": "mtp"}')  # the target's own layers

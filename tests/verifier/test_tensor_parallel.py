@@ -90,3 +90,62 @@ def test_two_ranks_give_the_same_greedy_tokens_as_one(tiny_model_dir, engine):
         assert server.wait(60) == 0
     assert tp_size == 2
     assert tokens == expected
+
+
+async def _generate_with_head(port: int, prompt: list[int], k: int) -> tuple[int, list[int], int]:
+    """Greedy generation verifying the verifier head's own drafts: (TP size, tokens, accepted)."""
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+        stub = verifier_pb2_grpc.VerifierStub(channel)
+        for _ in range(600):
+            try:
+                info = await stub.GetModelInfo(verifier_pb2.GetModelInfoRequest())
+                break
+            except grpc.aio.AioRpcError:
+                await asyncio.sleep(0.1)
+        call = stub.Session()
+        sampling = verifier_pb2.SamplingParams(max_new_tokens=24, ignore_eos=True)
+        await call.write(verifier_pb2.SessionRequest(prefill=verifier_pb2.Prefill(
+            sequence_id="tp-head", prompt_token_ids=prompt, sampling=sampling, num_head_draft_tokens=k)))
+        reply = await call.read()
+        tokens, accepted = list(reply.token_ids), 0
+        while not reply.finish_reason:
+            assert len(reply.head_draft.token_ids) == min(k, 24 - len(tokens) - 1)
+            await call.write(verifier_pb2.SessionRequest(verify=verifier_pb2.Verify(use_head_draft=True)))
+            reply = await call.read()
+            tokens += reply.token_ids
+            accepted += reply.num_accepted_draft_tokens
+        assert info.draft_head == "eagle3"
+        return info.tensor_parallel_size, tokens, accepted
+
+
+def test_three_ranks_with_an_eagle3_head_on_rank_0_give_the_plain_greedy_tokens(tmp_path):
+    """The head runs on rank 0 from the replicated hidden states; the whole
+    embedding and lm_head come from the checkpoint, not the rank's shards."""
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from tests.heads_support import write_random_head
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=96, hidden_size=48, intermediate_size=96, num_hidden_layers=4,
+                         num_attention_heads=6, num_key_value_heads=3, max_position_embeddings=128,
+                         initializer_range=0.5, eos_token_id=2)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    model.save_pretrained(tmp_path / "target")
+    head_dir = write_random_head("eagle3", tmp_path / "target", tmp_path / "head")
+    prompt = [5, 9, 11, 20, 7, 30]
+    with torch.no_grad():
+        expected = model.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False,
+                                  eos_token_id=None)[0, len(prompt):].tolist()
+    port = free_port()
+    server = subprocess.Popen([sys.executable, "-m", "verifier_service", "--model", str(tmp_path / "target"),
+                               "--device", "cpu", "--address", f"127.0.0.1:{port}", "--threads", "1",
+                               "--tensor-parallel-size", "3", "--max-kv-tokens", "4096", "--log-level", "warning",
+                               "--speculative-config", f'{{"method": "eagle3", "model": "{head_dir}"}}'])
+    try:
+        tp_size, tokens, _ = asyncio.run(asyncio.wait_for(_generate_with_head(port, prompt, 3), 120))
+    finally:
+        server.terminate()
+        assert server.wait(60) == 0
+    assert tp_size == 3
+    assert tokens == expected

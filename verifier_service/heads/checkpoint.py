@@ -22,8 +22,8 @@ from verifier_service.heads.eagle3 import Eagle3Head, default_aux_layers
 from verifier_service.heads.head import Head
 from verifier_service.heads.layer import LayerShape
 from verifier_service.heads.mtp import MtpHead
+from verifier_service.heads.shipped import METHOD_KINDS
 
-METHOD_KINDS = {"eagle": "eagle", "eagle3": "eagle3", "mtp": "mtp", "deepseek_mtp": "mtp"}
 # Tensors a checkpoint may carry that a head takes from the target instead.
 _SHARED_WITH_TARGET = ("embed_tokens.weight",)
 _MTP_PREFIXES = {  # layout -> (prefix pattern, renames to our names, cat [hidden, embedding])

@@ -43,8 +43,12 @@ class HeadState:
 
 
 class HeadDrafter:
-    def __init__(self, head: Head):
+    def __init__(self, head: Head, min_confidence: float = 0.0):
         self.head = head
+        # EAGLE-2's observation: the head's confidence tracks acceptance. The draft
+        # stops where the chance that every token so far is accepted falls below
+        # this, since each verified token costs target time (0: always k tokens).
+        self.min_confidence = min_confidence
 
     @torch.inference_mode()
     def draft(self, state: HeadState, k: int, temperature: float | None,
@@ -70,11 +74,14 @@ class HeadDrafter:
             if temperature:
                 q = torch.softmax(logits / temperature, dim=-1)
                 choice = int(torch.multinomial(q, 1, generator=generator))
-                proposals.append(q if vocab_map is None else _scatter(q, vocab_map, head.embed_weight.shape[0]))
             else:
                 q = torch.softmax(logits, dim=-1)
                 choice = int(torch.argmax(logits))
             confidence *= float(q[choice])
+            if confidence < self.min_confidence:
+                break
+            if temperature:
+                proposals.append(q if vocab_map is None else _scatter(q, vocab_map, head.embed_weight.shape[0]))
             score += confidence
             token = choice if vocab_map is None else int(vocab_map[choice])
             tokens.append(token)

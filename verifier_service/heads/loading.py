@@ -7,12 +7,11 @@ import structlog
 import torch
 from safetensors import safe_open
 
-from verifier_service.heads.checkpoint import METHOD_KINDS, CheckpointError, build_head, read_head
+from verifier_service.heads.checkpoint import CheckpointError, build_head, read_head
 from verifier_service.heads.drafting import HeadDrafter
+from verifier_service.heads.shipped import METHOD_KINDS, shipped_head, shipped_heads
 
 log = structlog.get_logger()
-
-SHIPPED = pathlib.Path(__file__).parent / "shipped"  # heads we trained for packaged models: shipped/<model>/<kind>
 
 
 def head_directory(method: str, head_model: str, target_dir: str) -> pathlib.Path:
@@ -20,13 +19,13 @@ def head_directory(method: str, head_model: str, target_dir: str) -> pathlib.Pat
     target itself; else the head shipped for the target (by directory name)."""
     if head_model:
         return pathlib.Path(head_model).expanduser()
-    kind = METHOD_KINDS[method]
-    if kind == "mtp":
+    if METHOD_KINDS[method] == "mtp":
         return pathlib.Path(target_dir)
-    shipped = SHIPPED / pathlib.Path(target_dir).name / kind
-    if not shipped.is_dir():
-        raise CheckpointError(f"no {kind} head ships for {pathlib.Path(target_dir).name}; give one with the "
-                              "speculative config's \"model\" key")
+    shipped = shipped_head(target_dir, method)
+    if shipped is None:
+        raise CheckpointError(f"no {method} head ships for {pathlib.Path(target_dir).name} (shipped: "
+                              f"{', '.join(shipped_heads()) or 'none'}); give one with the speculative config's "
+                              "\"model\" key")
     return shipped
 
 
@@ -45,7 +44,7 @@ def _target_weights(model, model_dir: str, sharded: bool) -> tuple[torch.Tensor,
     return embed, found.get("lm_head", embed)  # tied embeddings have no lm_head tensor
 
 
-def load_head(method: str, head_model: str, runner) -> HeadDrafter:
+def load_head(method: str, head_model: str, runner, min_confidence: float = 0.0) -> HeadDrafter:
     """The head on the runner's device and dtype, checked against the target."""
     directory = head_directory(method, head_model, runner.model_dir)
     target_config = runner.model.config.get_text_config().to_dict()
@@ -57,4 +56,4 @@ def load_head(method: str, head_model: str, runner) -> HeadDrafter:
                               f"{target_config['hidden_size']}")
     log.info("draft_head_loaded", method=method, layout=checkpoint.layout, directory=str(directory),
              parameters=sum(p.numel() for p in head.parameters()), feature_layers=list(head.feature_layers))
-    return HeadDrafter(head)
+    return HeadDrafter(head, min_confidence)

@@ -1,0 +1,123 @@
+"""`speclane bench head`: what a draft head costs next to the target and what
+it buys, in-process on one thread, medians of interleaved repeats:
+
+- cost: the head's draft of k tokens (feeding the step's new pairs, then k
+  draft steps) against one verify step of the target with that draft, at the
+  given context;
+- acceptance: greedy generations on held-out ShareGPT prompts (the bench's
+  pool; heads we ship are trained on other conversations), tokens per verify
+  step and time per token against plain decoding, for each k.
+"""
+
+import json
+import statistics
+import time
+
+import torch
+
+from speclane.models import DEFAULT_MODEL, resolve_model
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--model", default=DEFAULT_MODEL, help="target model name or directory")
+    parser.add_argument("--method", default="eagle3", choices=["eagle", "eagle3", "mtp"])
+    parser.add_argument("--head", default="", help="head directory (default: the shipped head, or the target's MTP)")
+    parser.add_argument("--k", default="1,2,3,4", help="comma-separated draft lengths")
+    parser.add_argument("--context", type=int, default=512, help="context of the cost measurement")
+    parser.add_argument("--repeats", type=int, default=30)
+    parser.add_argument("--num-prompts", type=int, default=8)
+    parser.add_argument("--max-tokens", type=int, default=96)
+    parser.add_argument("--min-confidence", type=float, default=0.0, help="the head's draft_min_confidence")
+    parser.add_argument("--json", default="", help="also write the results to this file")
+
+
+def _engine(runner, drafter, max_tokens: int):
+    from verifier_service.engine import Engine
+    from verifier_service.kv_pool import KVPool
+
+    return Engine(runner, KVPool(max_tokens, 64, False), head=drafter)
+
+
+def draft_cost(runner, drafter, context: int, k: int, repeats: int) -> dict:
+    """Median seconds of the head's draft and of the verify step that checks it."""
+    from verifier_service.sequence import GenerationParams
+
+    engine = _engine(runner, drafter, context + (k + 1) * (repeats + 2) + 64)
+    prompt = [(i * 7919) % (runner.vocab_size - 200) + 100 for i in range(context)]
+    seq = engine.open("cost", prompt, GenerationParams(max_new_tokens=(k + 1) * (repeats + 2), ignore_eos=True,
+                                                       num_head_draft_tokens=k))
+    engine.prefill(seq)
+    draft_times, verify_times = [], []
+    original = drafter.draft
+
+    def timed_draft(*args, **kwargs):
+        started = time.perf_counter()
+        result = original(*args, **kwargs)
+        draft_times.append(time.perf_counter() - started)
+        return result
+
+    drafter.draft = timed_draft
+    try:
+        for _ in range(repeats):
+            started = time.perf_counter()
+            engine.verify(seq, seq.own_draft())  # the head's next draft is made inside the step
+            verify_times.append(time.perf_counter() - started - draft_times[-1])
+    finally:
+        del drafter.draft
+    draft, verify = statistics.median(draft_times), statistics.median(verify_times)
+    return {"k": k, "draft_ms": round(draft * 1e3, 2), "verify_step_ms": round(verify * 1e3, 2),
+            "draft_share": round(draft / verify, 3)}
+
+
+def acceptance(runner, drafter, prompts: list[list[int]], ks: list[int], max_tokens: int) -> list[dict]:
+    from verifier_service.sequence import Draft, GenerationParams
+
+    rows = []
+    for k in [0, *ks]:
+        engine = _engine(runner, drafter if k else None, 16384)
+        steps = tokens = 0
+        started = time.perf_counter()
+        for prompt in prompts:
+            seq = engine.open("bench", prompt, GenerationParams(max_new_tokens=max_tokens, num_head_draft_tokens=k))
+            engine.prefill(seq)
+            while not seq.finished:
+                tokens += len(engine.verify(seq, seq.own_draft() if k else Draft()).token_ids)
+                steps += 1
+            engine.close(seq)
+        rows.append({"k": k, "tokens_per_step": round(tokens / steps, 3),
+                     "ms_per_token": round((time.perf_counter() - started) / tokens * 1e3, 2)})
+    plain = rows[0]["ms_per_token"]
+    for row in rows:
+        row["speedup"] = round(plain / row["ms_per_token"], 3)
+    return rows
+
+
+def run(args) -> int:
+    from transformers import AutoTokenizer
+
+    from speclane_cli.bench.workloads import sharegpt
+    from verifier_service.heads.loading import load_head
+    from verifier_service.model_runner import ModelRunner
+
+    torch.set_num_threads(1)
+    model_dir = str(resolve_model(args.model))
+    runner = ModelRunner(model_dir, "cpu", torch.float32)
+    drafter = load_head(args.method, args.head, runner, args.min_confidence)
+    ks = [int(k) for k in args.k.split(",")]
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": c.turns[0]}], add_generation_prompt=True,
+                                             tokenize=True, return_dict=True)["input_ids"]
+               for c in sharegpt(args.num_prompts, 0, 1)]
+    results = {"method": args.method, "head": args.head or "default", "min_confidence": args.min_confidence,
+               "cost": [draft_cost(runner, drafter, args.context, k, args.repeats) for k in ks],
+               "acceptance": acceptance(runner, drafter, prompts, ks, args.max_tokens)}
+    print("| k | head draft (ms) | verify step (ms) | draft / step |\n|---|---|---|---|")
+    for row in results["cost"]:
+        print(f"| {row['k']} | {row['draft_ms']} | {row['verify_step_ms']} | {row['draft_share']:.1%} |")
+    print("\n| k | tokens per verify step | ms per token | speed-up vs k=0 |\n|---|---|---|---|")
+    for row in results["acceptance"]:
+        print(f"| {row['k']} | {row['tokens_per_step']} | {row['ms_per_token']} | {row['speedup']:.2f}x |")
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump(results, f, indent=2)
+    return 0

@@ -1,0 +1,81 @@
+"""`speclane extract-hidden-states`: dump a target's regenerated replies and
+hidden states (one shard per conversation) for `speclane train-head`."""
+
+import itertools
+import json
+import pathlib
+from collections.abc import Iterator
+
+import torch
+
+from speclane.models import resolve_model
+from speclane_cli.datasets import humaneval_problems, sharegpt_conversations
+from verifier_service.heads.extract import extract, pick_device
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--model", required=True, help="target model: directory, packaged name or hub id")
+    parser.add_argument("--dataset", required=True,
+                        help="sharegpt, humaneval, or a .jsonl file with a 'messages' or 'prompt' per line")
+    parser.add_argument("--output", required=True, help="directory for the shards and meta.json")
+    parser.add_argument("--layers", default="",
+                        help="comma-separated output_hidden_states indices (default: 2,L/2,L-3,L, which trains "
+                             "both EAGLE-3 and EAGLE)")
+    parser.add_argument("--max-samples", type=int, default=None, help="number of conversations (shards)")
+    parser.add_argument("--skip", type=int, default=None,
+                        help="conversations passed over first; default 4000 for sharegpt (the benchmarks and tests "
+                             "draw their ShareGPT prompts from the first 2000: a head is never measured on its "
+                             "training data), else 0")
+    parser.add_argument("--max-new-tokens", type=int, default=256, help="length limit of a regenerated reply")
+    parser.add_argument("--max-prompt-tokens", type=int, default=512, help="skip longer prompts")
+    parser.add_argument("--batch-size", type=int, default=8, help="prompts regenerated together")
+    parser.add_argument("--device", default="auto", help="auto, cpu, cuda[:N] or npu[:N]")
+    parser.add_argument("--threads", type=int, default=0, help="CPU threads (0: torch's default)")
+
+
+def first_user_turn(messages: list[dict]) -> list[dict]:
+    """The messages up to the first user turn (a leading system prompt stays)."""
+    end = next((i for i, m in enumerate(messages) if m["role"] == "user"), None)
+    if end is None:
+        raise ValueError(f"a conversation without a user turn: {messages!r:.200}")
+    return [{"role": m["role"], "content": m["content"]} for m in messages[:end + 1]]
+
+
+SHAREGPT_HELD_OUT = 4000
+
+
+def default_skip(dataset: str) -> int:
+    return SHAREGPT_HELD_OUT if dataset == "sharegpt" else 0
+
+
+def prompts(dataset: str, skip: int) -> Iterator[list[dict]]:
+    return itertools.islice(_prompts(dataset), skip, None)
+
+
+def _prompts(dataset: str) -> Iterator[list[dict]]:
+    if dataset == "sharegpt":
+        return (first_user_turn(turns) for turns in sharegpt_conversations())
+    if dataset == "humaneval":
+        return ([{"role": "user", "content": p["prompt"]}] for p in humaneval_problems())
+    return _jsonl_prompts(pathlib.Path(dataset))
+
+
+def _jsonl_prompts(path: pathlib.Path) -> Iterator[list[dict]]:
+    with path.open(encoding="utf-8") as f:
+        for line in f:
+            if line.strip():
+                record = json.loads(line)
+                yield first_user_turn(record["messages"]) if "messages" in record else \
+                    [{"role": "user", "content": record["prompt"]}]
+
+
+def run(args) -> int:
+    if args.threads > 0:
+        torch.set_num_threads(args.threads)
+    layers = tuple(int(i) for i in args.layers.split(",")) if args.layers else ()
+    skip = default_skip(args.dataset) if args.skip is None else args.skip
+    # The skip is part of the source: resuming a dump with another one is refused (its shard names would clash).
+    extract(resolve_model(args.model), prompts(args.dataset, skip), args.output, source=f"{args.dataset}[{skip}:]",
+            layers=layers, max_samples=args.max_samples, max_new_tokens=args.max_new_tokens,
+            max_prompt_tokens=args.max_prompt_tokens, batch_size=args.batch_size, device=pick_device(args.device))
+    return 0

@@ -1,0 +1,119 @@
+"""Head methods through the real drafter, verifier and gateway processes:
+greedy output with eagle, eagle3, mtp and hybrid equals `none`, token for
+token. EAGLE and MTP run on a tiny random target carrying SmolLM2's tokenizer
+(and, for MTP, its own DeepSeek-layout MTP layer); EAGLE-3 runs on SmolLM2
+with the head we ship for it, named by method alone, as a user would."""
+
+import json
+import shutil
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig
+
+from gateway.client import GenerationClient
+from tests.e2e.prompts import code_edit_messages, humaneval_messages, sharegpt_messages
+from tests.e2e.stack import start_stack
+from tests.heads_support import add_mtp_layer, write_random_head
+
+pytestmark = pytest.mark.e2e
+MAX_TOKENS = 32
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json")
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    return humaneval_messages(5) + sharegpt_messages(5)
+
+
+@pytest.fixture(scope="module")
+def tiny_target(model_dir, tmp_path_factory):
+    """A random 2-layer Llama with SmolLM2's vocabulary and tokenizer, plus an MTP layer."""
+    path = tmp_path_factory.mktemp("tiny-target")
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+                         initializer_range=0.3, bos_token_id=1, eos_token_id=2, tie_word_embeddings=True)
+    AutoModelForCausalLM.from_config(config).save_pretrained(path)
+    for name in TOKENIZER_FILES:
+        shutil.copy(model_dir / name, path / name)
+    add_mtp_layer(path, seed=1)
+    return path
+
+
+def start(target, log_dir, speculative_config: dict):
+    return start_stack(target, log_dir, speculative_config=json.dumps(speculative_config))
+
+
+def assert_lossless(address, prompts, methods, k):
+    """Each method's greedy output equals none's on every prompt; returns each method's summed usage."""
+    totals = {}
+    with GenerationClient(address) as client:
+        for messages in prompts:
+            plain = client.generate(messages=messages, max_tokens=MAX_TOKENS, temperature=0.0,
+                                    speculation={"method": "none"})
+            for method in methods:
+                run = client.generate(messages=messages, max_tokens=MAX_TOKENS, temperature=0.0,
+                                      speculation={"method": method, "num_speculative_tokens": k})
+                assert run.token_ids == plain.token_ids, f"{method} changed the output"
+                totals.setdefault(method, []).append(run.usage)
+    return totals
+
+
+@pytest.mark.parametrize("method,k", [("eagle", 3), ("mtp", 2)])
+def test_eagle_and_mtp_heads_keep_greedy_output(tiny_target, tmp_path, prompts, method, k):
+    extra = {"model": str(write_random_head("eagle", tiny_target, tmp_path / "eagle"))} if method == "eagle" else {}
+    # vLLM's older name for MTP: the target's own MTP layer, no model key.
+    stack = start(tiny_target, tmp_path, {"method": "eagle" if method == "eagle" else "deepseek_mtp", **extra})
+    try:
+        totals = assert_lossless(stack.gateway.grpc_address, prompts, [method, "hybrid"], k)
+    finally:
+        stack.stop()
+    head_steps = sum(usage.head_steps for usage in totals[method])
+    assert head_steps == sum(usage.verify_steps for usage in totals[method]) > 0
+    assert sum(usage.draft_tokens for usage in totals[method]) > 0
+
+
+@pytest.fixture(scope="module")
+def eagle3_stack(model_dir, tmp_path_factory):
+    stack = start(model_dir, tmp_path_factory.mktemp("eagle3-logs"), {"method": "eagle3", "num_speculative_tokens": 4})
+    yield stack
+    stack.stop()
+
+
+def test_the_shipped_eagle3_head_keeps_greedy_output_and_is_accepted(eagle3_stack, prompts):
+    totals = assert_lossless(eagle3_stack.gateway.grpc_address, prompts, ["eagle3", "hybrid"], 4)
+    eagle3 = totals["eagle3"]
+    # A trained head: more than one token per verify step on average.
+    tokens = sum(usage.accepted_tokens + usage.verify_steps for usage in eagle3)
+    assert tokens / sum(usage.verify_steps for usage in eagle3) > 1.1
+    hybrid = totals["hybrid"]
+    assert sum(u.head_steps for u in hybrid) > 0
+    assert all(u.head_steps + u.drafter_steps <= u.verify_steps for u in hybrid)
+
+
+def test_hybrid_takes_suffix_drafts_where_the_output_repeats_its_input(eagle3_stack):
+    with GenerationClient(eagle3_stack.gateway.grpc_address) as client:
+        run = client.generate(messages=code_edit_messages(), max_tokens=96, temperature=0.0,
+                              speculation={"method": "hybrid", "num_speculative_tokens": 4})
+    assert run.usage.drafter_steps > 0 and run.usage.head_steps > 0
+
+
+def test_extract_hidden_states_writes_one_file_per_request(tiny_target, tmp_path, prompts):
+    from verifier_service.heads.extract import read_shard
+
+    storage = tmp_path / "hidden-states"
+    stack = start(tiny_target, tmp_path, {
+        "method": "extract_hidden_states", "num_speculative_tokens": 1, "shared_storage_path": str(storage),
+        "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": [1, 2]}}})
+    try:
+        with GenerationClient(stack.gateway.grpc_address) as client:
+            runs = [client.generate(messages=messages, max_tokens=8, temperature=0.0) for messages in prompts[:3]]
+    finally:
+        stack.stop()
+    assert [len(run.token_ids) for run in runs] == [1, 1, 1]
+    files = sorted(storage.glob("*.safetensors"))
+    assert len(files) == 3
+    lengths = sorted(run.usage.prompt_tokens for run in runs)
+    shapes = sorted(read_shard(path)[2].shape for path in files)
+    assert shapes == [(n, 2, 64) for n in lengths]

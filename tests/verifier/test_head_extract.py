@@ -1,0 +1,137 @@
+"""Hidden-state extraction for head training: each shard holds the prompt,
+the target's own greedy reply and the hidden states a direct forward gives;
+reruns skip what is there, and a run killed mid-write leaves only whole shards."""
+
+import json
+
+import pytest
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, PreTrainedTokenizerFast
+
+from speclane_cli.main import main
+from verifier_service.heads import extract as extract_module
+from verifier_service.heads.extract import extract, prompt_ids, read_shard, shard_paths
+
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+CONVERSATIONS = [[{"role": "user", "content": text}] for text in (
+    "Write a function that adds two numbers.", "What is the capital of France?", "Tell me a story about a fox.",
+    "How do hash maps work?", "Sort a list in Python, please.")]
+LAYERS = (1, 4, 8)
+NEW_TOKENS = 10
+
+
+def save_tiny_target(path) -> str:
+    """An 8-layer random Llama (hidden 32) with a small byte-level BPE and a ChatML template."""
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    bpe.train_from_iterator([m[0]["content"] for m in CONVERSATIONS] * 4, trainers.BpeTrainer(
+        vocab_size=320, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                                        chat_template=CHATML)
+    tokenizer.save_pretrained(path)
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=8,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                         initializer_range=0.5, eos_token_id=tokenizer.eos_token_id,
+                         pad_token_id=tokenizer.pad_token_id)
+    AutoModelForCausalLM.from_config(config).save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def target_dir(tmp_path_factory) -> str:
+    return save_tiny_target(tmp_path_factory.mktemp("tiny-target"))
+
+
+def run_extract(target_dir, output, **kwargs) -> dict:
+    options = {"source": "test", "layers": LAYERS, "max_new_tokens": NEW_TOKENS, "batch_size": 2, **kwargs}
+    return extract(target_dir, CONVERSATIONS, output, **options)
+
+
+def mtimes(output) -> dict:
+    return {path.name: path.stat().st_mtime_ns for path in output.iterdir()}
+
+
+def test_shards_hold_the_targets_greedy_reply_and_its_hidden_states(target_dir, tmp_path):
+    assert run_extract(target_dir, tmp_path)["written"] == len(CONVERSATIONS)
+    tokenizer = AutoTokenizer.from_pretrained(target_dir)
+    model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+    paths = shard_paths(tmp_path)
+    assert [p.name for p in paths] == [f"{i:07d}.safetensors" for i in range(len(CONVERSATIONS))]
+    for path, messages in zip(paths, CONVERSATIONS, strict=True):
+        token_ids, loss_mask, hidden, metadata = read_shard(path)
+        prompt = prompt_ids(tokenizer, messages)
+        with torch.no_grad():  # unbatched greedy decoding gives the same reply as the batched dump
+            expected = model.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, do_sample=False)[0]
+            reference = model(expected[None], output_hidden_states=True).hidden_states
+        assert token_ids.tolist() == expected.tolist()
+        assert loss_mask.tolist() == [False] * len(prompt) + [True] * (len(token_ids) - len(prompt))
+        assert hidden.dtype == torch.bfloat16 and hidden.shape == (len(token_ids), len(LAYERS), 32)
+        for column, layer in enumerate(LAYERS):
+            torch.testing.assert_close(hidden[:, column].float(), reference[layer][0], rtol=2e-2, atol=2e-2)
+        assert metadata["layers"] == "1,4,8"
+    assert json.loads((tmp_path / "meta.json").read_text())["layers"] == list(LAYERS)
+
+
+def test_a_rerun_skips_the_shards_already_there(target_dir, tmp_path):
+    run_extract(target_dir, tmp_path, max_samples=3)
+    before = mtimes(tmp_path)
+    summary = run_extract(target_dir, tmp_path)
+    assert (summary["existing"], summary["written"]) == (3, 2)
+    after = mtimes(tmp_path)
+    assert {name: after[name] for name in before if name != "meta.json"} == \
+        {name: t for name, t in before.items() if name != "meta.json"}
+    assert run_extract(target_dir, tmp_path)["written"] == 0
+    assert len(shard_paths(tmp_path)) == len(CONVERSATIONS)
+
+
+def test_a_run_killed_mid_write_leaves_whole_shards_and_resumes(target_dir, tmp_path, monkeypatch):
+    real_save, calls = extract_module.save_file, []
+
+    def dies_on_third_write(tensors, filename, metadata=None):
+        calls.append(filename)
+        if len(calls) == 3:
+            with open(filename, "wb") as f:
+                f.write(b"half a shard")
+            raise KeyboardInterrupt
+        real_save(tensors, filename, metadata=metadata)
+
+    monkeypatch.setattr(extract_module, "save_file", dies_on_third_write)
+    with pytest.raises(KeyboardInterrupt):
+        run_extract(target_dir, tmp_path)
+    assert [p.name for p in shard_paths(tmp_path)] == ["0000000.safetensors", "0000001.safetensors"]
+    for path in shard_paths(tmp_path):
+        read_shard(path)  # whole, readable
+    before = mtimes(tmp_path)
+    monkeypatch.setattr(extract_module, "save_file", real_save)
+    assert run_extract(target_dir, tmp_path)["written"] == len(CONVERSATIONS) - 2
+    assert [read_shard(p)[0].numel() > 0 for p in shard_paths(tmp_path)] == [True] * len(CONVERSATIONS)
+    assert not list(tmp_path.glob(".*.tmp"))
+    assert all(mtimes(tmp_path)[f"000000{i}.safetensors"] == before[f"000000{i}.safetensors"] for i in (0, 1))
+
+
+def test_a_dump_of_other_layers_is_not_added_to(target_dir, tmp_path):
+    run_extract(target_dir, tmp_path, max_samples=1)
+    with pytest.raises(ValueError, match="layers"):
+        run_extract(target_dir, tmp_path, layers=(2, 8))
+
+
+def test_command_line_with_a_jsonl_file_and_default_layers(target_dir, tmp_path):
+    data = tmp_path / "prompts.jsonl"
+    data.write_text(json.dumps({"messages": [{"role": "system", "content": "Be brief."},
+                                             {"role": "user", "content": "Hi there"},
+                                             {"role": "assistant", "content": "Hello"}]}) + "\n\n"
+                    + json.dumps({"prompt": "Count to three."}) + "\n")
+    output = tmp_path / "dump"
+    assert main(["extract-hidden-states", "--model", target_dir, "--dataset", str(data), "--output", str(output),
+                 "--max-new-tokens", "4", "--threads", "1"]) == 0
+    assert json.loads((output / "meta.json").read_text())["layers"] == [2, 4, 5, 8]  # 2, L/2, L-3, L
+    tokenizer = AutoTokenizer.from_pretrained(target_dir)
+    prompts = [token_ids[~loss_mask].tolist() for token_ids, loss_mask, _, _ in map(read_shard, shard_paths(output))]
+    assert prompts == [  # the first user turn and what precedes it; not the data set's reply
+        prompt_ids(tokenizer, [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"}]),
+        prompt_ids(tokenizer, [{"role": "user", "content": "Count to three."}])]

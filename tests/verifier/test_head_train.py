@@ -1,0 +1,85 @@
+"""Head training on a tiny dump: a few dozen steps lower the loss, and the
+checkpoint written loads back through read_head + build_head."""
+
+import json
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from speclane_cli.main import main
+from tests.verifier.test_head_extract import CONVERSATIONS, save_tiny_target
+from verifier_service.heads.checkpoint import build_head, read_head
+from verifier_service.heads.eagle3 import default_aux_layers
+from verifier_service.heads.extract import extract, read_shard, shard_paths
+from verifier_service.heads.layer import HeadKV
+from verifier_service.heads.train import train
+
+DRAFT_VOCAB = 64
+
+
+@pytest.fixture(scope="module")
+def target_dir(tmp_path_factory) -> str:
+    return save_tiny_target(tmp_path_factory.mktemp("tiny-target"))
+
+
+@pytest.fixture(scope="module")
+def dump(target_dir, tmp_path_factory):
+    output = tmp_path_factory.mktemp("dump")
+    extract(target_dir, CONVERSATIONS, output, source="test", max_new_tokens=24, batch_size=5)  # default layers
+    return output
+
+
+@pytest.fixture(scope="module")
+def target(target_dir):
+    model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32)
+    return model.config.to_dict(), model.get_input_embeddings().weight.detach(), model.lm_head.weight.detach()
+
+
+@pytest.mark.parametrize(("kind", "ttt_steps"), [("eagle", 1), ("eagle3", 2)])
+def test_training_lowers_the_loss_and_saves_a_loadable_head(kind, ttt_steps, dump, target_dir, target, tmp_path):
+    results = train(kind, dump, target_dir, tmp_path, epochs=8, lr=3e-3, draft_vocab=DRAFT_VOCAB,
+                    ttt_steps=ttt_steps, log_every=5)
+    assert results["steps"] == 8 * len(CONVERSATIONS)
+    assert results["final_loss"] < results["initial_loss"]
+    config, embed, lm_head = target
+    head = build_head(read_head(tmp_path, kind, config), embed, lm_head)
+    recipe = json.loads((tmp_path / "config.json").read_text())["speclane_training"]
+    assert (recipe["kind"], recipe["ttt_steps"], recipe["steps"]) == (kind, ttt_steps, results["steps"])
+    token_ids, _, hidden, _ = read_shard(shard_paths(dump)[0])
+    n = len(token_ids) - 1
+    if kind == "eagle3":
+        assert head.feature_layers == default_aux_layers(8) and len(head.d2t) == DRAFT_VOCAB
+        assert head.t2d[head.draft_token_ids].all() and int(head.t2d.sum()) == DRAFT_VOCAB
+        features = hidden[:n, :3].float().flatten(1)  # dump layers (2, 4, 5, 8): the aux ones are first
+    else:
+        features = hidden[:n, 3].float()
+    with torch.no_grad():
+        logits = head.logits(head(token_ids[1:], features, torch.arange(n), HeadKV()))
+    assert logits.shape == (n, DRAFT_VOCAB if kind == "eagle3" else len(embed)) and logits.isfinite().all()
+
+
+def test_a_held_out_part_picks_the_epoch_saved(target_dir, tmp_path):
+    conversations = [[{"role": "user", "content": f"{c[0]['content']} ({i})"}] for i in range(4) for c in CONVERSATIONS]
+    extract(target_dir, conversations, tmp_path / "dump", source="test", max_new_tokens=8, batch_size=10)
+    results = train("eagle3", tmp_path / "dump", target_dir, tmp_path / "head", epochs=3, lr=3e-3, holdout=0.1)
+    assert (results["held_out_shards"], results["shards"], results["steps"]) == (2, 18, 3 * 18)
+    assert results["saved_epoch"] in (1, 2, 3) and 0 <= results["held_out_top1"] <= 1
+
+
+def test_max_minutes_stops_early_after_one_step(dump, target_dir, tmp_path):
+    results = train("eagle3", dump, target_dir, tmp_path, epochs=50, max_minutes=1e-6)
+    assert results["steps"] == 1
+    assert (tmp_path / "model.safetensors").exists()
+
+
+def test_a_dump_without_the_heads_layers_is_refused(target_dir, tmp_path):
+    extract(target_dir, CONVERSATIONS[:1], tmp_path / "dump", source="test", layers=(8,), max_new_tokens=2)
+    with pytest.raises(ValueError, match=r"lacks hidden_states \[2, 4, 5\]"):
+        train("eagle3", tmp_path / "dump", target_dir, tmp_path / "head")
+
+
+def test_command_line(dump, target_dir, tmp_path):
+    assert main(["train-head", "--kind", "eagle", "--data", str(dump), "--target", target_dir, "--output",
+                 str(tmp_path), "--device", "cpu", "--threads", "1", "--seed", "3"]) == 0
+    assert json.loads((tmp_path / "config.json").read_text())["architectures"] == ["LlamaForCausalLMEagle"]

@@ -1,0 +1,237 @@
+"""Training an EAGLE or EAGLE-3 head on a hidden-state dump (extract.py).
+
+Pair i of a sequence is (target feature at i, token i+1); the head's output
+there should be the target's final hidden state at i+1, whose lm_head
+distribution predicts token i+2. The loss is a soft cross-entropy against that
+distribution (EAGLE-3: restricted to the draft vocabulary and renormalized),
+plus for EAGLE-1 a SmoothL1 regression onto the final hidden state itself.
+One sequence per optimizer step; the target's embedding and lm_head stay frozen."""
+
+import copy
+import json
+import math
+import pathlib
+import random
+import time
+from dataclasses import dataclass
+
+import structlog
+import torch
+import torch.nn.functional as F
+from safetensors import safe_open
+from tqdm import tqdm
+from transformers import AutoModelForCausalLM
+
+from verifier_service.heads.checkpoint import save_head
+from verifier_service.heads.eagle import EagleHead
+from verifier_service.heads.eagle3 import Eagle3Head, default_aux_layers
+from verifier_service.heads.extract import read_shard, shard_paths
+from verifier_service.heads.head import Head
+from verifier_service.heads.layer import HeadKV, LayerShape
+
+log = structlog.get_logger()
+CE_WEIGHT = 0.1  # EAGLE-1's weights: 1.0 * SmoothL1(hidden) + 0.1 * CE(tokens)
+TTT_DECAY = 0.8  # EAGLE-3 weighs training-time-test step j's loss by 0.8^(j-1)
+GRAD_CLIP = 0.5  # as EAGLE's training
+WARMUP = 0.03  # fraction of the step or time budget with a linear LR ramp; cosine decay after
+
+
+@dataclass(frozen=True)
+class Target:
+    config: dict
+    shape: LayerShape
+    embed: torch.Tensor
+    lm_head: torch.Tensor
+    final_norm: torch.Tensor
+    last_layer: dict[str, torch.Tensor]
+
+
+def layer_shape(config, layer_state: dict) -> LayerShape:
+    rope = getattr(config, "rope_parameters", None) or {}  # transformers 5 keeps rope_theta here
+    heads = config.num_attention_heads
+    return LayerShape(
+        hidden_size=config.hidden_size, num_heads=heads,
+        num_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
+        head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
+        intermediate_size=config.intermediate_size, rms_norm_eps=float(getattr(config, "rms_norm_eps", 1e-6)),
+        rope_theta=float(getattr(config, "rope_theta", None) or rope.get("rope_theta", 10000.0)),
+        attention_bias="self_attn.q_proj.bias" in layer_state, qk_norm="self_attn.q_norm.weight" in layer_state,
+    )
+
+
+def load_target(model_dir, device: str) -> Target:
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    decoder = model.get_decoder()
+    last = {k: v.detach().clone() for k, v in decoder.layers[-1].state_dict().items()}
+    return Target(model.config.to_dict(), layer_shape(model.config, last),
+                  model.get_input_embeddings().weight.detach().to(device),
+                  model.get_output_embeddings().weight.detach().to(device), decoder.norm.weight.detach().clone(), last)
+
+
+def draft_vocabulary(paths, vocab_size: int, size: int) -> torch.Tensor:
+    """EAGLE-3's reduced vocabulary: the `size` most frequent target ids among the
+    loss-masked tokens, ascending (so d2t, the id offset, never decreases)."""
+    counts = torch.zeros(vocab_size, dtype=torch.long)
+    for path in paths:
+        with safe_open(str(path), "pt") as f:
+            counts += torch.bincount(f.get_tensor("token_ids")[f.get_tensor("loss_mask").bool()],
+                                     minlength=vocab_size)
+    return counts.topk(min(size, vocab_size)).indices.sort().values
+
+
+def make_head(kind: str, target: Target, draft_ids: torch.Tensor | None) -> Head:
+    if kind == "eagle":
+        head = EagleHead(target.shape, target.embed, target.lm_head)
+        layer = head.layer
+    else:
+        vocab = target.embed.shape[0]
+        head = Eagle3Head(target.shape, target.embed, default_aux_layers(target.config["num_hidden_layers"]),
+                          len(draft_ids), vocab)
+        head.d2t.copy_(draft_ids - torch.arange(len(draft_ids)))
+        head.t2d[draft_ids] = True
+        with torch.no_grad():  # start the readout where the target's is: its norm and lm_head rows
+            head.lm_head.weight.copy_(target.lm_head[draft_ids.to(target.lm_head.device)])
+            head.norm.weight.copy_(target.final_norm)
+        layer = head.midlayer
+    # Optional init trick from EAGLE practice: the target's last decoder layer,
+    # wherever the shapes match (EAGLE-3's q/k/v read 2H and keep their random init).
+    own = layer.state_dict()
+    layer.load_state_dict({k: v for k, v in target.last_layer.items() if k in own and own[k].shape == v.shape},
+                          strict=False)
+    return head
+
+
+def sequence_loss(head: Head, lm_rows: torch.Tensor, tokens: torch.Tensor, mask: torch.Tensor,
+                  features: torch.Tensor, final: torch.Tensor, ttt_steps: int):
+    """(loss or None if nothing is masked in, top-1 hits, positions) of one sequence.
+
+    Step 1 reads the target's features; step j > 1 re-feeds the previous step's
+    outputs shifted one position on, in a fresh causal pass (a simplification of
+    EAGLE-3's TTT, whose queries also attend to the earlier steps' keys). Top-1
+    compares with the dump's next token, which is the target's greedy choice."""
+    total, hits, counted = None, 0, 0
+    for step in range(1, ttt_steps + 1):
+        n = len(tokens) - step - 1  # pairs whose predicted token is in the sequence
+        if n <= 0:
+            break
+        hidden = head(tokens[step:step + n], features[:n], torch.arange(n, device=tokens.device) + step - 1,
+                      HeadKV())
+        keep = mask[step:step + n]
+        if keep.any():
+            out, goal = hidden[keep], final[step:step + n][keep]
+            logits = head.logits(out)
+            loss = -(F.softmax(goal @ lm_rows.T, -1) * F.log_softmax(logits, -1)).sum(-1).mean()
+            if head.kind == "eagle":
+                loss = F.smooth_l1_loss(out, goal) + CE_WEIGHT * loss
+            total = loss * TTT_DECAY ** (step - 1) + (0 if total is None else total)
+            if step == 1:
+                predicted = logits.argmax(-1)
+                predicted = predicted if head.draft_token_ids is None else head.draft_token_ids[predicted]
+                hits, counted = int((predicted == tokens[step + 1:step + 1 + n][keep]).sum()), int(keep.sum())
+        features = hidden
+    return total, hits, counted
+
+
+def _lr_factor(progress: float) -> float:
+    if progress < WARMUP:
+        return progress / WARMUP
+    return 0.5 * (1 + math.cos(math.pi * (progress - WARMUP) / (1 - WARMUP)))
+
+
+def train(kind: str, data, target_dir, output, *, epochs: int = 1, lr: float = 3e-4, draft_vocab: int = 8192,
+          ttt_steps: int = 1, max_minutes: float | None = None, device: str = "cpu", seed: int = 0,
+          log_every: int = 50, holdout: float = 0.05) -> dict:
+    """Trains a head and saves it with save_head; returns the recipe and results.
+    Shards are shuffled (seeded); a `holdout` fraction (none under 20 shards) is
+    left out and measured after every epoch, and the epoch best on it is saved:
+    on a small dump the head memorizes its training data within a few epochs."""
+    torch.manual_seed(seed)
+    data, rng = pathlib.Path(data), random.Random(seed)
+    layers = json.loads((data / "meta.json").read_text())["layers"]
+    target = load_target(target_dir, device)
+    num_layers = target.config["num_hidden_layers"]
+    wanted = (num_layers,) if kind == "eagle" else default_aux_layers(num_layers)
+    if missing := sorted({*wanted, num_layers} - set(layers)):
+        raise ValueError(f"{data} lacks hidden_states {missing} that a {kind} head needs (it has {layers})")
+    feature_index, final_index = [layers.index(i) for i in wanted], layers.index(num_layers)
+    paths = shard_paths(data)
+    rng.shuffle(paths)
+    held = paths[:int(len(paths) * holdout)] if len(paths) >= 20 else []
+    paths = paths[len(held):]
+    if not paths:
+        raise ValueError(f"{data} has no shards")
+    draft_ids = draft_vocabulary(paths, target.embed.shape[0], draft_vocab) if kind == "eagle3" else None
+    head = make_head(kind, target, draft_ids).to(device).train()
+    lm_rows = target.lm_head if draft_ids is None else target.lm_head[draft_ids.to(device)]
+
+    def run(path):
+        tokens, mask, hidden, _ = read_shard(path)
+        hidden = hidden.to(device, torch.float32)
+        return sequence_loss(head, lm_rows, tokens.to(device), mask.to(device),
+                             hidden[:, feature_index].flatten(1), hidden[:, final_index], ttt_steps)
+
+    best = None  # (held-out loss, top-1, epoch, weights): the head saved is the epoch best on held-out data
+
+    def keep_if_best(epoch: float) -> None:
+        nonlocal best
+        with torch.no_grad():
+            loss, top1 = _mean([row for row in map(run, held) if row[0] is not None])
+        log.info("held out", epoch=epoch, loss=round(loss.item(), 4), top1=round(top1, 4))
+        if best is None or top1 > best[1]:
+            best = (loss.item(), top1, epoch, copy.deepcopy(head.state_dict()))
+
+    optimizer = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=lr, betas=(0.9, 0.95),
+                                  weight_decay=0.0)
+    total_steps, budget = epochs * len(paths), (max_minutes or math.inf) * 60
+    history, start = [], time.monotonic()  # (loss, hits, positions) per step
+    with tqdm(total=total_steps, desc=f"train-head {kind}", unit="seq") as bar:
+        for step in range(total_steps):
+            if step % len(paths) == 0:
+                if step and held:
+                    keep_if_best(step // len(paths))
+                rng.shuffle(paths)
+            elapsed = time.monotonic() - start
+            if step and elapsed >= budget:  # at least one step, so there is a head to save
+                log.info("time budget reached", minutes=max_minutes, steps=step)
+                break
+            for group in optimizer.param_groups:
+                group["lr"] = lr * _lr_factor(min(1.0, max(step / total_steps, elapsed / budget)))
+            loss, hits, counted = run(paths[step % len(paths)])
+            bar.update(1)
+            if loss is None:
+                continue
+            optimizer.zero_grad()
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(head.parameters(), GRAD_CLIP)
+            optimizer.step()
+            history.append((loss.item(), hits, counted))
+            if len(history) % log_every == 0:
+                recent = _mean(history[-log_every:])
+                bar.set_postfix(loss=f"{recent[0]:.3f}", top1=f"{recent[1]:.3f}")
+                log.info("train", step=len(history), loss=round(recent[0], 4), top1=round(recent[1], 4),
+                         lr=optimizer.param_groups[0]["lr"], steps_per_s=round(len(history) / elapsed, 2))
+    seconds = time.monotonic() - start
+    if not history:
+        raise ValueError(f"{data}: no step had a loss-masked position")
+    window = max(1, min(log_every, len(history) // 5))
+    if held:
+        keep_if_best(round(len(history) / len(paths), 2))
+        head.load_state_dict(best[3])
+    held_loss, held_top1, saved_epoch = best[:3] if best else (None, None, None)
+    results = {
+        "kind": kind, "data": str(data), "target": str(target_dir), "shards": len(paths), "held_out_shards": len(held),
+        "steps": len(history), "epochs": round(len(history) / len(paths), 2), "lr": lr, "ttt_steps": ttt_steps,
+        "draft_vocab": None if draft_ids is None else len(draft_ids), "seconds": round(seconds, 1),
+        "steps_per_s": round(len(history) / seconds, 3),
+        "initial_loss": _mean(history[:window])[0], "final_loss": _mean(history[-window:])[0],
+        "initial_top1": _mean(history[:window])[1], "final_top1": _mean(history[-window:])[1],
+        "held_out_loss": held_loss, "held_out_top1": held_top1, "saved_epoch": saved_epoch,
+    }
+    save_head(head.cpu(), output, target.config, torch.bfloat16, {"speclane_training": results})
+    log.info("trained", output=str(output), **results)
+    return results
+
+
+def _mean(rows) -> tuple[float, float]:
+    """Mean loss per sequence, and top-1 over all positions."""
+    return (sum(r[0] for r in rows) / len(rows), sum(r[1] for r in rows) / max(1, sum(r[2] for r in rows)))
