@@ -81,23 +81,23 @@ def draft_vocabulary(paths, vocab_size: int, size: int) -> torch.Tensor:
 
 def make_head(kind: str, target: Target, draft_ids: torch.Tensor | None) -> Head:
     if kind == "eagle":
-        head = EagleHead(target.shape, target.embed, target.lm_head)
-        layer = head.layer
-    else:
-        vocab = target.embed.shape[0]
-        head = Eagle3Head(target.shape, target.embed, default_aux_layers(target.config["num_hidden_layers"]),
-                          len(draft_ids), vocab)
-        head.d2t.copy_(draft_ids - torch.arange(len(draft_ids)))
-        head.t2d[draft_ids] = True
-        with torch.no_grad():  # start the readout where the target's is: its norm and lm_head rows
-            head.lm_head.weight.copy_(target.lm_head[draft_ids.to(target.lm_head.device)])
-            head.norm.weight.copy_(target.final_norm)
-        layer = head.midlayer
-    # Optional init trick from EAGLE practice: the target's last decoder layer,
-    # wherever the shapes match (EAGLE-3's q/k/v read 2H and keep their random init).
-    own = layer.state_dict()
-    layer.load_state_dict({k: v for k, v in target.last_layer.items() if k in own and own[k].shape == v.shape},
-                          strict=False)
+        # Random init: EAGLE-1's layer output is the normed feature itself (SmolLM2: rms ~2); the
+        # target's last layer makes updates sized for a residual stream of rms ~120, and starting
+        # from it trained far worse (SmolLM2, held-out top-1 after 2 epochs: 0.06 against 0.24).
+        return EagleHead(target.shape, target.embed, target.lm_head)
+    head = Eagle3Head(target.shape, target.embed, default_aux_layers(target.config["num_hidden_layers"]),
+                      len(draft_ids), target.embed.shape[0])
+    head.d2t.copy_(draft_ids - torch.arange(len(draft_ids)))
+    head.t2d[draft_ids] = True
+    with torch.no_grad():  # start the readout where the target's is: its norm and lm_head rows
+        head.lm_head.weight.copy_(target.lm_head[draft_ids.to(target.lm_head.device)])
+        head.norm.weight.copy_(target.final_norm)
+    # Optional init trick from EAGLE practice: the target's last decoder layer wherever the shapes
+    # match (q/k/v read 2H and stay random). A small gain here: held-out top-1 after 4 epochs
+    # 0.287 against 0.275.
+    own = head.midlayer.state_dict()
+    head.midlayer.load_state_dict({k: v for k, v in target.last_layer.items()
+                                   if k in own and own[k].shape == v.shape}, strict=False)
     return head
 
 
@@ -143,8 +143,8 @@ def train(kind: str, data, target_dir, output, *, epochs: int = 1, lr: float = 3
           log_every: int = 50, holdout: float = 0.05) -> dict:
     """Trains a head and saves it with save_head; returns the recipe and results.
     Shards are shuffled (seeded); a `holdout` fraction (none under 20 shards) is
-    left out and measured after every epoch, and the epoch best on it is saved:
-    on a small dump the head memorizes its training data within a few epochs."""
+    left out and measured after every epoch; the epoch best on it is the head
+    saved, and its top-1 the one to trust (a small dump is soon memorized)."""
     torch.manual_seed(seed)
     data, rng = pathlib.Path(data), random.Random(seed)
     layers = json.loads((data / "meta.json").read_text())["layers"]
