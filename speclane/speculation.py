@@ -132,19 +132,27 @@ def _typed(key: str, value, expected: type):
     return value
 
 
-def parse_speculative_config(text: str) -> tuple[SpeculationSettings, dict[str, int], tuple[str, ...]]:
-    """A vLLM --speculative-config JSON object (empty: the defaults): the per-sequence
-    settings, the drafter-wide values it names (for the drafter), and the keys it
-    names that speclane does not use (e.g. `enforce_eager`: the caller warns, so a
-    vLLM command line runs as it is)."""
+def speculative_config_values(text: str) -> dict:
+    """The JSON object of a --speculative-config ({} when empty); raises ValueError."""
     if not text.strip():
-        return SpeculationSettings(), {}, ()
+        return {}
     try:
         values = json.loads(text)
     except json.JSONDecodeError as exc:
         raise ValueError(f"speculative config is not valid JSON: {exc}") from None
     if not isinstance(values, dict):
         raise ValueError("speculative config must be a JSON object")
+    return values
+
+
+def parse_speculative_config(text: str) -> tuple[SpeculationSettings, dict[str, int], tuple[str, ...]]:
+    """A vLLM --speculative-config JSON object (empty: the defaults): the per-sequence
+    settings, the drafter-wide values it names (for the drafter), and the keys it
+    names that speclane does not use (e.g. `enforce_eager`: the caller warns, so a
+    vLLM command line runs as it is)."""
+    values = speculative_config_values(text)
+    if not values:
+        return SpeculationSettings(), {}, ()
     drafter_wide = {key: values.pop(key) for key in DRAFTER_WIDE_KEYS if key in values}
     for key in VERIFIER_KEYS:
         values.pop(key, None)

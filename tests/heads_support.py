@@ -7,29 +7,19 @@ import pathlib
 
 import torch
 from safetensors.torch import load_file, save_file
+from transformers import AutoConfig
 
 from verifier_service.heads.checkpoint import save_head
 from verifier_service.heads.eagle import EagleHead
 from verifier_service.heads.eagle3 import Eagle3Head, default_aux_layers
-from verifier_service.heads.layer import LayerShape
 from verifier_service.heads.mtp import MtpHead
-
-
-def target_shape(config: dict) -> LayerShape:
-    heads = config["num_attention_heads"]
-    rope = config.get("rope_parameters") or {}
-    return LayerShape(
-        hidden_size=config["hidden_size"], num_heads=heads, num_kv_heads=config.get("num_key_value_heads") or heads,
-        head_dim=config.get("head_dim") or config["hidden_size"] // heads,
-        intermediate_size=config["intermediate_size"], rms_norm_eps=config.get("rms_norm_eps", 1e-6),
-        rope_theta=config.get("rope_theta") or rope.get("rope_theta", 10000.0),
-    )
+from verifier_service.heads.train import layer_shape
 
 
 def random_head(kind: str, target_dir: pathlib.Path, seed: int = 0, draft_vocab: int = 1024):
     config = json.loads((pathlib.Path(target_dir) / "config.json").read_text())
     torch.manual_seed(seed)
-    shape, vocab = target_shape(config), config["vocab_size"]
+    shape, vocab = layer_shape(AutoConfig.from_pretrained(target_dir), {}), config["vocab_size"]
     draft_vocab = min(draft_vocab, vocab // 2)
     embed = torch.randn(vocab, shape.hidden_size)
     if kind == "eagle":

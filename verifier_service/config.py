@@ -3,14 +3,13 @@
 No torch here: a launcher builds and checks this config without the model's libraries."""
 
 import dataclasses
-import json
 import re
 from dataclasses import dataclass
 
 from speclane.config import option
 from speclane.log import check_log_level
 from speclane.models import PACKAGED_MODELS, hub_model, is_model_dir, served_name
-from speclane.speculation import CAPTURE_METHOD, MAX_SPECULATIVE_TOKENS
+from speclane.speculation import CAPTURE_METHOD, MAX_SPECULATIVE_TOKENS, speculative_config_values
 from speclane.tls import TlsFiles, server_tls
 from verifier_service.heads.shipped import shipped_head, shipped_heads
 
@@ -146,14 +145,7 @@ class DraftSettings:
 
 def draft_settings(speculative_config: str) -> DraftSettings:
     """The verifier's part of a --speculative-config (other methods are the gateway's)."""
-    if not speculative_config.strip():
-        return DraftSettings()
-    try:
-        values = json.loads(speculative_config)
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"speculative_config is not valid JSON: {exc}") from None
-    if not isinstance(values, dict):
-        raise ValueError("speculative_config must be a JSON object")
+    values = speculative_config_values(speculative_config)
     method = values.get("method", "")
     if method == CAPTURE_METHOD:
         # vLLM's keys: the layer ids under draft_model_config.hf_config; where to write ours.

@@ -47,15 +47,19 @@ def test_kv_budget_from_memory(tmp_path):
 
 
 
+async def _model_info_when_loaded(stub) -> verifier_pb2.ModelInfo:
+    for _ in range(600):
+        try:
+            return await stub.GetModelInfo(verifier_pb2.GetModelInfoRequest())
+        except grpc.aio.AioRpcError:
+            await asyncio.sleep(0.1)
+    raise TimeoutError("the verifier did not load its model")
+
+
 async def _generate(port: int) -> tuple[int, list[int]]:
     async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
         stub = verifier_pb2_grpc.VerifierStub(channel)
-        for _ in range(600):
-            try:
-                info = await stub.GetModelInfo(verifier_pb2.GetModelInfoRequest())
-                break
-            except grpc.aio.AioRpcError:
-                await asyncio.sleep(0.1)
+        info = await _model_info_when_loaded(stub)
         call = stub.Session()
         sampling = verifier_pb2.SamplingParams(max_new_tokens=24, ignore_eos=True)
         await call.write(verifier_pb2.SessionRequest(prefill=verifier_pb2.Prefill(
@@ -96,12 +100,7 @@ async def _generate_with_head(port: int, prompt: list[int], k: int) -> tuple[int
     """Greedy generation verifying the verifier head's own drafts: (TP size, tokens, accepted)."""
     async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
         stub = verifier_pb2_grpc.VerifierStub(channel)
-        for _ in range(600):
-            try:
-                info = await stub.GetModelInfo(verifier_pb2.GetModelInfoRequest())
-                break
-            except grpc.aio.AioRpcError:
-                await asyncio.sleep(0.1)
+        info = await _model_info_when_loaded(stub)
         call = stub.Session()
         sampling = verifier_pb2.SamplingParams(max_new_tokens=24, ignore_eos=True)
         await call.write(verifier_pb2.SessionRequest(prefill=verifier_pb2.Prefill(
