@@ -1,5 +1,6 @@
-"""`speclane extract-hidden-states`: dump a target's regenerated replies and
-hidden states (one shard per conversation) for `speclane train-head`."""
+"""`speclane extract-hidden-states`: dump conversations (the target's regenerated
+replies, or the data set's own) and the target's hidden states over them, one
+shard per conversation, for `speclane train-head`."""
 
 import itertools
 import json
@@ -10,13 +11,14 @@ import torch
 
 from speclane.models import resolve_model
 from speclane_cli.datasets import humaneval_problems, sharegpt_conversations
-from verifier_service.heads.extract import extract, pick_device
+from verifier_service.heads.extract import REPLIES, extract, pick_device
 
 
 def add_arguments(parser) -> None:
     parser.add_argument("--model", required=True, help="target model: directory, packaged name or hub id")
     parser.add_argument("--dataset", required=True,
-                        help="sharegpt, humaneval, or a .jsonl file with a 'messages' or 'prompt' per line")
+                        help="sharegpt, humaneval, or a .jsonl file with 'messages', or 'prompt' (and 'completion'), "
+                             "per line")
     parser.add_argument("--output", required=True, help="directory for the shards and meta.json")
     parser.add_argument("--layers", default="",
                         help="comma-separated output_hidden_states indices (default: 2,L/2,L-3,L, which trains "
@@ -26,6 +28,11 @@ def add_arguments(parser) -> None:
                         help="conversations passed over first; default 4000 for sharegpt (the benchmarks and tests "
                              "draw their ShareGPT prompts from the first 2000: a head is never measured on its "
                              "training data), else 0")
+    parser.add_argument("--replies", choices=REPLIES, default="regenerate",
+                        help="regenerate: the target answers each first prompt itself (slow on a CPU); dataset: "
+                             "whole conversations as written, teacher-forced (labels are still the target's "
+                             "distributions)")
+    parser.add_argument("--max-tokens", type=int, default=1024, help="--replies dataset: length limit of a sequence")
     parser.add_argument("--max-new-tokens", type=int, default=256, help="length limit of a regenerated reply")
     parser.add_argument("--max-prompt-tokens", type=int, default=512, help="skip longer prompts")
     parser.add_argument("--batch-size", type=int, default=8, help="prompts regenerated together")
@@ -48,25 +55,29 @@ def default_skip(dataset: str) -> int:
     return SHAREGPT_HELD_OUT if dataset == "sharegpt" else 0
 
 
-def prompts(dataset: str, skip: int) -> Iterator[list[dict]]:
-    return itertools.islice(_prompts(dataset), skip, None)
+def conversations(dataset: str, skip: int, replies: str) -> Iterator[list[dict]]:
+    """Whole conversations for --replies dataset; else each one's first prompt."""
+    whole = itertools.islice(_conversations(dataset), skip, None)
+    return whole if replies == "dataset" else map(first_user_turn, whole)
 
 
-def _prompts(dataset: str) -> Iterator[list[dict]]:
+def _conversations(dataset: str) -> Iterator[list[dict]]:
     if dataset == "sharegpt":
-        return (first_user_turn(turns) for turns in sharegpt_conversations())
+        return sharegpt_conversations()
     if dataset == "humaneval":
-        return ([{"role": "user", "content": p["prompt"]}] for p in humaneval_problems())
-    return _jsonl_prompts(pathlib.Path(dataset))
+        return ([{"role": "user", "content": p["prompt"]}, {"role": "assistant", "content": p["canonical_solution"]}]
+                for p in humaneval_problems())
+    return _jsonl_conversations(pathlib.Path(dataset))
 
 
-def _jsonl_prompts(path: pathlib.Path) -> Iterator[list[dict]]:
+def _jsonl_conversations(path: pathlib.Path) -> Iterator[list[dict]]:
     with path.open(encoding="utf-8") as f:
         for line in f:
             if line.strip():
                 record = json.loads(line)
-                yield first_user_turn(record["messages"]) if "messages" in record else \
-                    [{"role": "user", "content": record["prompt"]}]
+                yield record["messages"] if "messages" in record else \
+                    [{"role": "user", "content": record["prompt"]}] + \
+                    ([{"role": "assistant", "content": record["completion"]}] if "completion" in record else [])
 
 
 def run(args) -> int:
@@ -75,7 +86,8 @@ def run(args) -> int:
     layers = tuple(int(i) for i in args.layers.split(",")) if args.layers else ()
     skip = default_skip(args.dataset) if args.skip is None else args.skip
     # The skip is part of the source: resuming a dump with another one is refused (its shard names would clash).
-    extract(resolve_model(args.model), prompts(args.dataset, skip), args.output, source=f"{args.dataset}[{skip}:]",
-            layers=layers, max_samples=args.max_samples, max_new_tokens=args.max_new_tokens,
-            max_prompt_tokens=args.max_prompt_tokens, batch_size=args.batch_size, device=pick_device(args.device))
+    extract(resolve_model(args.model), conversations(args.dataset, skip, args.replies), args.output,
+            source=f"{args.dataset}[{skip}:]", layers=layers, replies=args.replies, max_samples=args.max_samples,
+            max_new_tokens=args.max_new_tokens, max_prompt_tokens=args.max_prompt_tokens, max_tokens=args.max_tokens,
+            batch_size=args.batch_size, device=pick_device(args.device))
     return 0

@@ -77,6 +77,33 @@ def test_shards_hold_the_targets_greedy_reply_and_its_hidden_states(target_dir, 
     assert json.loads((tmp_path / "meta.json").read_text())["layers"] == list(LAYERS)
 
 
+def test_dataset_replies_keep_whole_conversations_teacher_forced(target_dir, tmp_path):
+    conversations = [c + [{"role": "assistant", "content": "Sure."}, {"role": "user", "content": "More?"},
+                          {"role": "assistant", "content": f"Answer {i}."}] for i, c in enumerate(CONVERSATIONS)]
+    conversations.append([{"role": "user", "content": "No reply here"}])  # nothing to learn: no shard
+    summary = run_extract(target_dir, tmp_path, replies="dataset", max_tokens=200)
+    assert summary["written"] == 0  # CONVERSATIONS have no assistant turn
+    summary = extract(target_dir, conversations, tmp_path / "dump", source="test", layers=LAYERS, replies="dataset")
+    assert summary["written"] == len(CONVERSATIONS)
+    tokenizer = AutoTokenizer.from_pretrained(target_dir)
+    model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+    for path, messages in zip(shard_paths(tmp_path / "dump"), conversations, strict=False):
+        token_ids, loss_mask, hidden, _ = read_shard(path)
+        whole = tokenizer(tokenizer.apply_chat_template(messages, tokenize=False), add_special_tokens=False)
+        assert token_ids.tolist() == whole["input_ids"]
+        # learned: each reply and its end of turn; not the prompts, not the template's role headers
+        learned = tokenizer.decode(token_ids[loss_mask])
+        assert learned == "Sure.<|im_end|>\n" + messages[-1]["content"] + "<|im_end|>\n"
+        with torch.no_grad():
+            reference = model(token_ids[None], output_hidden_states=True).hidden_states
+        for column, layer in enumerate(LAYERS):
+            torch.testing.assert_close(hidden[:, column].float(), reference[layer][0], rtol=2e-2, atol=2e-2)
+    first = read_shard(shard_paths(tmp_path / "dump")[0])[0]
+    extract(target_dir, conversations[:1], tmp_path / "cut", source="test", layers=LAYERS, replies="dataset",
+            max_tokens=len(first) - 3)
+    assert read_shard(shard_paths(tmp_path / "cut")[0])[0].tolist() == first[:-3].tolist()
+
+
 def test_a_rerun_skips_the_shards_already_there(target_dir, tmp_path):
     run_extract(target_dir, tmp_path, max_samples=3)
     before = mtimes(tmp_path)
@@ -135,3 +162,16 @@ def test_command_line_with_a_jsonl_file_and_default_layers(target_dir, tmp_path)
     assert prompts == [  # the first user turn and what precedes it; not the data set's reply
         prompt_ids(tokenizer, [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"}]),
         prompt_ids(tokenizer, [{"role": "user", "content": "Count to three."}])]
+
+
+def test_command_line_dataset_replies_from_a_jsonl_file(target_dir, tmp_path):
+    data = tmp_path / "pairs.jsonl"
+    data.write_text(json.dumps({"prompt": "Count to three.", "completion": "One, two, three."}) + "\n"
+                    + json.dumps({"prompt": "No completion: nothing to learn"}) + "\n")
+    output = tmp_path / "dump"
+    assert main(["extract-hidden-states", "--model", target_dir, "--dataset", str(data), "--output", str(output),
+                 "--replies", "dataset", "--threads", "1"]) == 0
+    tokenizer = AutoTokenizer.from_pretrained(target_dir)
+    [(token_ids, loss_mask, _, _)] = map(read_shard, shard_paths(output))
+    assert tokenizer.decode(token_ids[loss_mask]) == "One, two, three.<|im_end|>\n"
+    assert json.loads((output / "meta.json").read_text())["replies"] == "dataset"

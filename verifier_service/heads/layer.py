@@ -54,6 +54,11 @@ class HeadKV:
             self.values = torch.cat([self.values, values], dim=1)
         return self.keys, self.values
 
+    def attention_mask(self, n: int, device) -> torch.Tensor:
+        """[n, len] which entries each of the n newest sees: all earlier ones and itself."""
+        past = len(self) - n
+        return torch.ones(n, past + n, dtype=torch.bool, device=device).tril(diagonal=past)
+
     def truncate(self, length: int) -> None:
         """Rolls back to the first `length` positions (drop the draft steps' entries)."""
         if self.keys is not None and length < len(self):
@@ -92,9 +97,7 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rotate(q, positions, s.rope_theta), rotate(k, positions, s.rope_theta)
         keys, values = kv.append(k, v)
-        past = keys.shape[1] - n
-        # New token i sees the cached positions and new tokens up to itself.
-        mask = torch.ones(n, past + n, dtype=torch.bool, device=x.device).tril(diagonal=past)
+        mask = kv.attention_mask(n, x.device)
         out = F.scaled_dot_product_attention(q[None], keys[None], values[None], attn_mask=mask,
                                              enable_gqa=s.num_kv_heads != s.num_heads)
         return self.o_proj(out[0].transpose(0, 1).reshape(n, -1))
