@@ -1,8 +1,8 @@
 """Head methods through the real drafter, verifier and gateway processes:
 greedy output with eagle, eagle3, mtp and hybrid equals `none`, token for
 token. EAGLE and MTP run on a tiny random target carrying SmolLM2's tokenizer
-(and, for MTP, its own DeepSeek-layout MTP layer); EAGLE-3 runs on SmolLM2
-with the head we ship for it, named by method alone, as a user would."""
+(and, for MTP, its own DeepSeek-layout MTP layer); EAGLE-3 and EAGLE run on
+SmolLM2 with the heads we ship for it, named by method alone, as a user would."""
 
 import json
 import shutil
@@ -90,6 +90,15 @@ def test_the_shipped_eagle3_head_keeps_greedy_output_and_is_accepted(eagle3_stac
     hybrid = totals["hybrid"]
     assert sum(u.head_steps for u in hybrid) > 0
     assert all(u.head_steps + u.drafter_steps <= u.verify_steps for u in hybrid)
+
+
+def test_the_shipped_eagle_head_is_named_by_method_alone(model_dir, tmp_path, prompts):
+    stack = start(model_dir, tmp_path, {"method": "eagle", "num_speculative_tokens": 2})
+    try:
+        eagle = assert_lossless(stack.gateway.grpc_address, prompts[::3], ["eagle"], 2)["eagle"]
+    finally:
+        stack.stop()
+    assert sum(u.accepted_tokens for u in eagle) > 0 and sum(u.head_steps for u in eagle) > 0
 
 
 def test_hybrid_takes_suffix_drafts_where_the_output_repeats_its_input(eagle3_stack):
