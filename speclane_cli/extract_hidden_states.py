@@ -74,10 +74,14 @@ def _jsonl_conversations(path: pathlib.Path) -> Iterator[list[dict]]:
     with path.open(encoding="utf-8") as f:
         for line in f:
             if line.strip():
-                record = json.loads(line)
-                yield record["messages"] if "messages" in record else \
-                    [{"role": "user", "content": record["prompt"]}] + \
-                    ([{"role": "assistant", "content": record["completion"]}] if "completion" in record else [])
+                yield _messages(json.loads(line))
+
+
+def _messages(record: dict) -> list[dict]:
+    if "messages" in record:
+        return record["messages"]
+    reply = [{"role": "assistant", "content": record["completion"]}] if "completion" in record else []
+    return [{"role": "user", "content": record["prompt"]}, *reply]
 
 
 def run(args) -> int:
