@@ -14,7 +14,7 @@ from gateway.types import GenerationRequest, SpeculationUsage, TokenDelta, Token
 from gateway.verifier_pool import VerifierPool
 from protos.common.v1 import common_pb2
 from protos.conventions import FINISH_REASON_NAMES
-from speclane.speculation import HEAD_METHODS
+from speclane.speculation import HEAD_METHODS, draft_value
 
 _NO_DRAFT = common_pb2.Draft()
 # Where a step's draft came from.
@@ -22,8 +22,10 @@ PREDICTION, DRAFTER, HEAD, NONE = "prediction", "drafter", "head", "none"
 
 
 class Orchestrator:
-    def __init__(self, verifiers: VerifierPool, drafter: DrafterClient | None, metrics: GatewayMetrics):
+    def __init__(self, verifiers: VerifierPool, drafter: DrafterClient | None, metrics: GatewayMetrics,
+                 draft_token_cost: float = 0.0):
         self._verifiers = verifiers
+        self._draft_token_cost = draft_token_cost  # the verifiers' measure (their ModelInfo)
         self._drafter = drafter
         self._metrics = metrics
         # Drafter sessions finishing in the background; kept so they are not garbage-collected.
@@ -45,8 +47,12 @@ class Orchestrator:
                 draft = await _next_draft(drafter, result)
                 predicted = _predicted_draft(prediction, result, request.speculation.num_speculative_tokens)
                 yield _delta(result, speculation=usage)
-                source, draft = _pick_draft(request.speculation.method, predicted, draft, result.head_draft)
-                result = await _checked(verifier.verify(draft, use_head_draft=source == HEAD))
+                source, draft = _pick_draft(request.speculation.method, predicted, draft, result.head_draft,
+                                            self._draft_token_cost)
+                # Hybrid: a drafter run that keeps being accepted will likely win the next step too.
+                on_a_run = request.speculation.method == "hybrid" and source == DRAFTER and len(draft.token_ids) > 1
+                result = await _checked(verifier.verify(draft, use_head_draft=source == HEAD,
+                                                        skip_head_draft_if_all_accepted=on_a_run))
                 usage += _step_usage(result, source)
                 self._metrics.record_verify_step(result.num_draft_tokens, result.num_accepted_draft_tokens)
             if drafter is not None:
@@ -81,17 +87,20 @@ def _step_usage(result, source: str) -> SpeculationUsage:
 
 
 def _pick_draft(method: str, predicted: common_pb2.Draft | None, drafted: common_pb2.Draft,
-                head_draft: common_pb2.Draft) -> tuple[str, common_pb2.Draft | None]:
+                head_draft: common_pb2.Draft, token_cost: float) -> tuple[str, common_pb2.Draft | None]:
     """Which draft this step verifies, and its source. A predicted output wins
-    while it lasts. Hybrid takes the draft expected to commit more: both
-    scores estimate accepted tokens (suffix from its tree's counts, the head
-    from its own token probabilities). Arctic's rule compares the suffix score
-    with the head draft's length, as if every head token were accepted; that
-    sends steps to a head that is unsure, so we compare like with like."""
+    while it lasts. Hybrid takes the draft expected to commit more tokens per
+    unit of verify time: both scores estimate accepted tokens (suffix from its
+    tree's counts, the head from its own token probabilities), and each draft
+    token costs the verifier `token_cost` of a plain step. Arctic's rule
+    compares the suffix score with the head draft's length, as if every head
+    token were accepted and verification were free; on a CPU verifier neither
+    holds, so that rule sends steps to long, unsure head drafts."""
     if predicted is not None:
         return PREDICTION, predicted
-    if method in HEAD_METHODS or (method == "hybrid" and head_draft.token_ids
-                                  and not (drafted.token_ids and drafted.score >= head_draft.score)):
+    if method in HEAD_METHODS or (method == "hybrid" and head_draft.token_ids and not (
+            drafted.token_ids and draft_value(drafted.score, len(drafted.token_ids), token_cost)
+            >= draft_value(head_draft.score, len(head_draft.token_ids), token_cost))):
         return HEAD, None
     return (DRAFTER, drafted) if drafted.token_ids else (NONE, drafted)
 

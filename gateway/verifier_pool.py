@@ -72,10 +72,11 @@ class VerifierSession:
                                   _optional(response, "prefill_seconds"))
         return response
 
-    async def verify(self, draft: common_pb2.Draft | None, use_head_draft: bool = False
-                     ) -> verifier_pb2.SessionResponse:
+    async def verify(self, draft: common_pb2.Draft | None, use_head_draft: bool = False,
+                     skip_head_draft_if_all_accepted: bool = False) -> verifier_pb2.SessionResponse:
         """Verifies `draft`, or with `use_head_draft` the verifier head's own last draft."""
-        verify = verifier_pb2.Verify(draft=draft, use_head_draft=use_head_draft)
+        verify = verifier_pb2.Verify(draft=draft, use_head_draft=use_head_draft,
+                                     skip_head_draft_if_all_accepted=skip_head_draft_if_all_accepted)
         response = await self._exchange(verifier_pb2.SessionRequest(verify=verify))
         if self._timer is not None:
             self._timer.stepped(len(response.token_ids))

@@ -19,7 +19,7 @@ METHOD_ALIASES = {"deepseek_mtp": "mtp"}  # vLLM's older name
 # --speculative-config keys that configure the verifier's head (where it is loaded) or its
 # hidden-state capture, not a sequence.
 VERIFIER_KEYS = ("model", "draft_tensor_parallel_size", "draft_model_config", "shared_storage_path",
-                 "draft_min_confidence")
+                 "draft_token_cost")
 # vLLM's method that only captures hidden states in the verifier: the sequences themselves are not speculated.
 CAPTURE_METHOD = "extract_hidden_states"
 MAX_SPECULATIVE_TOKENS = 64
@@ -122,6 +122,13 @@ class SpeculationSettings:
     def drafter_method(self) -> str:
         """What the drafter service is asked for (hybrid pairs the head with suffix decoding)."""
         return "suffix" if self.method == "hybrid" else self.method
+
+
+def draft_value(score: float, num_tokens: int, token_cost: float) -> float:
+    """Tokens a step commits per unit of verify time: (1 + expected accepted
+    tokens) over the step's cost, where a plain step costs 1 and each draft
+    token `token_cost` more (the verifier measures it; see draft_cost.py)."""
+    return (1.0 + score) / (1.0 + token_cost * num_tokens)
 
 
 def _typed(key: str, value, expected: type):

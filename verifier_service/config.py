@@ -127,7 +127,7 @@ class VerifierConfig:
 
 
 HEAD_METHODS = ("eagle", "eagle3", "mtp", "deepseek_mtp")
-DEFAULT_MIN_CONFIDENCE = 0.0
+MAX_TOKEN_COST = 10.0  # a draft token costing ten plain steps is no speculation worth doing
 
 
 @dataclass(frozen=True)
@@ -136,8 +136,9 @@ class DraftSettings:
 
     head_method: str = ""  # a head to load ("" for none)
     head_model: str = ""  # its directory; "": the default place (see heads/loading.py)
-    # ours: a head draft ends where the head's confidence that all of it is accepted falls below this
-    head_min_confidence: float = DEFAULT_MIN_CONFIDENCE
+    # ours: a verify step's extra cost per draft token, relative to a plain step (see draft_cost.py);
+    # None: measured at start-up. 0 makes every head draft num_speculative_tokens long.
+    draft_token_cost: float | None = None
     # extract_hidden_states: hidden_states indices written per request into capture_dir
     capture_layers: tuple[int, ...] = ()
     capture_dir: str = ""
@@ -164,7 +165,9 @@ def draft_settings(speculative_config: str) -> DraftSettings:
     model = values.get("model") or ""
     if not isinstance(model, str):
         raise ValueError("speculative_config.model must be a head directory")
-    min_confidence = values.get("draft_min_confidence", DEFAULT_MIN_CONFIDENCE)
-    if isinstance(min_confidence, bool) or not isinstance(min_confidence, int | float) or not 0 <= min_confidence < 1:
-        raise ValueError("draft_min_confidence must be a number in [0, 1)")
-    return DraftSettings(head_method=method, head_model=model, head_min_confidence=float(min_confidence))
+    token_cost = values.get("draft_token_cost", "auto")
+    if token_cost != "auto" and (isinstance(token_cost, bool) or not isinstance(token_cost, int | float)
+                                 or not 0 <= token_cost <= MAX_TOKEN_COST):
+        raise ValueError(f"draft_token_cost must be \"auto\" or a number in [0, {MAX_TOKEN_COST}]")
+    return DraftSettings(head_method=method, head_model=model,
+                         draft_token_cost=None if token_cost == "auto" else float(token_cost))

@@ -62,6 +62,8 @@ class Engine:
         self.grammars = GrammarCompiler(runner.model_dir, runner.vocab_size)
         self.on_step = on_step
         self.head = head
+        # A verify step's extra cost per draft token (draft_cost.py): where the head's drafts stop.
+        self.draft_token_cost = 0.0
         self.capture: HiddenStateCapture | None = None
         runner.feature_layers = head.head.feature_layers if head is not None else ()
         self._live: set[Sequence] = set()
@@ -213,7 +215,9 @@ class Engine:
         if self.capture is not None and seq.num_generated == len(result.token_ids):  # the prompt's pass
             self.capture.write(seq)
         if seq.head is not None:
-            self._draft_with_head(seq, segment, features, verdict, result.token_ids)
+            all_accepted = verdict.num_accepted == len(draft.token_ids) > 0
+            self._draft_with_head(seq, segment, features, verdict, result.token_ids,
+                                  draft.skip_head_draft_if_all_accepted and all_accepted)
             if seq.head_draft is not None:
                 result = dataclasses.replace(result, head_draft=seq.head_draft.token_ids,
                                              head_draft_score=seq.head_draft.score)
@@ -224,17 +228,18 @@ class Engine:
         entry.work.done(result)
 
     def _draft_with_head(self, seq: Sequence, segment, features: torch.Tensor, verdict: Verdict,
-                         committed: list[int]) -> None:
+                         committed: list[int], skip: bool) -> None:
         """Feeds the head this pass's (feature, next token) pairs, then drafts
-        the next step. Pending prompt tokens pair with the token after them;
-        the rows that judged the committed tokens pair with those tokens."""
+        the next step unless told to `skip` it. Pending prompt tokens pair with
+        the token after them; the rows that judged the committed tokens pair
+        with those tokens."""
         start, pending = seq.num_cached, segment.num_pending
         seq.head.add(start, features[: pending - 1], seq.tokens[start + 1: start + pending])
         judged = [pending - 1 + row for row in verdict.rows[: len(committed)]]
         seq.head.add(start + pending - 1, features[judged], committed)
         k = min(seq.params.num_head_draft_tokens, seq.max_draft_depth())
-        seq.head_draft = None if seq.finished else self.head.draft(
-            seq.head, k, seq.params.sampling.temperature, seq.generator)
+        seq.head_draft = None if seq.finished or skip else self.head.draft(
+            seq.head, k, seq.params.sampling.temperature, seq.generator, self.draft_token_cost)
 
     def _judge(self, seq: Sequence, draft: Draft, rows: torch.Tensor) -> Verdict:
         """Accepts against the request's distribution: `rows` are raw logits, and

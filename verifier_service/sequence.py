@@ -65,6 +65,7 @@ class Draft:
     parents: tuple[int, ...] = ()  # empty: a chain; else a tree (see tree.py)
     proposals: tuple[Proposal, ...] = ()  # empty: deterministic draft
     committed_len: int = 0  # 0: not tagged
+    skip_head_draft_if_all_accepted: bool = False  # a step option (Verify's), carried with its draft
     # Dense q rows [k, vocab] of a draft sampled inside the verifier (a head's): never crosses the wire.
     proposal_probs: torch.Tensor | None = field(default=None, compare=False)
 

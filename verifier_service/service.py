@@ -55,7 +55,7 @@ def params_from_proto(sampling: verifier_pb2.SamplingParams, num_head_draft_toke
     )
 
 
-def draft_from_proto(draft: common_pb2.Draft, max_tokens: int) -> Draft:
+def draft_from_proto(draft: common_pb2.Draft, max_tokens: int, skip_head_draft_if_all_accepted: bool = False) -> Draft:
     # Counted on the message, before any of it is copied or checked on the model thread.
     nodes = max(len(draft.token_ids), len(draft.parents), len(draft.proposals))
     if nodes > max_tokens:
@@ -65,6 +65,7 @@ def draft_from_proto(draft: common_pb2.Draft, max_tokens: int) -> Draft:
         parents=tuple(draft.parents),
         proposals=tuple(Proposal(tuple(q.token_ids), tuple(q.probs)) for q in draft.proposals),
         committed_len=draft.committed_len,
+        skip_head_draft_if_all_accepted=skip_head_draft_if_all_accepted,
     )
 
 
@@ -134,6 +135,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             dtype=str(runner.dtype).removeprefix("torch."),
             tensor_parallel_size=runner.tp_size,
             draft_head=self.head_method,
+            draft_token_cost=self.engine.engine.draft_token_cost,
         )
 
     async def GetTokenizer(self, request, context):
@@ -156,7 +158,8 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
                     result, timing = await self._prefill(seq)
                 elif kind == "verify":
                     draft = (seq.own_draft() if request.verify.use_head_draft
-                             else draft_from_proto(request.verify.draft, self.max_draft_tokens))
+                             else draft_from_proto(request.verify.draft, self.max_draft_tokens,
+                                                   request.verify.skip_head_draft_if_all_accepted))
                     result, timing = await self.engine.verify(seq, draft), None
                 else:
                     raise InvalidRequest("after prefill, every message must be verify")

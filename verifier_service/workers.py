@@ -33,6 +33,7 @@ from verifier_service.distributed import (
     init_tensor_parallel,
     rank_device,
 )
+from verifier_service.draft_cost import measure_token_cost
 from verifier_service.engine import Engine
 from verifier_service.heads.capture import HiddenStateCapture
 from verifier_service.heads.loading import load_head
@@ -94,12 +95,16 @@ class Rank0:
         limits = BatchLimits(config.max_batch_tokens, config.max_batch_sequences, config.max_queue_wait)
         # The head runs on rank 0 only (draft_tensor_parallel_size 1, as in vLLM).
         draft = config.draft
-        head = (load_head(draft.head_method, draft.head_model, runner, draft.head_min_confidence)
-                if draft.head_method else None)
+        head = load_head(draft.head_method, draft.head_model, runner) if draft.head_method else None
         engine = Engine(runner, pool, limits, on_step=self.on_step, head=head)
         log.info("kv_pool_ready", max_kv_tokens=pool.max_tokens, block_size=pool.block_size,
                  bytes_per_token=per_token, prefix_caching=pool.prefix_caching)
         warm_up(engine)
+        if head is not None:
+            engine.draft_token_cost = (measure_token_cost(engine) if draft.draft_token_cost is None
+                                       else draft.draft_token_cost)
+            log.info("draft_token_cost", cost=engine.draft_token_cost,
+                     measured=draft.draft_token_cost is None)
         if draft.capture_dir:  # after the warm-up, whose prompt is no traffic
             engine.start_capture(HiddenStateCapture(draft.capture_dir, draft.capture_layers,
                                                     runner.model.config.get_text_config()))

@@ -27,7 +27,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--repeats", type=int, default=30)
     parser.add_argument("--num-prompts", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=96)
-    parser.add_argument("--min-confidence", type=float, default=0.0, help="the head's draft_min_confidence")
+    parser.add_argument("--token-cost", default="0", help="the verifier's draft_token_cost: a number, or auto to "
+                        "measure it here (0: every draft is k long)")
     parser.add_argument("--json", default="", help="also write the results to this file")
 
 
@@ -69,12 +70,14 @@ def draft_cost(runner, drafter, context: int, k: int, repeats: int) -> dict:
             "draft_share": round(draft / verify, 3)}
 
 
-def acceptance(runner, drafter, prompts: list[list[int]], ks: list[int], max_tokens: int) -> list[dict]:
+def acceptance(runner, drafter, prompts: list[list[int]], ks: list[int], max_tokens: int,
+               token_cost: float) -> list[dict]:
     from verifier_service.sequence import Draft, GenerationParams
 
     rows = []
     for k in [0, *ks]:
         engine = _engine(runner, drafter if k else None, 16384)
+        engine.draft_token_cost = token_cost
         steps = tokens = 0
         started = time.perf_counter()
         for prompt in prompts:
@@ -96,21 +99,24 @@ def run(args) -> int:
     from transformers import AutoTokenizer
 
     from speclane_cli.bench.workloads import sharegpt
+    from verifier_service.draft_cost import measure_token_cost
     from verifier_service.heads.loading import load_head
     from verifier_service.model_runner import ModelRunner
 
     torch.set_num_threads(1)
     model_dir = str(resolve_model(args.model))
     runner = ModelRunner(model_dir, "cpu", torch.float32)
-    drafter = load_head(args.method, args.head, runner, args.min_confidence)
+    drafter = load_head(args.method, args.head, runner)
+    token_cost = (measure_token_cost(_engine(runner, None, 4096)) if args.token_cost == "auto"
+                  else float(args.token_cost))
     ks = [int(k) for k in args.k.split(",")]
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     prompts = [tokenizer.apply_chat_template([{"role": "user", "content": c.turns[0]}], add_generation_prompt=True,
                                              tokenize=True, return_dict=True)["input_ids"]
                for c in sharegpt(args.num_prompts, 0, 1)]
-    results = {"method": args.method, "head": args.head or "default", "min_confidence": args.min_confidence,
+    results = {"method": args.method, "head": args.head or "default", "token_cost": token_cost,
                "cost": [draft_cost(runner, drafter, args.context, k, args.repeats) for k in ks],
-               "acceptance": acceptance(runner, drafter, prompts, ks, args.max_tokens)}
+               "acceptance": acceptance(runner, drafter, prompts, ks, args.max_tokens, token_cost)}
     print("| k | head draft (ms) | verify step (ms) | draft / step |\n|---|---|---|---|")
     for row in results["cost"]:
         print(f"| {row['k']} | {row['draft_ms']} | {row['verify_step_ms']} | {row['draft_share']:.1%} |")

@@ -272,12 +272,21 @@ def test_each_step_verifies_the_draft_its_method_picks():
         return common_pb2.Draft(token_ids=tokens, score=score)
 
     suffix, head = draft([1, 2, 3], score=2.5), draft([4, 5, 6, 7], score=1.2)
-    assert _pick_draft("hybrid", None, suffix, head) == (DRAFTER, suffix)  # expects more accepted tokens
-    assert _pick_draft("hybrid", None, draft([1], score=0.4), head) == (HEAD, None)
-    assert _pick_draft("hybrid", None, draft([]), head) == (HEAD, None)
-    assert _pick_draft("hybrid", None, suffix, draft([])) == (DRAFTER, suffix)
-    assert _pick_draft("eagle3", None, suffix, head) == (HEAD, None)
-    assert _pick_draft("suffix", None, suffix, head) == (DRAFTER, suffix)
-    assert _pick_draft("suffix", None, draft([]), head)[0] == NONE
+
+    def pick(method, predicted, drafted, head_draft, token_cost=0.0):
+        return _pick_draft(method, predicted, drafted, head_draft, token_cost)
+
+    assert pick("hybrid", None, suffix, head) == (DRAFTER, suffix)  # expects more accepted tokens
+    assert pick("hybrid", None, draft([1], score=0.4), head) == (HEAD, None)
+    assert pick("hybrid", None, draft([]), head) == (HEAD, None)
+    assert pick("hybrid", None, suffix, draft([])) == (DRAFTER, suffix)
+    assert pick("eagle3", None, suffix, head) == (HEAD, None)
+    assert pick("suffix", None, suffix, head) == (DRAFTER, suffix)
+    assert pick("suffix", None, draft([]), head)[0] == NONE
+    # Where draft tokens cost verify time, a long draft must expect more: 8 tokens for 1.6
+    # lose to 2 tokens for 1.2 at 0.2 of a plain step each, and win where tokens are free.
+    long_suffix, short_head = draft(list(range(8)), score=1.6), draft([4, 5], score=1.2)
+    assert pick("hybrid", None, long_suffix, short_head, token_cost=0.0) == (DRAFTER, long_suffix)
+    assert pick("hybrid", None, long_suffix, short_head, token_cost=0.2) == (HEAD, None)
     predicted = draft([9, 9])
-    assert _pick_draft("hybrid", predicted, suffix, head) == (PREDICTION, predicted)
+    assert pick("hybrid", predicted, suffix, head) == (PREDICTION, predicted)

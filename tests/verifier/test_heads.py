@@ -153,10 +153,8 @@ def test_greedy_output_with_head_drafts_equals_plain(head_engine, k):
     assert drafted.num_draft_tokens > 0
 
 
-def test_the_head_cache_holds_exactly_the_committed_pairs(head_engine, hf_model):
-    """After a generation with accepted and rejected drafts, the head's keys
-    equal a head run over the whole sequence's features at once."""
-    seq, _ = generate(head_engine, 3, use_head=True)
+def assert_head_cache_is_the_committed_pairs(head_engine, hf_model, seq):
+    """The head's keys equal a head run over the whole sequence's features at once."""
     head = head_engine.head.head
     with torch.no_grad():
         hidden = hf_model(torch.tensor([seq.tokens]), output_hidden_states=True).hidden_states
@@ -166,6 +164,30 @@ def test_the_head_cache_holds_exactly_the_committed_pairs(head_engine, hf_model)
     cached = len(seq.head.kv)
     assert cached >= len(seq.tokens) - 3  # all but the last step's pairs, fed on the next draft
     assert torch.allclose(kv.keys[:, :cached], seq.head.kv.keys, atol=1e-4)
+
+
+def test_the_head_cache_holds_exactly_the_committed_pairs(head_engine, hf_model):
+    seq, _ = generate(head_engine, 3, use_head=True)  # accepted and rejected drafts
+    assert_head_cache_is_the_committed_pairs(head_engine, hf_model, seq)
+
+
+def test_a_client_draft_accepted_in_full_can_skip_the_heads_next_draft(head_engine, hf_model):
+    """The head skips the draft after a client's run, then catches up on the skipped pairs."""
+    plain, _ = generate(head_engine, 0, use_head=False)
+    seq = head_engine.open("s", PROMPT, GenerationParams(max_new_tokens=30, ignore_eos=True,
+                                                         num_head_draft_tokens=2))
+    head_engine.prefill(seq)
+    run = tuple(plain.tokens[len(PROMPT) + 1: len(PROMPT) + 4])
+    skipped = head_engine.verify(seq, Draft(run, skip_head_draft_if_all_accepted=True))
+    assert skipped.num_accepted == 3 and skipped.head_draft == ()
+    wrong = (plain.tokens[len(seq.tokens)] + 1) % VOCAB
+    missed = head_engine.verify(seq, Draft((wrong,), skip_head_draft_if_all_accepted=True))
+    assert missed.num_accepted == 0 and len(missed.head_draft) == 2  # a miss: the head drafts again
+    while not seq.finished:
+        head_engine.verify(seq, seq.own_draft())
+    head_engine.close(seq)
+    assert seq.tokens == plain.tokens
+    assert_head_cache_is_the_committed_pairs(head_engine, hf_model, seq)
 
 
 def test_a_head_method_on_a_verifier_without_a_head_is_invalid(engine):
@@ -275,12 +297,41 @@ def test_the_verifier_reads_its_part_of_a_speculative_config():
         draft_settings('{"method": "mtp", "draft_tensor_parallel_size": 2}')
 
 
-def test_a_confidence_floor_cuts_drafts_where_the_head_is_unsure(head_engine, monkeypatch):
+def test_a_draft_token_cost_cuts_drafts_where_the_head_is_unsure(head_engine, monkeypatch):
     full, _ = generate(head_engine, 4, use_head=True)
-    monkeypatch.setattr(head_engine.head, "min_confidence", 0.5)
+    monkeypatch.setattr(head_engine, "draft_token_cost", 0.05)
     cut, _ = generate(head_engine, 4, use_head=True)
     assert cut.tokens == full.tokens
-    assert cut.num_draft_tokens < full.num_draft_tokens
+    assert 0 < cut.num_draft_tokens < full.num_draft_tokens
+
+
+class ScriptedHead:
+    """A head whose draft step i is sure of token i with probability TOP[i]."""
+
+    TOP = (0.9, 0.5, 0.5)
+    embed_weight = torch.zeros(8, 1)
+    draft_token_ids = None
+
+    def __call__(self, token_ids, features, positions, kv):  # the hidden state counts the draft steps
+        return features[:, :1] + 1 if features.shape[-1] == 1 and len(token_ids) == 1 else torch.zeros(1, 1)
+
+    def logits(self, hidden):
+        top = self.TOP[int(hidden[0, 0])]
+        return torch.tensor([[top] + [(1 - top) / 7] * 7]).log()
+
+
+@pytest.mark.parametrize("token_cost,length", [(0.0, 3), (0.2, 2), (1.0, 0)])
+def test_a_head_draft_stops_before_the_token_that_does_not_pay_for_its_verification(token_cost, length):
+    """Confidences 0.9, 0.45, 0.225: at 0.2 of a plain step per token the third
+    would lower the tokens per cost (2.35 / 1.4 -> 2.575 / 1.6); at 1.0 even the
+    first would (1 -> 1.9 / 2); at 0 every token is free."""
+    from verifier_service.heads.drafting import HeadState
+
+    state = HeadState()
+    state.add(0, torch.zeros(1, 2), [3])
+    draft = HeadDrafter(ScriptedHead()).draft(state, 3, None, token_cost=token_cost)
+    assert draft.token_ids == (0,) * length
+    assert draft.score == pytest.approx([0, 0.9, 1.35, 1.575][length])
 
 
 def test_a_head_method_without_a_head_to_load_is_a_config_error(tiny_model_dir):

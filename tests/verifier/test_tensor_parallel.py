@@ -140,7 +140,8 @@ def test_three_ranks_with_an_eagle3_head_on_rank_0_give_the_plain_greedy_tokens(
     server = subprocess.Popen([sys.executable, "-m", "verifier_service", "--model", str(tmp_path / "target"),
                                "--device", "cpu", "--address", f"127.0.0.1:{port}", "--threads", "1",
                                "--tensor-parallel-size", "3", "--max-kv-tokens", "4096", "--log-level", "warning",
-                               "--speculative-config", f'{{"method": "eagle3", "model": "{head_dir}"}}'])
+                               "--speculative-config",
+                               f'{{"method": "eagle3", "model": "{head_dir}", "draft_token_cost": 0}}'])
     try:
         tp_size, tokens, _ = asyncio.run(asyncio.wait_for(_generate_with_head(port, prompt, 3), 120))
     finally:

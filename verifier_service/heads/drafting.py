@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from speclane.speculation import draft_value
 from verifier_service.heads.head import Head
 from verifier_service.heads.layer import HeadKV
 
@@ -43,18 +44,22 @@ class HeadState:
 
 
 class HeadDrafter:
-    def __init__(self, head: Head, min_confidence: float = 0.0):
+    def __init__(self, head: Head):
         self.head = head
-        # EAGLE-2's observation: the head's confidence tracks acceptance. The draft
-        # stops where the chance that every token so far is accepted falls below
-        # this, since each verified token costs target time (0: always k tokens).
-        self.min_confidence = min_confidence
 
     @torch.inference_mode()
     def draft(self, state: HeadState, k: int, temperature: float | None,
-              generator: torch.Generator | None = None) -> HeadDraft:
-        """k tokens after the last committed one: greedy, or sampled from
-        q = softmax(logits / temperature) (then the proposals are returned)."""
+              generator: torch.Generator | None = None, token_cost: float = 0.0) -> HeadDraft:
+        """Up to k tokens after the last committed one: greedy, or sampled from
+        q = softmax(logits / temperature) (then the proposals are returned).
+
+        EAGLE-2's observation: the head's confidence tracks acceptance. The draft
+        stops before a token whose chance of joining an accepted run, at most
+        the head's top probability times the run so far, is worth less than the
+        `token_cost` its verification adds (draft_value's tokens per cost). Once
+        one token does not pay, no later one can. The choice is made before the
+        token is drawn: a cut that looked at the drawn token would change which
+        tokens a sampled draft proposes, and min(1, p/q) would no longer be exact."""
         head = self.head
         device = head.embed_weight.device
         if not state.tokens or k < 1:  # nothing new was committed: no draft
@@ -71,17 +76,16 @@ class HeadDrafter:
         score, confidence = 0.0, 1.0
         for step in range(k):
             logits = head.logits(hidden)[0].float()
-            if temperature:
-                q = torch.softmax(logits / temperature, dim=-1)
-                choice = int(torch.multinomial(q, 1, generator=generator))
-            else:
-                q = torch.softmax(logits, dim=-1)
-                choice = int(torch.argmax(logits))
-            confidence *= float(q[choice])
-            if confidence < self.min_confidence:
+            q = torch.softmax(logits / temperature if temperature else logits, dim=-1)
+            top = float(q.max())
+            if confidence * top <= token_cost * draft_value(score, step, token_cost):
                 break
             if temperature:
+                choice = int(torch.multinomial(q, 1, generator=generator))
                 proposals.append(q if vocab_map is None else _scatter(q, vocab_map, head.embed_weight.shape[0]))
+            else:
+                choice = int(torch.argmax(logits))
+            confidence *= top
             score += confidence
             token = choice if vocab_map is None else int(vocab_map[choice])
             tokens.append(token)

@@ -44,7 +44,7 @@ def _target_weights(model, model_dir: str, sharded: bool) -> tuple[torch.Tensor,
     return embed, found.get("lm_head", embed)  # tied embeddings have no lm_head tensor
 
 
-def load_head(method: str, head_model: str, runner, min_confidence: float = 0.0) -> HeadDrafter:
+def load_head(method: str, head_model: str, runner) -> HeadDrafter:
     """The head on the runner's device and dtype, checked against the target."""
     directory = head_directory(method, head_model, runner.model_dir)
     target_config = runner.model.config.get_text_config().to_dict()
@@ -56,4 +56,4 @@ def load_head(method: str, head_model: str, runner, min_confidence: float = 0.0)
                               f"{target_config['hidden_size']}")
     log.info("draft_head_loaded", method=method, layout=checkpoint.layout, directory=str(directory),
              parameters=sum(p.numel() for p in head.parameters()), feature_layers=list(head.feature_layers))
-    return HeadDrafter(head, min_confidence)
+    return HeadDrafter(head)

@@ -61,12 +61,14 @@ class Prefill(_message.Message):
     def __init__(self, sequence_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., num_head_draft_tokens: _Optional[int] = ...) -> None: ...
 
 class Verify(_message.Message):
-    __slots__ = ("draft", "use_head_draft")
+    __slots__ = ("draft", "use_head_draft", "skip_head_draft_if_all_accepted")
     DRAFT_FIELD_NUMBER: _ClassVar[int]
     USE_HEAD_DRAFT_FIELD_NUMBER: _ClassVar[int]
+    SKIP_HEAD_DRAFT_IF_ALL_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     draft: _common_pb2.Draft
     use_head_draft: bool
-    def __init__(self, draft: _Optional[_Union[_common_pb2.Draft, _Mapping]] = ..., use_head_draft: _Optional[bool] = ...) -> None: ...
+    skip_head_draft_if_all_accepted: bool
+    def __init__(self, draft: _Optional[_Union[_common_pb2.Draft, _Mapping]] = ..., use_head_draft: _Optional[bool] = ..., skip_head_draft_if_all_accepted: _Optional[bool] = ...) -> None: ...
 
 class SessionRequest(_message.Message):
     __slots__ = ("prefill", "verify")
@@ -113,7 +115,7 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model_name", "vocab_size", "max_context_len", "eos_token_ids", "device", "dtype", "tensor_parallel_size", "draft_head")
+    __slots__ = ("model_name", "vocab_size", "max_context_len", "eos_token_ids", "device", "dtype", "tensor_parallel_size", "draft_head", "draft_token_cost")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     MAX_CONTEXT_LEN_FIELD_NUMBER: _ClassVar[int]
@@ -122,6 +124,7 @@ class ModelInfo(_message.Message):
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
     DRAFT_HEAD_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_TOKEN_COST_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     vocab_size: int
     max_context_len: int
@@ -130,7 +133,8 @@ class ModelInfo(_message.Message):
     dtype: str
     tensor_parallel_size: int
     draft_head: str
-    def __init__(self, model_name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_context_len: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., tensor_parallel_size: _Optional[int] = ..., draft_head: _Optional[str] = ...) -> None: ...
+    draft_token_cost: float
+    def __init__(self, model_name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_context_len: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., tensor_parallel_size: _Optional[int] = ..., draft_head: _Optional[str] = ..., draft_token_cost: _Optional[float] = ...) -> None: ...
 
 class GetTokenizerRequest(_message.Message):
     __slots__ = ()
