@@ -7,6 +7,7 @@ GetLoad answers, summed) and each request's phases as its verifier timed them.""
 
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 import prometheus_client
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -22,8 +23,30 @@ ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.
                80.0)
 PHASE_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
                  480.0, 960.0, 1920.0, 7680.0)
+# A verify step's parts: the drafter answers in about a millisecond, a CPU forward takes tens.
+STEP_BUCKETS = (0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
 # Each verifier's last GetLoad answer, and whether its last poll was answered.
 LoadSource = Callable[[], list[tuple[verifier_pb2.EngineLoad, bool]]]
+
+
+@dataclass(frozen=True)
+class StepTimes:
+    """One propose/verify step, as the gateway saw it (seconds)."""
+
+    drafter_wait: float  # asking the drafter for the draft
+    verifier_wait: float  # sending the Verify until its answer arrived
+    verifier: float  # the verifier's own share: arrival to answer (it reports it)
+    forward: float  # the forward pass that verified the step (shared with its batch)
+
+    @property
+    def network(self) -> float:
+        """The wait the verifier does not account for: both directions of the link, and gRPC."""
+        return max(0.0, self.verifier_wait - self.verifier)
+
+    def milliseconds(self) -> dict[str, float]:
+        parts = {"drafter_wait": self.drafter_wait, "verifier_wait": self.verifier_wait,
+                 "verifier": self.verifier, "forward": self.forward, "network": self.network}
+        return {f"{name}_ms": round(seconds * 1e3, 3) for name, seconds in parts.items()}
 
 
 class GatewayMetrics:
@@ -71,6 +94,19 @@ class GatewayMetrics:
         self._decode = histogram("vllm:request_decode_time_seconds",
                                  "Time from a request's first token to its last.")
         self._inference = histogram("vllm:request_inference_time_seconds", "A request's prefill plus decode time.")
+        self._step_parts = {
+            "drafter_wait": histogram("speclane:step_drafter_wait_seconds",
+                                      "Time a verify step waited for the drafter's draft.", STEP_BUCKETS),
+            "verifier_wait": histogram("speclane:step_verifier_wait_seconds",
+                                       "Time from sending a Verify to its answer.", STEP_BUCKETS),
+            "verifier": histogram("speclane:step_verifier_seconds", "The verifier's own time for a step, as it "
+                                  "reports it: arrival to answer, batching and the head's draft included.",
+                                  STEP_BUCKETS),
+            "forward": histogram("speclane:step_forward_seconds",
+                                 "The forward pass that verified a step (shared with its batch).", STEP_BUCKETS),
+            "network": histogram("speclane:step_network_seconds", "A step's wait for the verifier beyond the "
+                                 "verifier's own time: the link both ways and gRPC.", STEP_BUCKETS),
+        }
 
     def record_verify_step(self, num_draft_tokens: int, num_accepted: int) -> None:
         if not 0 <= num_accepted <= num_draft_tokens:
@@ -84,6 +120,10 @@ class GatewayMetrics:
         self._accepted_tokens.labels(model).inc(num_accepted)
         for position in range(num_accepted):
             self._accepted_per_pos.labels(model, str(position)).inc()
+
+    def record_step_times(self, times: StepTimes) -> None:
+        for name, part in self._step_parts.items():
+            part.observe(getattr(times, name))
 
     def in_flight(self):
         """Context manager counting a generation as running while inside it."""

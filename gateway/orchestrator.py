@@ -2,13 +2,15 @@
 a verifier. The gateway is the only service that talks to both."""
 
 import asyncio
+import time
 from collections.abc import AsyncIterator
 
 import grpc
+import structlog
 
 from gateway.drafter_client import DrafterClient, DrafterSession
 from gateway.errors import InvalidRequest, Overloaded, Unavailable
-from gateway.metrics import GatewayMetrics
+from gateway.metrics import GatewayMetrics, StepTimes
 from gateway.prediction import PredictionDrafter
 from gateway.types import GenerationRequest, SpeculationUsage, TokenDelta, TokenLogprob
 from gateway.verifier_pool import VerifierPool
@@ -16,6 +18,7 @@ from protos.common.v1 import common_pb2
 from protos.conventions import FINISH_REASON_NAMES
 from speclane.speculation import HEAD_METHODS, draft_value
 
+log = structlog.get_logger()
 _NO_DRAFT = common_pb2.Draft()
 # Where a step's draft came from.
 PREDICTION, DRAFTER, HEAD, NONE = "prediction", "drafter", "head", "none"
@@ -33,7 +36,7 @@ class Orchestrator:
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[TokenDelta]:
         """Yields each step's committed tokens; closing the generator aborts the sequence."""
-        index, verifier = self._verifiers.open(request.request_id)
+        index, verifier = None, None
         drafter: DrafterSession | None = None
         prediction = PredictionDrafter(request.prediction_token_ids) if request.prediction_token_ids else None
         usage = SpeculationUsage()  # immutable: each delta carries its own snapshot
@@ -41,32 +44,63 @@ class Orchestrator:
             if self._drafter is not None and request.speculation.uses_drafter:
                 # Sent before prefill so the drafter indexes the prompt while the verifier prefills.
                 drafter = await self._drafter.open(request)
-            result = await _checked(verifier.prefill(request))
+            index, verifier, result = await self._prefill(request)
             while result.finish_reason == common_pb2.FINISH_REASON_UNSPECIFIED:
                 # Drafted before the tokens go out: a drafter that refuses the request makes it a 400.
+                asked = time.perf_counter()
                 draft = await _next_draft(drafter, result)
+                drafter_seconds = time.perf_counter() - asked
                 predicted = _predicted_draft(prediction, result, request.speculation.num_speculative_tokens)
                 yield _delta(result, speculation=usage)
                 source, draft = _pick_draft(request.speculation.method, predicted, draft, result.head_draft,
                                             self._draft_token_cost)
                 # Hybrid: a drafter run that keeps being accepted will likely win the next step too.
-                on_a_run = request.speculation.method == "hybrid" and source == DRAFTER and len(draft.token_ids) > 1
+                on_a_run = request.speculation.method == "hybrid" and source == DRAFTER and len(draft.token_ids) > 0
+                sent = time.perf_counter()
                 result = await _checked(verifier.verify(draft, use_head_draft=source == HEAD,
                                                         skip_head_draft_if_all_accepted=on_a_run))
                 usage += _step_usage(result, source)
-                self._metrics.record_verify_step(result.num_draft_tokens, result.num_accepted_draft_tokens)
+                self._record_step(result, source, drafter_seconds, time.perf_counter() - sent)
             if drafter is not None:
                 self._finish_in_background(drafter, list(result.token_ids), result.committed_len)
                 drafter = None
             yield _delta(result, FINISH_REASON_NAMES[result.finish_reason], usage)
         except Unavailable:
-            self._verifiers.mark_down(index)
+            if index is not None:
+                self._verifiers.mark_down(index)
             raise
         finally:
-            verifier.close()
-            self._verifiers.release(index)
+            if index is not None:
+                verifier.close()
+                self._verifiers.release(index)
             if drafter is not None:
                 drafter.close()
+
+    async def _prefill(self, request: GenerationRequest):
+        """The prompt's first token, from a serving verifier. One found gone is
+        marked down and the next tried: nothing has reached the client yet, so
+        the request fails over unseen. Unavailable once none is left."""
+        for _ in self._verifiers.addresses:
+            index, verifier = self._verifiers.open(request.request_id, request.prompt_token_ids)
+            try:
+                return index, verifier, await _checked(verifier.prefill(request))
+            except BaseException as exc:
+                verifier.close()
+                self._verifiers.release(index)
+                if not isinstance(exc, Unavailable):
+                    raise
+                self._verifiers.mark_down(index)
+        raise Unavailable("no verifier answered the prefill; retry shortly")
+
+    def _record_step(self, result, source: str, drafter_seconds: float, verifier_seconds: float) -> None:
+        """Where a step's time went: waiting for the drafter, and for the
+        verifier, split into its own time (forward pass included) and the rest,
+        the network's. Metrics always; a debug log line per step."""
+        self._metrics.record_verify_step(result.num_draft_tokens, result.num_accepted_draft_tokens)
+        times = StepTimes(drafter_seconds, verifier_seconds, result.step_seconds, result.forward_seconds)
+        self._metrics.record_step_times(times)
+        log.debug("verify_step", source=source, draft_tokens=result.num_draft_tokens,
+                  accepted=result.num_accepted_draft_tokens, **times.milliseconds())
 
     def _finish_in_background(self, drafter: DrafterSession, committed: list[int], committed_len: int) -> None:
         task = asyncio.ensure_future(drafter.finish(committed, committed_len))

@@ -11,6 +11,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from gateway.errors import Unavailable
 from gateway.metrics import GatewayMetrics, SequenceTimer
+from gateway.routing import PrefixAffinity, block_prefixes
 from gateway.types import SCALAR_LOGIT_CONTROLS, GenerationRequest, LogitControls
 from protos.common.v1 import common_pb2
 from protos.conventions import CHANNEL_OPTIONS, request_metadata
@@ -18,6 +19,9 @@ from protos.verifier.v1 import verifier_pb2, verifier_pb2_grpc
 from speclane.tls import TlsFiles, aio_channel
 
 log = structlog.get_logger()
+# A prompt's cached prefix is worth queueing behind this many more sequences than the
+# least busy verifier has; beyond that, prefilling it again elsewhere balances the load.
+AFFINITY_SLACK = 2
 
 NEUTRAL_LOGIT_CONTROLS = {name: getattr(LogitControls(), name) for name in SCALAR_LOGIT_CONTROLS}
 
@@ -94,9 +98,9 @@ def _optional(message, name: str):
 
 
 class VerifierPool:
-    """Verifiers serving the same model; each new sequence goes to the least busy
-    one that is serving. A verifier counts as serving until a health check or a
-    broken session says otherwise, and again once a health check says SERVING."""
+    """Verifiers serving the same model; each new sequence goes to a serving one
+    (see open). A verifier counts as serving until a health check or a broken
+    session says otherwise, and again once a health check says SERVING."""
 
     def __init__(self, addresses: tuple[str, ...], step_timeout_seconds: float | None = None,
                  tls: TlsFiles = TlsFiles()):
@@ -105,6 +109,7 @@ class VerifierPool:
         self._stubs = [verifier_pb2_grpc.VerifierStub(c) for c in self._channels]
         self._health = [health_pb2_grpc.HealthStub(c) for c in self._channels]
         self._in_flight = [0] * len(addresses)
+        self._affinity = PrefixAffinity()
         self._serving = [True] * len(addresses)
         self.addresses = addresses
         self._metrics: GatewayMetrics | None = None
@@ -117,9 +122,18 @@ class VerifierPool:
         self._metrics = metrics
         metrics.add_verifier_loads(self.loads)
 
-    def open(self, request_id: str) -> tuple[int, VerifierSession]:
-        """Raises Unavailable when no verifier is serving."""
-        index = min(self._serving_indices(), key=self._in_flight.__getitem__)
+    def open(self, request_id: str, prompt_token_ids: list[int]) -> tuple[int, VerifierSession]:
+        """A session on the least busy serving verifier, or on the one that took
+        the longest prefix of this prompt (its KV is likely still cached there)
+        unless it is busier by more than AFFINITY_SLACK sequences. Raises
+        Unavailable when no verifier is serving."""
+        serving = self._serving_indices()
+        index = min(serving, key=self._in_flight.__getitem__)
+        prefixes = block_prefixes(prompt_token_ids)
+        owner, _ = self._affinity.lookup(prefixes)
+        if owner in serving and self._in_flight[owner] <= self._in_flight[index] + AFFINITY_SLACK:
+            index = owner
+        self._affinity.remember(prefixes, index)
         self._in_flight[index] += 1
         timer = SequenceTimer(self._metrics) if self._metrics is not None else None
         call = self._stubs[index].Session(metadata=request_metadata(request_id))
@@ -132,6 +146,7 @@ class VerifierPool:
         """A session found the verifier gone: no new sequences until its health says SERVING."""
         if self._serving[index]:
             log.warning("verifier_unavailable", address=self.addresses[index])
+            self._affinity.forget(index)  # a restarted verifier has an empty cache
         self._serving[index] = False
 
     def _serving_indices(self) -> list[int]:

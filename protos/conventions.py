@@ -8,9 +8,22 @@ REQUEST_ID_METADATA_KEY = "x-request-id"
 TENANT_METADATA_KEY = "x-tenant-id"
 # Long prompts travel as token ids; gRPC's 4 MiB default is too small for them.
 MESSAGE_LIMIT_BYTES = 64 * 1024 * 1024
+# Keepalive: a peer that vanished without closing (a host down, a NAT that dropped the
+# flow) fails its streams within 40 s instead of hanging them, and an idle channel stays
+# open through middleboxes. Each side pings after 30 s without traffic and accepts pings
+# every 10 s, so neither answers the other's pings with GOAWAY (too_many_pings).
+KEEPALIVE_OPTIONS = (
+    ("grpc.keepalive_time_ms", 30_000),
+    ("grpc.keepalive_timeout_ms", 10_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.max_pings_without_data", 0),
+    ("grpc.http2.min_recv_ping_interval_without_data_ms", 10_000),
+)
+# For every channel and server of ours.
 CHANNEL_OPTIONS = (
     ("grpc.max_send_message_length", MESSAGE_LIMIT_BYTES),
     ("grpc.max_receive_message_length", MESSAGE_LIMIT_BYTES),
+    *KEEPALIVE_OPTIONS,
 )
 
 # FinishReason values and the names the APIs report (OpenAI's `finish_reason`).

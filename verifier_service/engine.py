@@ -167,7 +167,7 @@ class Engine:
             fed = None if features is None else features[token: token + entry.segment.num_tokens]
             token += entry.segment.num_tokens
             try:
-                self._settle(entry, rows, fed)
+                self._settle(entry, rows, fed, forward_seconds)
             except Exception as exc:  # noqa: BLE001 - fail this step alone: left queued, it would fail every pass
                 log.exception("step_failed", sequence_id=entry.work.seq.sequence_id)
                 self.close(entry.work.seq)
@@ -193,7 +193,8 @@ class Engine:
     def verify(self, seq: Sequence, draft: Draft) -> StepResult:
         return self.run(seq, draft)
 
-    def _settle(self, entry: Scheduled, rows: torch.Tensor, features: torch.Tensor | None) -> None:
+    def _settle(self, entry: Scheduled, rows: torch.Tensor, features: torch.Tensor | None,
+                forward_seconds: float) -> None:
         seq, segment, draft = entry.work.seq, entry.segment, entry.draft
         if self.capture is not None and not seq.num_generated:
             self.capture.add(seq, features[: segment.num_pending])
@@ -214,13 +215,14 @@ class Engine:
             seq.grammar.commit(result.token_ids)
         if self.capture is not None and seq.num_generated == len(result.token_ids):  # the prompt's pass
             self.capture.write(seq)
+        extra = {"forward_seconds": forward_seconds}
         if seq.head is not None:
             all_accepted = verdict.num_accepted == len(draft.token_ids) > 0
             self._draft_with_head(seq, segment, features, verdict, result.token_ids,
                                   draft.skip_head_draft_if_all_accepted and all_accepted)
             if seq.head_draft is not None:
-                result = dataclasses.replace(result, head_draft=seq.head_draft.token_ids,
-                                             head_draft_score=seq.head_draft.score)
+                extra.update(head_draft=seq.head_draft.token_ids, head_draft_score=seq.head_draft.score)
+        result = dataclasses.replace(result, **extra)
         seq.num_cached = min(len(seq.tokens) - 1, base + len(verdict.path))
         self.scheduler.ready.remove(entry.work)
         if seq.finished:

@@ -137,6 +137,7 @@ class StepResult:
     logprobs: list[TokenLogprob] = field(default_factory=list)  # one per token_ids entry, when requested
     head_draft: tuple[int, ...] = ()  # the head's draft for the next step (kept in the sequence with its q)
     head_draft_score: float = 0.0
+    forward_seconds: float = 0.0  # the pass that produced it (shared with its batch)
 
 
 class Sequence:

@@ -79,6 +79,7 @@ def response_from(result: StepResult, head_method: str = "") -> verifier_pb2.Ses
         committed_len=result.committed_len,
         finish_reason=FINISH_REASONS[result.finish_reason],
         num_draft_tokens=result.num_draft_tokens,
+        forward_seconds=result.forward_seconds,
         logprobs=[verifier_pb2.TokenLogprob(logprob=lp.logprob, top_token_ids=lp.top_token_ids,
                                             top_logprobs=lp.top_logprobs) for lp in result.logprobs],
     )
@@ -160,7 +161,9 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
                     draft = (seq.own_draft() if request.verify.use_head_draft
                              else draft_from_proto(request.verify.draft, self.max_draft_tokens,
                                                    request.verify.skip_head_draft_if_all_accepted))
-                    result, timing = await self.engine.verify(seq, draft), None
+                    arrived = time.monotonic()
+                    result = await self.engine.verify(seq, draft)
+                    timing = verifier_pb2.SessionResponse(step_seconds=time.monotonic() - arrived)
                 else:
                     raise InvalidRequest("after prefill, every message must be verify")
                 if result.finish_reason is not FinishReason.NONE:

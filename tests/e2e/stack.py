@@ -45,6 +45,11 @@ class Stack:
     gateway: GatewayConfig
     log_dir: pathlib.Path
     processes: dict = dataclasses.field(default_factory=dict)
+    more_verifiers: tuple[VerifierConfig, ...] = ()  # started as verifier-2, verifier-3...
+
+    @property
+    def verifier_names(self) -> list[str]:
+        return ["verifier", *(f"verifier-{i}" for i in range(2, 2 + len(self.more_verifiers)))]
 
     @property
     def base_url(self) -> str:
@@ -57,9 +62,9 @@ class Stack:
         return ssl.create_default_context(cafile=self.gateway.tls_ca) if self.gateway.ssl_certfile else None
 
     def start_service(self, name: str) -> None:
-        module, config = {"drafter": ("drafter_service", self.drafter),
-                          "verifier": ("verifier_service", self.verifier),
-                          "gateway": ("gateway", self.gateway)}[name]
+        verifiers = dict(zip(self.verifier_names, (self.verifier, *self.more_verifiers)))
+        module, config = (("verifier_service", verifiers[name]) if name in verifiers else
+                          {"drafter": ("drafter_service", self.drafter), "gateway": ("gateway", self.gateway)}[name])
         log_file = (self.log_dir / f"{name}.log").open("ab")
         self.processes[name] = subprocess.Popen(
             [sys.executable, "-m", module, *to_argv(config)], stdout=log_file, stderr=subprocess.STDOUT,
@@ -86,7 +91,7 @@ class Stack:
         return (self.log_dir / f"{name}.log").read_text(errors="replace")[-4000:]
 
     def stop(self) -> None:
-        for name in ("gateway", "verifier", "drafter"):
+        for name in ("gateway", *self.verifier_names, "drafter"):
             process = self.processes.get(name)
             if process is not None and process.poll() is None:
                 process.send_signal(signal.SIGTERM)
@@ -98,23 +103,26 @@ class Stack:
 
 
 def start_stack(model_dir: pathlib.Path, log_dir: pathlib.Path, speculative_config: str = "",
-                tls_dir: pathlib.Path | None = None) -> Stack:
+                tls_dir: pathlib.Path | None = None, num_verifiers: int = 1) -> Stack:
     """With `tls_dir` (made by `speclane certs`): mTLS between the services, TLS on the
     gateway's gRPC port and HTTPS, each service with its own certificate."""
     drafter = DrafterConfig(address=f"127.0.0.1:{free_port()}", **tls_fields(tls_dir, "drafter"))
     # As `speclane serve`: the verifier loads the head a head method names.
-    verifier = VerifierConfig(model=str(model_dir), model_name="smollm2-135m-instruct",
-                              address=f"127.0.0.1:{free_port()}", speculative_config=speculative_config,
-                              **tls_fields(tls_dir, "verifier"))
+    verifier, *more_verifiers = (
+        VerifierConfig(model=str(model_dir), model_name="smollm2-135m-instruct", address=f"127.0.0.1:{free_port()}",
+                       speculative_config=speculative_config,
+                       **tls_fields(tls_dir, "verifier"))
+        for _ in range(num_verifiers))
     gateway_tls = tls_fields(tls_dir, "gateway")
     https = {"ssl_certfile": gateway_tls["tls_cert"], "ssl_keyfile": gateway_tls["tls_key"]} if tls_dir else {}
     gateway = GatewayConfig(
         model=str(model_dir), served_model_name="smollm2-135m-instruct", port=free_port(),
         grpc_address=f"127.0.0.1:{free_port()}", drafter_address=drafter.address,
-        verifier_addresses=(verifier.address,), speculative_config=speculative_config, **gateway_tls, **https,
+        verifier_addresses=tuple(v.address for v in (verifier, *more_verifiers)),
+        speculative_config=speculative_config, **gateway_tls, **https,
     )
-    stack = Stack(drafter, verifier, gateway, log_dir)
-    for name in ("drafter", "verifier", "gateway"):
+    stack = Stack(drafter, verifier, gateway, log_dir, more_verifiers=tuple(more_verifiers))
+    for name in ("drafter", *stack.verifier_names, "gateway"):
         stack.start_service(name)
     try:
         stack.wait_ready()

@@ -1,3 +1,5 @@
+import asyncio
+
 import pytest
 import structlog
 from prometheus_client.parser import text_string_to_metric_families
@@ -145,6 +147,9 @@ class LoadedVerifier(FakeVerifier):
             if first:
                 response.queue_seconds, response.prefill_seconds = 0.125, 0.25
                 first = False
+            else:
+                await asyncio.sleep(0.03)  # the verifier's own 30 ms, of which a 20 ms forward pass
+                response.step_seconds, response.forward_seconds = 0.03, 0.02
             yield response
 
 
@@ -176,3 +181,22 @@ async def test_generations_observe_their_phases_from_the_verifiers_answers():
     assert value(gw.metrics, "vllm:request_decode_time_seconds_count", model_name=MODEL_NAME) == 1
     assert value(gw.metrics, "vllm:inter_token_latency_seconds_count", model_name=MODEL_NAME) == steps
     assert value(gw.metrics, "vllm:request_inference_time_seconds_sum", model_name=MODEL_NAME) >= 0.25
+
+
+@pytest.mark.anyio
+async def test_each_step_is_split_into_drafter_verifier_forward_and_network_time():
+    drafter = FakeDrafter(draft_len=3)
+    drafter.delay = 0.01
+    async with gateway([LoadedVerifier(1)], drafter) as gw:
+        deltas = await collect(gw, generation(max_tokens=10))
+    steps = len(deltas) - 1
+
+    def seconds(part):
+        assert value(gw.metrics, f"speclane:step_{part}_seconds_count", model_name=MODEL_NAME) == steps
+        return value(gw.metrics, f"speclane:step_{part}_seconds_sum", model_name=MODEL_NAME) / steps
+
+    assert seconds("verifier") == pytest.approx(0.03) and seconds("forward") == pytest.approx(0.02)
+    assert 0.01 <= seconds("drafter_wait") < 0.5
+    wait = seconds("verifier_wait")
+    assert 0.03 <= wait < 0.5
+    assert seconds("network") == pytest.approx(wait - 0.03, abs=1e-6)  # what the verifier does not account for

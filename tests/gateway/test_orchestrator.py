@@ -181,6 +181,27 @@ async def test_concurrent_requests_go_to_the_least_busy_verifier():
         await eventually(lambda: [v.outcomes for v in verifiers] == [["cancelled"], ["cancelled"]])
 
 
+async def test_a_verifier_gone_at_prefill_fails_over_to_the_next_and_is_left_out():
+    gone, alive = FakeVerifier(), FakeVerifier()
+    gone.fail = (Code.UNAVAILABLE, 0)
+    async with gateway([gone, alive], FakeDrafter()) as gw:
+        deltas = await collect(gw)
+        assert tokens_of(deltas) == TARGET[:10]
+        assert gw.pool._serving == [False, True] and gw.pool._in_flight == [0, 0]
+        await collect(gw)
+    assert gone.outcomes == ["UNAVAILABLE"] and len(alive.outcomes) == 2
+
+
+async def test_with_every_verifier_gone_at_prefill_the_request_is_unavailable():
+    verifiers = [FakeVerifier(), FakeVerifier()]
+    for verifier in verifiers:
+        verifier.fail = (Code.UNAVAILABLE, 0)
+    async with gateway(verifiers) as gw:
+        with pytest.raises(Unavailable):
+            await collect(gw)
+        assert gw.pool._in_flight == [0, 0]
+
+
 # The public Generate API
 
 def generate_request(**fields) -> gateway_pb2.GenerateRequest:

@@ -93,7 +93,9 @@ def test_get_load_and_the_prefill_timings_over_grpc(tiny_model_dir):
             assert busy.num_running == 1 and busy.kv_used_tokens >= len(PROMPT)
             assert busy.prefix_cache_queries == len(PROMPT) and busy.prefix_cache_hits == 0
             await call.write(verifier_pb2.SessionRequest(verify=verifier_pb2.Verify()))
-            assert not (await call.read()).HasField("queue_seconds")  # the prefill answer's only
+            step = await call.read()
+            assert not step.HasField("queue_seconds")  # the prefill answer's only
+            assert 0 < step.forward_seconds <= step.step_seconds < 5  # the verifier's own share of the step
             call.cancel()
 
     asyncio.run(main())
