@@ -41,14 +41,16 @@ class Orchestrator:
         prediction = PredictionDrafter(request.prediction_token_ids) if request.prediction_token_ids else None
         usage = SpeculationUsage()  # immutable: each delta carries its own snapshot
         try:
-            if self._drafter is not None and request.speculation.uses_drafter:
+            if self._drafter is not None and request.speculation.feeds_drafter:
                 # Sent before prefill so the drafter indexes the prompt while the verifier prefills.
                 drafter = await self._drafter.open(request)
+            proposer = drafter if request.speculation.uses_drafter else None  # a head's output only feeds it
             index, verifier, result = await self._prefill(request)
+            output = list(result.token_ids)
             while result.finish_reason == common_pb2.FINISH_REASON_UNSPECIFIED:
                 # Drafted before the tokens go out: a drafter that refuses the request makes it a 400.
                 asked = time.perf_counter()
-                draft = await _next_draft(drafter, result)
+                draft = await _next_draft(proposer, result)
                 drafter_seconds = time.perf_counter() - asked
                 predicted = _predicted_draft(prediction, result, request.speculation.num_speculative_tokens)
                 yield _delta(result, speculation=usage)
@@ -60,9 +62,11 @@ class Orchestrator:
                 result = await _checked(verifier.verify(draft, use_head_draft=source == HEAD,
                                                         skip_head_draft_if_all_accepted=on_a_run))
                 usage += _step_usage(result, source)
+                output += result.token_ids
                 self._record_step(result, source, drafter_seconds, time.perf_counter() - sent)
-            if drafter is not None:
-                self._finish_in_background(drafter, list(result.token_ids), result.committed_len)
+            if drafter is not None:  # the tokens it has not been sent: the last step's, or all of them
+                unsent = list(result.token_ids) if proposer is not None else output
+                self._finish_in_background(drafter, unsent, result.committed_len)
                 drafter = None
             yield _delta(result, FINISH_REASON_NAMES[result.finish_reason], usage)
         except Unavailable:

@@ -119,9 +119,16 @@ class SpeculationSettings:
         return self.method in HEAD_METHODS or self.method == "hybrid"
 
     @property
+    def feeds_drafter(self) -> bool:
+        """Whether the output goes to the drafter's trees: all speculation does, head
+        methods too (they draft without it), so a later request learns from it."""
+        return self.method != "none"
+
+    @property
     def drafter_method(self) -> str:
-        """What the drafter service is asked for (hybrid pairs the head with suffix decoding)."""
-        return "suffix" if self.method == "hybrid" else self.method
+        """What the drafter service is asked for: suffix decoding pairs with a head (hybrid) or is
+        what a head's output feeds."""
+        return "suffix" if self.method == "hybrid" or self.method in HEAD_METHODS else self.method
 
 
 def draft_value(score: float, num_tokens: int, token_cost: float) -> float:

@@ -123,6 +123,7 @@ class FakeDrafter(drafter_pb2_grpc.DrafterServicer):
         self.fail: tuple[grpc.StatusCode, int] | None = None  # abort with this code at this step
         self.sessions = 0
         self.info_calls = 0
+        self.committed: list[list[int]] = []  # per session: every committed token it was sent
         self.outcomes: list[str] = []
 
     def add_to(self, server: grpc.aio.Server) -> None:
@@ -141,7 +142,9 @@ class FakeDrafter(drafter_pb2_grpc.DrafterServicer):
                     await context.abort(self.fail[0], f"scripted failure at step {step}")
                 if step == 0:
                     prompt_len = len(request.start.prompt_token_ids)
+                    self.committed.append([])
                     continue
+                self.committed[-1] += request.step.committed_token_ids
                 await asyncio.sleep(self.delay)
                 committed_len = request.step.committed_len
                 yield drafter_pb2.SessionResponse(draft=common_pb2.Draft(

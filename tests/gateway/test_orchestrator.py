@@ -11,6 +11,7 @@ from gateway.errors import InvalidRequest, Overloaded, Unavailable
 from gateway.types import SpeculationUsage
 from protos.common.v1 import common_pb2
 from protos.gateway.v1 import gateway_pb2
+from speclane.speculation import SpeculationSettings
 from tests.gateway.fake_services import (
     PROMPT,
     FakeDrafter,
@@ -179,6 +180,15 @@ async def test_concurrent_requests_go_to_the_least_busy_verifier():
         await asyncio.gather(*tasks, return_exceptions=True)
         assert gw.pool._in_flight == [0, 0]
         await eventually(lambda: [v.outcomes for v in verifiers] == [["cancelled"], ["cancelled"]])
+
+
+async def test_a_head_methods_output_feeds_the_drafters_trees_and_none_stays_away():
+    verifier, drafter = FakeVerifier(), FakeDrafter()
+    async with gateway([verifier], drafter) as gw:
+        head = await collect(gw, dataclasses.replace(generation(), speculation=SpeculationSettings(method="eagle3")))
+        await collect(gw, dataclasses.replace(generation(), speculation=SpeculationSettings(method="none")))
+    assert drafter.committed == [tokens_of(head)]  # the whole output, handed over once at the end
+    assert all(draft == [] for draft in verifier.drafts)  # nothing the drafter proposed was verified
 
 
 async def test_a_verifier_gone_at_prefill_fails_over_to_the_next_and_is_left_out():
