@@ -9,7 +9,7 @@ from gateway.sampling_defaults import GENERATION_CONFIG_MODES
 from gateway.tool_calls import TOOL_CALL_PARSERS
 from speclane.config import option
 from speclane.log import check_log_level
-from speclane.speculation import SpeculationSettings, parse_speculative_config
+from speclane.speculation import SpeculationSettings, parse_speculative_config, speculative_config_values
 from speclane.tls import TlsFiles, check_pair
 
 ENV_PREFIX = "SPECLANE_GATEWAY_"
@@ -69,6 +69,8 @@ class GatewayConfig:
     # drafter's own flags set them; `speclane serve` passes these on to it.
     drafter_wide_speculation: dict = dataclasses.field(init=False, repr=False)
     unused_speculation_keys: tuple[str, ...] = dataclasses.field(init=False, repr=False)  # warned about
+    # vLLM's speculative_disable_by_batch_size: no drafts while a verifier runs more sequences (None: no limit).
+    speculation_disable_by_batch_size: int | None = dataclasses.field(init=False, repr=False)
     tls: TlsFiles = dataclasses.field(init=False, repr=False)  # the drafter and verifier links
     keyring: Keyring = dataclasses.field(init=False, repr=False, compare=False)  # --api-key and --api-keys-file
 
@@ -103,3 +105,7 @@ class GatewayConfig:
         object.__setattr__(self, "speculation", speculation)
         object.__setattr__(self, "drafter_wide_speculation", drafter_wide)
         object.__setattr__(self, "unused_speculation_keys", unused)
+        disable = speculative_config_values(self.speculative_config).get("speculative_disable_by_batch_size")
+        if disable is not None and (isinstance(disable, bool) or not isinstance(disable, int) or disable < 1):
+            raise ValueError("speculative_disable_by_batch_size must be a positive integer")
+        object.__setattr__(self, "speculation_disable_by_batch_size", disable)

@@ -26,8 +26,11 @@ PREDICTION, DRAFTER, HEAD, NONE = "prediction", "drafter", "head", "none"
 
 class Orchestrator:
     def __init__(self, verifiers: VerifierPool, drafter: DrafterClient | None, metrics: GatewayMetrics,
-                 draft_token_cost: float = 0.0):
+                 draft_token_cost: float = 0.0, disable_by_batch_size: int | None = None):
         self._verifiers = verifiers
+        # vLLM's speculative_disable_by_batch_size, checked at every step rather than once per request:
+        # a long generation speculates again when the load falls. None: always speculate.
+        self._disable_by_batch_size = disable_by_batch_size
         self._draft_token_cost = draft_token_cost  # the verifiers' measure (their ModelInfo)
         self._drafter = drafter
         self._metrics = metrics
@@ -54,8 +57,11 @@ class Orchestrator:
                 drafter_seconds = time.perf_counter() - asked
                 predicted = _predicted_draft(prediction, result, request.speculation.num_speculative_tokens)
                 yield _delta(result, speculation=usage)
-                source, draft = _pick_draft(request.speculation.method, predicted, draft, result.head_draft,
-                                            self._draft_token_cost)
+                if self._overloaded(index):
+                    source, draft = NONE, _NO_DRAFT
+                else:
+                    source, draft = _pick_draft(request.speculation.method, predicted, draft, result.head_draft,
+                                                self._draft_token_cost)
                 # Hybrid: a drafter run that keeps being accepted will likely win the next step too.
                 on_a_run = request.speculation.method == "hybrid" and source == DRAFTER and len(draft.token_ids) > 0
                 sent = time.perf_counter()
@@ -95,6 +101,12 @@ class Orchestrator:
                     raise
                 self._verifiers.mark_down(index)
         raise Unavailable("no verifier answered the prefill; retry shortly")
+
+    def _overloaded(self, index: int) -> bool:
+        """Too many sequences on the verifier for drafts to pay: a batch that big is
+        compute-bound, so every draft token costs what another sequence's token does."""
+        limit = self._disable_by_batch_size
+        return limit is not None and self._verifiers.num_in_flight(index) > limit
 
     def _record_step(self, result, source: str, drafter_seconds: float, verifier_seconds: float) -> None:
         """Where a step's time went: waiting for the drafter, and for the

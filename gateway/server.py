@@ -81,7 +81,8 @@ async def run(config: GatewayConfig) -> None:
     log.info("authentication", api_keys=len(config.keyring), tenant_from="api_key" if config.keyring
              else "x-tenant-id header (trusted network)", protect_metrics=config.protect_metrics)
     verifiers.attach_metrics(metrics)
-    orchestrator = Orchestrator(verifiers, drafter, metrics, info.draft_token_cost)
+    orchestrator = Orchestrator(verifiers, drafter, metrics, info.draft_token_cost,
+                                config.speculation_disable_by_batch_size)
     if drafter is not None:
         await _check_drafter(drafter, config.drafter_wide_speculation)
     context = ServingContext(

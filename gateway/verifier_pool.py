@@ -139,6 +139,10 @@ class VerifierPool:
         call = self._stubs[index].Session(metadata=request_metadata(request_id))
         return index, VerifierSession(call, timer, self._step_timeout)
 
+    def num_in_flight(self, index: int) -> int:
+        """Sequences this gateway runs on verifier `index`."""
+        return self._in_flight[index]
+
     def release(self, index: int) -> None:
         self._in_flight[index] -= 1
 

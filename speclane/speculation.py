@@ -20,6 +20,8 @@ METHOD_ALIASES = {"deepseek_mtp": "mtp"}  # vLLM's older name
 # hidden-state capture, not a sequence.
 VERIFIER_KEYS = ("model", "draft_tensor_parallel_size", "draft_model_config", "shared_storage_path",
                  "draft_token_cost")
+# --speculative-config keys the gateway applies server-wide: vLLM's load cut-off.
+GATEWAY_KEYS = ("speculative_disable_by_batch_size",)
 # vLLM's method that only captures hidden states in the verifier: the sequences themselves are not speculated.
 CAPTURE_METHOD = "extract_hidden_states"
 MAX_SPECULATIVE_TOKENS = 64
@@ -168,7 +170,7 @@ def parse_speculative_config(text: str) -> tuple[SpeculationSettings, dict[str, 
     if not values:
         return SpeculationSettings(), {}, ()
     drafter_wide = {key: values.pop(key) for key in DRAFTER_WIDE_KEYS if key in values}
-    for key in VERIFIER_KEYS:
+    for key in (*VERIFIER_KEYS, *GATEWAY_KEYS):
         values.pop(key, None)
     if values.get("method") == CAPTURE_METHOD:
         values["method"] = "none"

@@ -177,7 +177,8 @@ class Gateway:
 
 @contextlib.asynccontextmanager
 async def gateway(verifiers: Sequence[FakeVerifier], drafter: FakeDrafter | None = None, *,
-                  timeout: float = 1.0, retry_seconds: float = 5.0) -> AsyncIterator[Gateway]:
+                  timeout: float = 1.0, retry_seconds: float = 5.0,
+                  disable_by_batch_size: int | None = None) -> AsyncIterator[Gateway]:
     """Starts the fakes and the real gateway loop over them (a DrafterClient only with a drafter)."""
     async with contextlib.AsyncExitStack() as stack:
         addresses = [await stack.enter_async_context(serve(fake.add_to)) for fake in verifiers]
@@ -188,7 +189,7 @@ async def gateway(verifiers: Sequence[FakeVerifier], drafter: FakeDrafter | None
             client = DrafterClient(await stack.enter_async_context(serve(drafter.add_to)), timeout, retry_seconds)
             stack.push_async_callback(client.close)
         metrics = GatewayMetrics(MODEL_NAME)
-        orchestrator = Orchestrator(pool, client, metrics)
+        orchestrator = Orchestrator(pool, client, metrics, disable_by_batch_size=disable_by_batch_size)
         yield Gateway(list(verifiers), pool, client, metrics, orchestrator)
         # Drafter sessions still handing their last tokens over.
         await asyncio.wait_for(asyncio.gather(*orchestrator._finishing, return_exceptions=True), 5)

@@ -191,6 +191,17 @@ async def test_a_head_methods_output_feeds_the_drafters_trees_and_none_stays_awa
     assert all(draft == [] for draft in verifier.drafts)  # nothing the drafter proposed was verified
 
 
+async def test_no_drafts_while_the_verifier_runs_more_sequences_than_the_limit():
+    verifier = FakeVerifier()
+    async with gateway([verifier], FakeDrafter(draft_len=3), disable_by_batch_size=1) as gw:
+        alone = await collect(gw)
+        assert [] not in verifier.drafts  # one sequence: within the limit
+        verifier.drafts.clear()
+        together = await asyncio.gather(collect(gw), collect(gw))
+    assert tokens_of(alone) == tokens_of(together[0]) == tokens_of(together[1]) == TARGET[:10]
+    assert verifier.drafts[:2] == [[], []]  # both first steps ran with two in flight
+
+
 async def test_a_verifier_gone_at_prefill_fails_over_to_the_next_and_is_left_out():
     gone, alive = FakeVerifier(), FakeVerifier()
     gone.fail = (Code.UNAVAILABLE, 0)
@@ -321,3 +332,14 @@ def test_each_step_verifies_the_draft_its_method_picks():
     assert pick("hybrid", None, long_suffix, short_head, token_cost=0.2) == (HEAD, None)
     predicted = draft([9, 9])
     assert pick("hybrid", predicted, suffix, head) == (PREDICTION, predicted)
+
+
+def test_the_gateway_reads_vllms_load_cut_off_from_the_speculative_config():
+    from gateway.config import GatewayConfig
+
+    config = GatewayConfig(speculative_config='{"method": "suffix", "speculative_disable_by_batch_size": 24}')
+    assert config.speculation_disable_by_batch_size == 24 and config.unused_speculation_keys == ()
+    assert GatewayConfig().speculation_disable_by_batch_size is None
+    for wrong in ("0", "2.5", "true"):
+        with pytest.raises(ValueError, match="speculative_disable_by_batch_size must be a positive integer"):
+            GatewayConfig(speculative_config=f'{{"speculative_disable_by_batch_size": {wrong}}}')
