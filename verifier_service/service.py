@@ -169,8 +169,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
                 if result.finish_reason is not FinishReason.NONE:
                     _log_finish(seq, result.finish_reason)
                 response = response_from(result, self.head_method)
-                if timing is not None:
-                    response.MergeFrom(timing)
+                response.MergeFrom(timing)  # every answer is timed now: prefill and verify alike
                 yield response
         except InvalidRequest as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
