@@ -51,6 +51,7 @@ class Usage:
     rejected_prediction_tokens: int = 0
     drafter_steps: int = 0  # steps verifying the drafter service's draft
     head_steps: int = 0  # steps verifying the verifier head's draft
+    next_round_steps: int = 0  # steps the verifier started on its own, with a next-round draft
 
 
 @dataclasses.dataclass(frozen=True)
@@ -164,7 +165,8 @@ def chunk_from(response: gateway_pb2.GenerateResponse) -> Chunk:
                  Usage(usage.prompt_tokens, usage.completion_tokens, usage.speculation.draft_tokens,
                        usage.speculation.accepted_tokens, usage.speculation.verify_steps,
                        usage.accepted_prediction_tokens, usage.rejected_prediction_tokens,
-                       usage.speculation.drafter_steps, usage.speculation.head_steps),
+                       usage.speculation.drafter_steps, usage.speculation.head_steps,
+                       usage.speculation.next_round_steps),
                  logprobs, calls)
 
 

@@ -71,6 +71,8 @@ class GatewayConfig:
     unused_speculation_keys: tuple[str, ...] = dataclasses.field(init=False, repr=False)  # warned about
     # vLLM's speculative_disable_by_batch_size: no drafts while a verifier runs more sequences (None: no limit).
     speculation_disable_by_batch_size: int | None = dataclasses.field(init=False, repr=False)
+    # next_round_drafts: offer verifiers the drafter's draft for the step after (where they accept it).
+    speculation_next_round: bool = dataclasses.field(init=False, repr=False)
     tls: TlsFiles = dataclasses.field(init=False, repr=False)  # the drafter and verifier links
     keyring: Keyring = dataclasses.field(init=False, repr=False, compare=False)  # --api-key and --api-keys-file
 
@@ -105,7 +107,12 @@ class GatewayConfig:
         object.__setattr__(self, "speculation", speculation)
         object.__setattr__(self, "drafter_wide_speculation", drafter_wide)
         object.__setattr__(self, "unused_speculation_keys", unused)
-        disable = speculative_config_values(self.speculative_config).get("speculative_disable_by_batch_size")
+        values = speculative_config_values(self.speculative_config)
+        disable = values.get("speculative_disable_by_batch_size")
         if disable is not None and (isinstance(disable, bool) or not isinstance(disable, int) or disable < 1):
             raise ValueError("speculative_disable_by_batch_size must be a positive integer")
         object.__setattr__(self, "speculation_disable_by_batch_size", disable)
+        next_round = values.get("next_round_drafts", True)
+        if not isinstance(next_round, bool):
+            raise ValueError("next_round_drafts must be true or false")
+        object.__setattr__(self, "speculation_next_round", next_round)

@@ -3,6 +3,7 @@ sequence, and a client that rests a failing drafter so that its outage costs
 speculation, never a request."""
 
 import asyncio
+import dataclasses
 import time
 from collections.abc import Sequence
 
@@ -30,10 +31,11 @@ class DrafterSession:
         self._on_failure = on_failure
         self.alive = True
 
-    async def start(self, request: GenerationRequest) -> None:
+    async def start(self, request: GenerationRequest, num_speculative_tokens: int) -> None:
+        settings = dataclasses.replace(request.speculation, num_speculative_tokens=num_speculative_tokens)
         start = drafter_pb2.Start(
             sequence_id=request.request_id, prompt_token_ids=request.prompt_token_ids,
-            params=settings_to_proto(request.speculation), tenant=request.tenant,
+            params=settings_to_proto(settings), tenant=request.tenant,
         )
         await self._guard(self._call.write(drafter_pb2.SessionRequest(start=start)))
 
@@ -121,14 +123,18 @@ class DrafterClient:
         self.limits = limits_from_proto(info)
         return self.limits
 
-    async def open(self, request: GenerationRequest) -> DrafterSession | None:
+    async def open(self, request: GenerationRequest, lookahead: bool = False) -> DrafterSession | None:
+        """A session drafting for `request`; with `lookahead`, each draft goes on
+        past the request's k: the likely next token, then the next step's draft
+        (for next-round drafts), as far as the drafter's limit allows."""
         if time.monotonic() < self._down_until:
             return None
         if self.limits is None and await self.refresh_limits() is None:
             return None
+        k = request.speculation.num_speculative_tokens
         call = self._stub.Session(metadata=request_metadata(request.request_id, request.tenant))
         session = DrafterSession(call, self._timeout, self._mark_down)
-        await session.start(request)
+        await session.start(request, min(2 * k + 1, self.limits.max_speculative_tokens) if lookahead else k)
         return session if session.alive else None
 
     def _mark_down(self, exc: Exception) -> None:

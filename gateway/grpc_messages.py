@@ -115,7 +115,8 @@ def response(delta: TextDelta, text: str, calls: list[ToolCall], finish_reason: 
                                                      accepted_tokens=usage.accepted_tokens,
                                                      verify_steps=usage.verify_steps,
                                                      drafter_steps=usage.drafter_steps,
-                                                     head_steps=usage.head_steps),
+                                                     head_steps=usage.head_steps,
+                                                     next_round_steps=usage.next_round_steps),
             accepted_prediction_tokens=usage.prediction_accepted_tokens,
             rejected_prediction_tokens=usage.prediction_draft_tokens - usage.prediction_accepted_tokens,
         ))

@@ -59,7 +59,8 @@ class UsageTally:
                                 "accepted_tokens": speculation.accepted_tokens,
                                 "verify_steps": speculation.verify_steps,
                                 "drafter_steps": speculation.drafter_steps,
-                                "head_steps": speculation.head_steps}}
+                                "head_steps": speculation.head_steps,
+                                "next_round_steps": speculation.next_round_steps}}
 
 
 def error_body(message: str, kind: str, param: str | None = None, code: str | None = None) -> dict:

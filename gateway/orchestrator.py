@@ -4,6 +4,7 @@ a verifier. The gateway is the only service that talks to both."""
 import asyncio
 import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 
 import grpc
 import structlog
@@ -16,7 +17,8 @@ from gateway.types import GenerationRequest, SpeculationUsage, TokenDelta, Token
 from gateway.verifier_pool import VerifierPool
 from protos.common.v1 import common_pb2
 from protos.conventions import FINISH_REASON_NAMES
-from speclane.speculation import HEAD_METHODS, draft_value
+from protos.verifier.v1 import verifier_pb2
+from speclane.speculation import DRAFTER_METHODS, HEAD_METHODS, draft_value
 
 log = structlog.get_logger()
 _NO_DRAFT = common_pb2.Draft()
@@ -24,50 +26,80 @@ _NO_DRAFT = common_pb2.Draft()
 PREDICTION, DRAFTER, HEAD, NONE = "prediction", "drafter", "head", "none"
 
 
+@dataclass(frozen=True)
+class LoopPolicy:
+    """The loop's server-wide choices: from --speculative-config and the verifiers' ModelInfo."""
+
+    draft_token_cost: float = 0.0  # the verifiers' measure of a draft token's cost
+    # vLLM's speculative_disable_by_batch_size, checked at every step rather than once per request:
+    # a long generation speculates again when the load falls. None: always speculate.
+    disable_by_batch_size: int | None = None
+    # Offer the verifiers next-round drafts (they accept them): see generate().
+    next_round: bool = False
+
+
 class Orchestrator:
     def __init__(self, verifiers: VerifierPool, drafter: DrafterClient | None, metrics: GatewayMetrics,
-                 draft_token_cost: float = 0.0, disable_by_batch_size: int | None = None):
+                 policy: LoopPolicy = LoopPolicy()):
         self._verifiers = verifiers
-        # vLLM's speculative_disable_by_batch_size, checked at every step rather than once per request:
-        # a long generation speculates again when the load falls. None: always speculate.
-        self._disable_by_batch_size = disable_by_batch_size
-        self._draft_token_cost = draft_token_cost  # the verifiers' measure (their ModelInfo)
+        self._policy = policy
         self._drafter = drafter
         self._metrics = metrics
         # Drafter sessions finishing in the background; kept so they are not garbage-collected.
         self._finishing: set[asyncio.Task] = set()
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[TokenDelta]:
-        """Yields each step's committed tokens; closing the generator aborts the sequence."""
+        """Yields each step's committed tokens; closing the generator aborts the sequence.
+
+        Next round: with the drafter's draft, the loop offers the verifier the
+        draft after it, for the outcome "all accepted, then the drafter's next
+        token" (the drafter drafts that far ahead). When that is what happens, the
+        verifier starts the offered draft at once and says so (next_round_hit);
+        the loop then sends no Verify, only the offer for the step after. The
+        verifier's wait for the loop's round trip is gone from those steps."""
         index, verifier = None, None
         drafter: DrafterSession | None = None
         prediction = PredictionDrafter(request.prediction_token_ids) if request.prediction_token_ids else None
         usage = SpeculationUsage()  # immutable: each delta carries its own snapshot
+        speculation = request.speculation
+        k = speculation.num_speculative_tokens
+        lookahead = (self._policy.next_round and speculation.method in DRAFTER_METHODS
+                     and not speculation.suffix_decoding_use_tree_spec)
         try:
-            if self._drafter is not None and request.speculation.feeds_drafter:
+            if self._drafter is not None and speculation.feeds_drafter:
                 # Sent before prefill so the drafter indexes the prompt while the verifier prefills.
-                drafter = await self._drafter.open(request)
-            proposer = drafter if request.speculation.uses_drafter else None  # a head's output only feeds it
+                drafter = await self._drafter.open(request, lookahead=lookahead)
+            proposer = drafter if speculation.uses_drafter else None  # a head's output only feeds it
             index, verifier, result = await self._prefill(request)
             output = list(result.token_ids)
+            continuation = None  # offered for the step in flight
             while result.finish_reason == common_pb2.FINISH_REASON_UNSPECIFIED:
                 # Drafted before the tokens go out: a drafter that refuses the request makes it a 400.
                 asked = time.perf_counter()
-                draft = await _next_draft(proposer, result)
+                drafted = await _next_draft(proposer, result)
                 drafter_seconds = time.perf_counter() - asked
-                predicted = _predicted_draft(prediction, result, request.speculation.num_speculative_tokens)
+                predicted = _predicted_draft(prediction, result, k)
                 yield _delta(result, speculation=usage)
-                if self._overloaded(index):
-                    source, draft = NONE, _NO_DRAFT
+                ran_ahead = result.next_round_hit  # the verifier already verifies `continuation`
+                if ran_ahead:
+                    source, draft = DRAFTER, continuation.draft
                 else:
-                    source, draft = _pick_draft(request.speculation.method, predicted, draft, result.head_draft,
-                                                self._draft_token_cost)
-                # Hybrid: a drafter run that keeps being accepted will likely win the next step too.
-                on_a_run = request.speculation.method == "hybrid" and source == DRAFTER and len(draft.token_ids) > 0
+                    source, draft = self._choose(speculation.method, index, predicted, _cut(drafted, 0, k),
+                                                 result.head_draft)
+                continuation = (_continuation_after(draft, drafted, k) if lookahead and source == DRAFTER
+                                and not self._overloaded(index) else None)
+                next_round = (verifier_pb2.NextRound(step_committed_len=result.committed_len,
+                                                     continuations=[continuation]) if continuation else None)
                 sent = time.perf_counter()
-                result = await _checked(verifier.verify(draft, use_head_draft=source == HEAD,
-                                                        skip_head_draft_if_all_accepted=on_a_run))
-                usage += _step_usage(result, source)
+                if ran_ahead:
+                    result = await _checked(verifier.next_answer(next_round))
+                else:
+                    # Hybrid: a drafter run that keeps being accepted will likely win the next step too.
+                    on_a_run = speculation.method == "hybrid" and source == DRAFTER and len(draft.token_ids)
+                    result = await _checked(verifier.verify(draft, use_head_draft=source == HEAD,
+                                                            skip_head_draft_if_all_accepted=bool(on_a_run),
+                                                            next_round=next_round))
+                usage += _step_usage(result, source, ran_ahead)
                 output += result.token_ids
                 self._record_step(result, source, drafter_seconds, time.perf_counter() - sent)
             if drafter is not None:  # the tokens it has not been sent: the last step's, or all of them
@@ -102,10 +134,16 @@ class Orchestrator:
                 self._verifiers.mark_down(index)
         raise Unavailable("no verifier answered the prefill; retry shortly")
 
+    def _choose(self, method: str, index: int, predicted, drafted, head_draft) -> tuple[str, common_pb2.Draft | None]:
+        """This step's draft and its source, unless the verifier is too busy for drafts."""
+        if self._overloaded(index):
+            return NONE, _NO_DRAFT
+        return _pick_draft(method, predicted, drafted, head_draft, self._policy.draft_token_cost)
+
     def _overloaded(self, index: int) -> bool:
         """Too many sequences on the verifier for drafts to pay: a batch that big is
         compute-bound, so every draft token costs what another sequence's token does."""
-        limit = self._disable_by_batch_size
+        limit = self._policy.disable_by_batch_size
         return limit is not None and self._verifiers.num_in_flight(index) > limit
 
     def _record_step(self, result, source: str, drafter_seconds: float, verifier_seconds: float) -> None:
@@ -130,10 +168,33 @@ def _delta(result, finish_reason: str | None = None, speculation: SpeculationUsa
     return TokenDelta(list(result.token_ids), finish_reason, speculation, logprobs)
 
 
-def _step_usage(result, source: str) -> SpeculationUsage:
+def _step_usage(result, source: str, ran_ahead: bool) -> SpeculationUsage:
     drafted, accepted = result.num_draft_tokens, result.num_accepted_draft_tokens
     return SpeculationUsage(drafted, accepted, 1, *((drafted, accepted) if source == PREDICTION else (0, 0)),
-                            drafter_steps=int(source == DRAFTER), head_steps=int(source == HEAD))
+                            drafter_steps=int(source == DRAFTER), head_steps=int(source == HEAD),
+                            next_round_steps=int(ran_ahead))
+
+
+def _cut(draft: common_pb2.Draft, start: int, stop: int) -> common_pb2.Draft:
+    """Tokens start..stop of a chain draft (the drafter drafts further ahead
+    than a step verifies when next-round drafts are on)."""
+    if draft.parents or (start == 0 and len(draft.token_ids) <= stop):  # a tree is never drafted ahead
+        return draft
+    confidences = draft.confidences[start:stop]
+    return common_pb2.Draft(token_ids=draft.token_ids[start:stop], confidences=confidences,
+                            score=sum(confidences), committed_len=draft.committed_len + start, source=draft.source)
+
+
+def _continuation_after(step: common_pb2.Draft, drafted: common_pb2.Draft,
+                        k: int) -> verifier_pb2.Continuation | None:
+    """The draft after `step` for the outcome "all of it accepted, then the
+    drafter's next token": read from `drafted` (drafted from the same committed
+    tokens, further ahead) where it goes on past `step`. None for trees, and
+    when the drafter sees nothing beyond `step` or now drafts something else."""
+    n = len(step.token_ids)
+    if drafted.parents or len(drafted.token_ids) <= n + 1 or drafted.token_ids[:n] != list(step.token_ids):
+        return None
+    return verifier_pb2.Continuation(bonus_token_id=drafted.token_ids[n], draft=_cut(drafted, n + 1, n + 1 + k))
 
 
 def _pick_draft(method: str, predicted: common_pb2.Draft | None, drafted: common_pb2.Draft,

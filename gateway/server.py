@@ -13,7 +13,7 @@ from gateway.grpc_api import add_generation_servicer
 from gateway.metrics import GatewayMetrics
 from gateway.model_info import Backends
 from gateway.openai_api import create_app
-from gateway.orchestrator import Orchestrator
+from gateway.orchestrator import LoopPolicy, Orchestrator
 from gateway.sampling_defaults import read_sampling_defaults
 from gateway.serving import ServingContext
 from gateway.tokenizer import files_from_verifier, hide_torch, load_tokenizer
@@ -81,8 +81,10 @@ async def run(config: GatewayConfig) -> None:
     log.info("authentication", api_keys=len(config.keyring), tenant_from="api_key" if config.keyring
              else "x-tenant-id header (trusted network)", protect_metrics=config.protect_metrics)
     verifiers.attach_metrics(metrics)
-    orchestrator = Orchestrator(verifiers, drafter, metrics, info.draft_token_cost,
-                                config.speculation_disable_by_batch_size)
+    policy = LoopPolicy(draft_token_cost=info.draft_token_cost,
+                        disable_by_batch_size=config.speculation_disable_by_batch_size,
+                        next_round=config.speculation_next_round and info.accepts_next_round)
+    orchestrator = Orchestrator(verifiers, drafter, metrics, policy)
     if drafter is not None:
         await _check_drafter(drafter, config.drafter_wide_speculation)
     context = ServingContext(

@@ -52,6 +52,8 @@ class SpeculationUsage:
     # Steps whose draft came from the drafter service, and from the verifier's head (hybrid picks per step).
     drafter_steps: int = 0
     head_steps: int = 0
+    # Steps the verifier started on its own, with the next-round draft the gateway had offered.
+    next_round_steps: int = 0
 
     def __add__(self, other: "SpeculationUsage") -> "SpeculationUsage":
         return SpeculationUsage(*(a + b for a, b in zip(astuple(self), astuple(other))))

@@ -34,20 +34,28 @@ class VerifierSession:
         self._timer = timer
         self._step_timeout = step_timeout_seconds
 
-    async def _exchange(self, message: verifier_pb2.SessionRequest) -> verifier_pb2.SessionResponse:
+    async def _exchange(self, *messages: verifier_pb2.SessionRequest) -> verifier_pb2.SessionResponse:
+        """Sends `messages`, then reads the next answer."""
         # A link that stops carrying bytes without closing (a frozen peer, a dropped
         # route) never fails the stream by itself: without this deadline the request
         # would wait forever. The caller's close() then cancels the call.
         try:
-            return await asyncio.wait_for(self._write_and_read(message), self._step_timeout)
+            return await asyncio.wait_for(self._write_and_read(messages), self._step_timeout)
         except TimeoutError:
             raise Unavailable(f"the verifier did not answer within {self._step_timeout:g} s") from None
 
-    async def _write_and_read(self, message: verifier_pb2.SessionRequest) -> verifier_pb2.SessionResponse:
-        await self._call.write(message)
+    async def _write_and_read(self, messages) -> verifier_pb2.SessionResponse:
+        for message in messages:
+            await self._call.write(message)
         response = await self._call.read()
         if response is grpc.aio.EOF:  # an error status would have raised in read()
             raise RuntimeError("the verifier ended the session without answering")
+        return response
+
+    async def _step(self, *messages: verifier_pb2.SessionRequest) -> verifier_pb2.SessionResponse:
+        response = await self._exchange(*messages)
+        if self._timer is not None:
+            self._timer.stepped(len(response.token_ids))
         return response
 
     async def prefill(self, request: GenerationRequest) -> verifier_pb2.SessionResponse:
@@ -77,20 +85,28 @@ class VerifierSession:
         return response
 
     async def verify(self, draft: common_pb2.Draft | None, use_head_draft: bool = False,
-                     skip_head_draft_if_all_accepted: bool = False) -> verifier_pb2.SessionResponse:
-        """Verifies `draft`, or with `use_head_draft` the verifier head's own last draft."""
+                     skip_head_draft_if_all_accepted: bool = False,
+                     next_round: verifier_pb2.NextRound | None = None) -> verifier_pb2.SessionResponse:
+        """Verifies `draft`, or with `use_head_draft` the verifier head's own last
+        draft; offers `next_round` for the step after it."""
         verify = verifier_pb2.Verify(draft=draft, use_head_draft=use_head_draft,
                                      skip_head_draft_if_all_accepted=skip_head_draft_if_all_accepted)
-        response = await self._exchange(verifier_pb2.SessionRequest(verify=verify))
-        if self._timer is not None:
-            self._timer.stepped(len(response.token_ids))
-        return response
+        return await self._step(verifier_pb2.SessionRequest(verify=verify), *_offer(next_round))
+
+    async def next_answer(self, next_round: verifier_pb2.NextRound | None = None) -> verifier_pb2.SessionResponse:
+        """The answer to the step the verifier started on its own (the last
+        answer's next_round_hit); offers `next_round` for the step after it."""
+        return await self._step(*_offer(next_round))
 
     def close(self) -> None:
         # Cancelling (rather than half-closing) frees the KV cache at once, also mid-generation.
         self._call.cancel()
         if self._timer is not None:
             self._timer.close()
+
+
+def _offer(next_round: verifier_pb2.NextRound | None) -> tuple[verifier_pb2.SessionRequest, ...]:
+    return () if next_round is None else (verifier_pb2.SessionRequest(next_round=next_round),)
 
 
 def _optional(message, name: str):

@@ -1,6 +1,7 @@
 """gRPC adapter of the verifier: protobuf in and out, domain errors to status
 codes. All model work goes through the AsyncEngine."""
 
+import asyncio
 import pathlib
 import time
 
@@ -14,6 +15,7 @@ from verifier_service.async_engine import AsyncEngine
 from verifier_service.config import DEFAULT_MAX_DRAFT_TOKENS
 from verifier_service.engine import Engine
 from verifier_service.errors import InvalidRequest, ResourceExhausted, SequenceFinished, StaleDraft
+from verifier_service.next_round import Continuation, NextRound
 from verifier_service.sampling import SamplingParams
 from verifier_service.sequence import Draft, FinishReason, GenerationParams, Proposal, Sequence, StepResult
 
@@ -67,6 +69,10 @@ def draft_from_proto(draft: common_pb2.Draft, max_tokens: int, skip_head_draft_i
         committed_len=draft.committed_len,
         skip_head_draft_if_all_accepted=skip_head_draft_if_all_accepted,
     )
+
+
+def continuations_from_proto(message: verifier_pb2.NextRound, max_tokens: int) -> tuple[Continuation, ...]:
+    return tuple(Continuation(c.bonus_token_id, draft_from_proto(c.draft, max_tokens)) for c in message.continuations)
 
 
 def response_from(result: StepResult, head_method: str = "") -> verifier_pb2.SessionResponse:
@@ -137,6 +143,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             tensor_parallel_size=runner.tp_size,
             draft_head=self.head_method,
             draft_token_cost=self.engine.engine.draft_token_cost,
+            accepts_next_round=True,
         )
 
     async def GetTokenizer(self, request, context):
@@ -146,9 +153,15 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
     async def Session(self, request_iterator, context):
         bind_request_id_from(context)
         await self._require_loaded(context)
-        seq = None
+        seq, step = None, None
+        next_round = NextRound()
+        # Read apart from the steps: a NextRound for the step in flight arrives while it runs.
+        inbox: asyncio.Queue = asyncio.Queue()
+        reader = asyncio.ensure_future(self._read(request_iterator, inbox, next_round))
         try:
-            async for request in request_iterator:
+            while (request := await inbox.get()) is not None:
+                if isinstance(request, Exception):
+                    raise request
                 kind = request.WhichOneof("kind")
                 if seq is None:
                     if kind != "prefill":
@@ -157,20 +170,22 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
                     # Opened before the await, so `finally` frees it even if the prefill is cancelled.
                     seq = self.engine.open(request.prefill.sequence_id, list(request.prefill.prompt_token_ids), params)
                     result, timing = await self._prefill(seq)
-                elif kind == "verify":
-                    draft = (seq.own_draft() if request.verify.use_head_draft
-                             else draft_from_proto(request.verify.draft, self.max_draft_tokens,
-                                                   request.verify.skip_head_draft_if_all_accepted))
-                    arrived = time.monotonic()
-                    result = await self.engine.verify(seq, draft)
-                    timing = verifier_pb2.SessionResponse(step_seconds=time.monotonic() - arrived)
-                else:
-                    raise InvalidRequest("after prefill, every message must be verify")
-                if result.finish_reason is not FinishReason.NONE:
-                    _log_finish(seq, result.finish_reason)
-                response = response_from(result, self.head_method)
-                response.MergeFrom(timing)  # every answer is timed now: prefill and verify alike
-                yield response
+                    yield self._answer(seq, result, timing)
+                    continue
+                if kind != "verify":
+                    raise InvalidRequest("after prefill, every message must be verify or next_round")
+                draft = (seq.own_draft() if request.verify.use_head_draft
+                         else draft_from_proto(request.verify.draft, self.max_draft_tokens,
+                                               request.verify.skip_head_draft_if_all_accepted))
+                step = self._step(seq, draft)
+                while step is not None:
+                    started_at = result.committed_len  # the answer before this step
+                    result, seconds = await step
+                    draft = next_round.take(started_at, result)
+                    # Started before this answer goes out: the model thread need not wait for it.
+                    step = self._step(seq, draft) if draft is not None else None
+                    timing = verifier_pb2.SessionResponse(step_seconds=seconds, next_round_hit=step is not None)
+                    yield self._answer(seq, result, timing)
         except InvalidRequest as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except (SequenceFinished, StaleDraft) as exc:
@@ -178,10 +193,44 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         except ResourceExhausted as exc:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
         finally:
+            reader.cancel()
+            if step is not None:
+                step.cancel()
             if seq is not None:
                 if not seq.finished:
                     _log_finish(seq, FinishReason.ABORT)
                 self.engine.close(seq)
+
+    async def _read(self, request_iterator, inbox: asyncio.Queue, next_round: NextRound) -> None:
+        """Offers each NextRound at once; queues the other messages for the
+        session, then None at the stream's end, or the error that stopped it."""
+        try:
+            async for request in request_iterator:
+                if request.WhichOneof("kind") == "next_round":
+                    message = request.next_round
+                    next_round.offer(message.step_committed_len,
+                                     continuations_from_proto(message, self.max_draft_tokens))
+                else:
+                    inbox.put_nowait(request)
+            inbox.put_nowait(None)
+        except Exception as exc:  # noqa: BLE001 - raised by the session, which answers with a status
+            inbox.put_nowait(exc)
+
+    def _step(self, seq: Sequence, draft: Draft) -> asyncio.Future:
+        """A verify step, started now; resolves to (result, seconds it took)."""
+
+        async def timed():
+            arrived = time.monotonic()
+            result = await self.engine.verify(seq, draft)
+            return result, time.monotonic() - arrived
+        return asyncio.ensure_future(timed())
+
+    def _answer(self, seq: Sequence, result: StepResult, timing: verifier_pb2.SessionResponse):
+        if result.finish_reason is not FinishReason.NONE:
+            _log_finish(seq, result.finish_reason)
+        response = response_from(result, self.head_method)
+        response.MergeFrom(timing)  # every answer is timed: prefill and verify alike
+        return response
 
     async def GetLoad(self, request, context):
         await self._require_loaded(context)

@@ -52,3 +52,9 @@ def test_speculation_accepts_tokens_on_repetitive_code(client, name):
     assert result.usage.accepted_tokens > 0
     # Accepted drafts mean fewer verify steps than tokens.
     assert result.usage.verify_steps < plain.usage.verify_steps
+    # Next-round drafts (on by default) hit where the draft and the drafter's next token were right,
+    # and missed elsewhere; a tree is never drafted ahead.
+    if name == "suffix":
+        assert 0 < result.usage.next_round_steps < result.usage.verify_steps - 1
+    else:
+        assert result.usage.next_round_steps == 0

@@ -29,7 +29,8 @@ def test_chat_completion(client):
     assert reply.usage.prompt_tokens > 0
     speculation = reply.usage.model_extra["speculation"]
     assert speculation["verify_steps"] >= 1
-    assert set(speculation) == {"draft_tokens", "accepted_tokens", "verify_steps", "drafter_steps", "head_steps"}
+    assert set(speculation) == {"draft_tokens", "accepted_tokens", "verify_steps", "drafter_steps", "head_steps",
+                                "next_round_steps"}
 
 
 def test_streaming_matches_non_streaming_and_reports_usage(client):

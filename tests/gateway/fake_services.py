@@ -15,7 +15,7 @@ import grpc
 from gateway.drafter_client import DrafterClient
 from gateway.grpc_api import add_generation_servicer
 from gateway.metrics import GatewayMetrics
-from gateway.orchestrator import Orchestrator
+from gateway.orchestrator import LoopPolicy, Orchestrator
 from gateway.types import GenerationRequest, TokenDelta
 from gateway.verifier_pool import VerifierPool
 from protos.common.v1 import common_pb2
@@ -63,51 +63,83 @@ async def _numbered(requests):
 class FakeVerifier(verifier_pb2_grpc.VerifierServicer):
     """Commits the target tokens: one at prefill (step 0), then per verify
     (steps 1, 2...) the first `accept` tokens of the draft cut to remaining - 1
-    (as the real verifier cuts it) and one of its own."""
+    (as the real verifier cuts it) and one of its own. Takes next-round offers
+    as the real verifier does: a step whose outcome an offer matches is
+    followed at once by the offered draft's step."""
 
-    def __init__(self, accept: int = 2, prefill_seconds: float = 0.0):
+    def __init__(self, accept: int = 2, prefill_seconds: float = 0.0, step_seconds: float = 0.0):
         self.accept = accept
         self.prefill_seconds = prefill_seconds  # a real prefill is a forward pass
+        self.step_seconds = step_seconds  # and so is a verify step: time for an offer to arrive
         self.fail: tuple[grpc.StatusCode, int] | None = None  # abort with this code at this step
         self.hang_at: int | None = None  # never answer this step
         self.quit_at: int | None = None  # end the stream (status OK) instead of answering this step
         self.hanging = asyncio.Event()
-        self.drafts: list[list[int]] = []  # every draft received, as sent
+        self.drafts: list[list[int]] = []  # every draft verified, as sent or offered
+        self.offers: list[verifier_pb2.NextRound] = []  # every next round offered
         self.outcomes: list[str] = []  # one per finished Session
 
     def add_to(self, server: grpc.aio.Server) -> None:
         verifier_pb2_grpc.add_VerifierServicer_to_server(self, server)
 
     async def GetModelInfo(self, request, context):
-        return verifier_pb2.ModelInfo(model_name=MODEL_NAME, vocab_size=420, max_context_len=256, eos_token_ids=[2])
+        return verifier_pb2.ModelInfo(model_name=MODEL_NAME, vocab_size=420, max_context_len=256, eos_token_ids=[2],
+                                      accepts_next_round=True)
 
     async def Session(self, request_iterator, context):
         prompt_len = max_new = generated = 0
-        with _recorded(context, self.outcomes):
-            async for step, request in _numbered(request_iterator):
-                if self.fail is not None and self.fail[1] == step:
-                    await context.abort(self.fail[0], f"scripted failure at step {step}")
-                if self.hang_at == step:
-                    self.hanging.set()
-                    await asyncio.Event().wait()
-                if self.quit_at == step:
-                    return
-                if step == 0:
-                    await asyncio.sleep(self.prefill_seconds)
-                    prompt_len, max_new = len(request.prefill.prompt_token_ids), request.prefill.sampling.max_new_tokens
-                    tokens, accepted, verified = target_tokens(0, 1), 0, 0
+        offered: dict[int, verifier_pb2.NextRound] = {}  # by step_committed_len
+        inbox: asyncio.Queue = asyncio.Queue()
+
+        async def read():
+            async for request in request_iterator:
+                if request.WhichOneof("kind") == "next_round":
+                    self.offers.append(request.next_round)
+                    offered[request.next_round.step_committed_len] = request.next_round
                 else:
-                    draft = list(request.verify.draft.token_ids)
-                    self.drafts.append(draft)
-                    verified = len(draft[:max_new - generated - 1])
-                    accepted = min(self.accept, verified)
-                    tokens = draft[:accepted] + target_tokens(generated + accepted, 1)
-                generated += len(tokens)
-                finished = generated >= max_new
-                yield verifier_pb2.SessionResponse(
-                    token_ids=tokens, num_accepted_draft_tokens=accepted, committed_len=prompt_len + generated,
-                    finish_reason=common_pb2.FINISH_REASON_LENGTH if finished else common_pb2.FINISH_REASON_UNSPECIFIED,
-                    num_draft_tokens=verified)
+                    inbox.put_nowait(request)
+            inbox.put_nowait(None)
+
+        reader = asyncio.ensure_future(read())
+        continuation = None
+        try:
+            with _recorded(context, self.outcomes):
+                for step in itertools.count():
+                    if continuation is None and (request := await inbox.get()) is None:
+                        return
+                    if self.fail is not None and self.fail[1] == step:
+                        await context.abort(self.fail[0], f"scripted failure at step {step}")
+                    if self.hang_at == step:
+                        self.hanging.set()
+                        await asyncio.Event().wait()
+                    if self.quit_at == step:
+                        return
+                    if step == 0:
+                        await asyncio.sleep(self.prefill_seconds)
+                        prefill = request.prefill
+                        prompt_len, max_new = len(prefill.prompt_token_ids), prefill.sampling.max_new_tokens
+                        tokens, accepted, verified = target_tokens(0, 1), 0, 0
+                    else:
+                        await asyncio.sleep(self.step_seconds)
+                        draft = list(continuation.draft.token_ids if continuation else request.verify.draft.token_ids)
+                        self.drafts.append(draft)
+                        verified = len(draft[:max_new - generated - 1])
+                        accepted = min(self.accept, verified)
+                        tokens = draft[:accepted] + target_tokens(generated + accepted, 1)
+                    started_at = prompt_len + generated
+                    generated += len(tokens)
+                    finished = generated >= max_new
+                    offer = offered.pop(started_at, None)
+                    continuation = None if finished or offer is None else next(
+                        (c for c in offer.continuations if c.draft.committed_len == prompt_len + generated
+                         and c.bonus_token_id == tokens[-1]), None)
+                    yield verifier_pb2.SessionResponse(
+                        token_ids=tokens, num_accepted_draft_tokens=accepted, committed_len=prompt_len + generated,
+                        finish_reason=common_pb2.FINISH_REASON_LENGTH if finished
+                        else common_pb2.FINISH_REASON_UNSPECIFIED,
+                        num_draft_tokens=verified, next_round_hit=continuation is not None)
+        finally:
+            reader.cancel()
 
 
 class FakeDrafter(drafter_pb2_grpc.DrafterServicer):
@@ -120,6 +152,8 @@ class FakeDrafter(drafter_pb2_grpc.DrafterServicer):
                                             max_tree_depth=max_tree_depth, max_cached_requests=10000)
         self.draft_len = draft_len
         self.delay = 0.0  # seconds before each answer
+        self.wrong_bonus = False  # a lookahead draft (2k + 1 tokens) guesses the bonus token, k, wrong
+        self.params: list[drafter_pb2.ProposerParams] = []  # per session, as started
         self.fail: tuple[grpc.StatusCode, int] | None = None  # abort with this code at this step
         self.sessions = 0
         self.info_calls = 0
@@ -143,12 +177,15 @@ class FakeDrafter(drafter_pb2_grpc.DrafterServicer):
                 if step == 0:
                     prompt_len = len(request.start.prompt_token_ids)
                     self.committed.append([])
+                    self.params.append(request.start.params)
                     continue
                 self.committed[-1] += request.step.committed_token_ids
                 await asyncio.sleep(self.delay)
                 committed_len = request.step.committed_len
-                yield drafter_pb2.SessionResponse(draft=common_pb2.Draft(
-                    token_ids=target_tokens(committed_len - prompt_len, self.draft_len), committed_len=committed_len))
+                tokens = target_tokens(committed_len - prompt_len, self.draft_len)
+                if self.wrong_bonus:
+                    tokens[self.params[-1].num_speculative_tokens // 2] = 999
+                yield drafter_pb2.SessionResponse(draft=common_pb2.Draft(token_ids=tokens, committed_len=committed_len))
 
 
 @contextlib.asynccontextmanager
@@ -178,7 +215,7 @@ class Gateway:
 @contextlib.asynccontextmanager
 async def gateway(verifiers: Sequence[FakeVerifier], drafter: FakeDrafter | None = None, *,
                   timeout: float = 1.0, retry_seconds: float = 5.0,
-                  disable_by_batch_size: int | None = None) -> AsyncIterator[Gateway]:
+                  policy: LoopPolicy = LoopPolicy()) -> AsyncIterator[Gateway]:
     """Starts the fakes and the real gateway loop over them (a DrafterClient only with a drafter)."""
     async with contextlib.AsyncExitStack() as stack:
         addresses = [await stack.enter_async_context(serve(fake.add_to)) for fake in verifiers]
@@ -189,7 +226,7 @@ async def gateway(verifiers: Sequence[FakeVerifier], drafter: FakeDrafter | None
             client = DrafterClient(await stack.enter_async_context(serve(drafter.add_to)), timeout, retry_seconds)
             stack.push_async_callback(client.close)
         metrics = GatewayMetrics(MODEL_NAME)
-        orchestrator = Orchestrator(pool, client, metrics, disable_by_batch_size=disable_by_batch_size)
+        orchestrator = Orchestrator(pool, client, metrics, policy)
         yield Gateway(list(verifiers), pool, client, metrics, orchestrator)
         # Drafter sessions still handing their last tokens over.
         await asyncio.wait_for(asyncio.gather(*orchestrator._finishing, return_exceptions=True), 5)

@@ -51,7 +51,7 @@ async def test_chat_completion(ctx, engine):
         "completion_tokens_details": {"accepted_prediction_tokens": 0, "rejected_prediction_tokens": 0},
         "speculation": {"draft_tokens": usage.draft_tokens, "accepted_tokens": usage.accepted_tokens,
                         "verify_steps": usage.verify_steps, "drafter_steps": usage.drafter_steps,
-                        "head_steps": usage.head_steps}}
+                        "head_steps": usage.head_steps, "next_round_steps": usage.next_round_steps}}
     assert engine.requests[0].request_id == body["id"]
 
 

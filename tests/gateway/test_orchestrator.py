@@ -8,6 +8,7 @@ import grpc
 import pytest
 
 from gateway.errors import InvalidRequest, Overloaded, Unavailable
+from gateway.orchestrator import LoopPolicy
 from gateway.types import SpeculationUsage
 from protos.common.v1 import common_pb2
 from protos.gateway.v1 import gateway_pb2
@@ -193,7 +194,7 @@ async def test_a_head_methods_output_feeds_the_drafters_trees_and_none_stays_awa
 
 async def test_no_drafts_while_the_verifier_runs_more_sequences_than_the_limit():
     verifier = FakeVerifier()
-    async with gateway([verifier], FakeDrafter(draft_len=3), disable_by_batch_size=1) as gw:
+    async with gateway([verifier], FakeDrafter(draft_len=3), policy=LoopPolicy(disable_by_batch_size=1)) as gw:
         alone = await collect(gw)
         assert [] not in verifier.drafts  # one sequence: within the limit
         verifier.drafts.clear()
@@ -280,6 +281,72 @@ async def test_cancelling_a_generate_call_cancels_the_sessions(tiny_tokenizer):
         assert gw.pool._in_flight == [0] and ctx.limiter.in_flight == 0
 
 
+# Next-round drafts
+
+def lookahead(max_tokens: int = 30, k: int = 3):
+    return dataclasses.replace(generation(max_tokens), speculation=SpeculationSettings(num_speculative_tokens=k))
+
+
+async def test_next_round_drafts_let_the_verifier_go_on_without_a_verify():
+    # The drafter drafts 2k + 1 = 7 target tokens: k to verify, the bonus, the next k.
+    verifier, drafter = FakeVerifier(accept=8, step_seconds=0.02), FakeDrafter(draft_len=7)
+    async with gateway([verifier], drafter, policy=LoopPolicy(next_round=True)) as gw:
+        deltas = await collect(gw, lookahead())
+    assert tokens_of(deltas) == target_tokens(0, 30)
+    assert drafter.params[0].num_speculative_tokens == 7
+    usage = deltas[-1].speculation
+    # Every step after the first ran on the offer made with the step before it: all drafts are
+    # accepted and the drafter guesses each bonus token.
+    assert usage.next_round_steps == usage.verify_steps - 1 > 0
+    generated = 1  # the prefill's token
+    for draft in verifier.drafts:  # each step's draft: the k target tokens after what was committed
+        assert draft == target_tokens(generated, len(draft)) and len(draft) <= 3
+        generated += len(draft) + 1
+    offer = verifier.offers[0]
+    assert offer.step_committed_len == len(PROMPT) + 1
+    [continuation] = offer.continuations
+    assert continuation.bonus_token_id == target_tokens(4, 1)[0]
+    assert list(continuation.draft.token_ids) == target_tokens(5, 3)
+    assert continuation.draft.committed_len == len(PROMPT) + 5
+
+
+@pytest.mark.parametrize("miss", ["draft rejected", "bonus guessed wrong"])
+async def test_a_next_round_miss_falls_back_to_a_verify_and_loses_nothing(miss):
+    verifier = FakeVerifier(accept=2 if miss == "draft rejected" else 8, step_seconds=0.02)
+    drafter = FakeDrafter(draft_len=7)
+    drafter.wrong_bonus = miss == "bonus guessed wrong"
+    async with gateway([verifier], drafter, policy=LoopPolicy(next_round=True)) as gw:
+        deltas = await collect(gw, lookahead())
+    assert tokens_of(deltas) == target_tokens(0, 30)
+    assert deltas[-1].speculation.next_round_steps == 0
+    assert len(verifier.offers) >= deltas[-1].speculation.verify_steps - 1  # offered at (nearly) every step
+
+
+async def test_without_the_policy_no_next_round_is_offered_and_the_drafter_drafts_k():
+    verifier, drafter = FakeVerifier(accept=8), FakeDrafter(draft_len=7)
+    async with gateway([verifier], drafter) as gw:
+        deltas = await collect(gw, lookahead())
+    assert tokens_of(deltas) == target_tokens(0, 30)
+    assert drafter.params[0].num_speculative_tokens == 3 and not verifier.offers
+    assert deltas[-1].speculation.next_round_steps == 0
+
+
+def test_a_continuation_is_read_from_the_longer_draft_where_it_goes_on_past_the_step():
+    from gateway.orchestrator import _continuation_after, _cut
+
+    drafted = common_pb2.Draft(token_ids=[1, 2, 3, 4, 5, 6], confidences=[1, 1, .5, .5, .5, .25], committed_len=10)
+    step = _cut(drafted, 0, 2)
+    assert list(step.token_ids) == [1, 2] and step.score == 2 and step.committed_len == 10
+    continuation = _continuation_after(step, drafted, k=2)
+    assert continuation.bonus_token_id == 3
+    assert list(continuation.draft.token_ids) == [4, 5] and continuation.draft.committed_len == 13
+    assert list(continuation.draft.confidences) == [.5, .5]
+    assert _continuation_after(common_pb2.Draft(token_ids=[1, 7]), drafted, k=2) is None  # drafted something else
+    assert _continuation_after(_cut(drafted, 0, 5), drafted, k=2) is None  # nothing after the bonus
+    tree = common_pb2.Draft(token_ids=[1, 2, 3, 4], parents=[-1, 0, 0, 1])
+    assert _cut(tree, 0, 2) is tree and _continuation_after(_cut(tree, 0, 1), tree, k=2) is None
+
+
 # Predicted outputs
 
 async def test_a_prediction_drafts_instead_of_the_drafter_and_its_tokens_are_counted():
@@ -343,3 +410,13 @@ def test_the_gateway_reads_vllms_load_cut_off_from_the_speculative_config():
     for wrong in ("0", "2.5", "true"):
         with pytest.raises(ValueError, match="speculative_disable_by_batch_size must be a positive integer"):
             GatewayConfig(speculative_config=f'{{"speculative_disable_by_batch_size": {wrong}}}')
+
+
+def test_next_round_drafts_are_on_unless_the_speculative_config_turns_them_off():
+    from gateway.config import GatewayConfig
+
+    assert GatewayConfig().speculation_next_round
+    off = GatewayConfig(speculative_config='{"method": "ngram", "next_round_drafts": false}')
+    assert not off.speculation_next_round and off.unused_speculation_keys == () and off.speculation.method == "ngram"
+    with pytest.raises(ValueError, match="next_round_drafts must be true or false"):
+        GatewayConfig(speculative_config='{"next_round_drafts": 1}')

@@ -18,7 +18,7 @@ from protos.verifier.v1 import verifier_pb2, verifier_pb2_grpc
 from speclane.grpc_server import serve
 from verifier_service import server
 from verifier_service.async_engine import AsyncEngine
-from verifier_service.config import VerifierConfig
+from verifier_service.config import DEFAULT_MAX_DRAFT_TOKENS, VerifierConfig
 from verifier_service.model_runner import ModelRunner
 from verifier_service.sequence import Draft
 from verifier_service.service import VerifierServicer, add_to_server, params_from_proto
@@ -131,6 +131,61 @@ def wrong(token: int) -> int:
     return (token + 1) % VOCAB
 
 
+def next_round(step_committed_len: int, *continuations: tuple[int, list[int], int]) -> verifier_pb2.SessionRequest:
+    """Offers (bonus token, draft, draft's committed_len) continuations for the step starting at that length."""
+    return verifier_pb2.SessionRequest(next_round=verifier_pb2.NextRound(
+        step_committed_len=step_committed_len, continuations=[
+            verifier_pb2.Continuation(bonus_token_id=bonus, draft=common_pb2.Draft(token_ids=draft, committed_len=at))
+            for bonus, draft, at in continuations]))
+
+
+def test_a_next_round_offer_that_matches_runs_without_a_verify_and_a_miss_waits_for_one(tiny_model_dir, engine):
+    seq = engine.open("ref", PROMPT, params_from_proto(OK_SAMPLING))
+    expected = engine.prefill(seq).token_ids
+    while not seq.finished:
+        expected += engine.verify(seq, Draft()).token_ids
+    start = len(PROMPT) + 1  # after the prefill's token
+
+    async def main():
+        async with running_verifier(tiny_model_dir) as (channel, async_engine):
+            await wait_serving(channel)
+            call = verifier_pb2_grpc.VerifierStub(channel).Session()
+            await call.write(prefill())
+            await call.read()
+            # Two outcomes offered; the step accepts its 3 tokens and the target's next is expected[4].
+            await call.write(verify(expected[1:4], committed_len=start))
+            await call.write(next_round(start, (wrong(expected[4]), [1, 2], start + 4),
+                                        (expected[4], expected[5:7], start + 4)))
+            step = await call.read()
+            assert list(step.token_ids) == expected[1:5] and step.next_round_hit
+            ran_ahead = await call.read()  # no Verify sent
+            assert list(ran_ahead.token_ids) == expected[5:8] and ran_ahead.num_accepted_draft_tokens == 2
+            assert ran_ahead.finish_reason == common_pb2.FINISH_REASON_LENGTH and not ran_ahead.next_round_hit
+
+            call.cancel()
+            call = verifier_pb2_grpc.VerifierStub(channel).Session()
+            await call.write(prefill())
+            await call.read()
+            await call.write(verify(expected[1:3] + [wrong(expected[3])], committed_len=start))
+            await call.write(next_round(start, (expected[4], expected[5:7], start + 4)))
+            missed = await call.read()  # the draft was not accepted in full: the offer does not apply
+            assert list(missed.token_ids) == expected[1:4] and not missed.next_round_hit
+            await call.write(next_round(start, (expected[4], expected[5:7], start + 3)))  # late: ignored
+            await call.write(verify(expected[4:6], committed_len=start + 3))
+            step = await call.read()
+            assert list(step.token_ids) == expected[4:7] and not step.next_round_hit
+            await call.write(verify([]))
+            assert list((await call.read()).token_ids) == expected[7:8]
+            call.cancel()
+            for _ in range(100):  # the verifier frees a cancelled session's sequence soon after
+                if await async_engine.num_live() == 0:
+                    break
+                await asyncio.sleep(0.01)
+            assert await async_engine.num_live() == 0
+
+    asyncio.run(main())
+
+
 BAD_SESSIONS = {
     "verify first": ([verify([1])], "first message of a session must be prefill"),
     "empty prompt": ([prefill(prompt=[])], "empty"),
@@ -146,6 +201,9 @@ BAD_SESSIONS = {
     "proposals mismatch": ([prefill(), verify([1, 2], proposals=[common_pb2.TokenDistribution(
         token_ids=[1], probs=[1.0])])], "proposal distributions"),
     "second prefill": ([prefill(), prefill()], "every message must be verify"),
+    "too many continuations": ([prefill(), next_round(8, *[(1, [2], 10)] * 9)], "at most 8 continuations"),
+    "continuation without its length": ([prefill(), next_round(8, (1, [2], 0))], "needs its committed_len"),
+    "continuation too long": ([prefill(), next_round(8, (1, [2] * (DEFAULT_MAX_DRAFT_TOKENS + 1), 10))], "at most"),
 }
 
 

@@ -70,16 +70,34 @@ class Verify(_message.Message):
     skip_head_draft_if_all_accepted: bool
     def __init__(self, draft: _Optional[_Union[_common_pb2.Draft, _Mapping]] = ..., use_head_draft: _Optional[bool] = ..., skip_head_draft_if_all_accepted: _Optional[bool] = ...) -> None: ...
 
+class NextRound(_message.Message):
+    __slots__ = ("step_committed_len", "continuations")
+    STEP_COMMITTED_LEN_FIELD_NUMBER: _ClassVar[int]
+    CONTINUATIONS_FIELD_NUMBER: _ClassVar[int]
+    step_committed_len: int
+    continuations: _containers.RepeatedCompositeFieldContainer[Continuation]
+    def __init__(self, step_committed_len: _Optional[int] = ..., continuations: _Optional[_Iterable[_Union[Continuation, _Mapping]]] = ...) -> None: ...
+
+class Continuation(_message.Message):
+    __slots__ = ("bonus_token_id", "draft")
+    BONUS_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_FIELD_NUMBER: _ClassVar[int]
+    bonus_token_id: int
+    draft: _common_pb2.Draft
+    def __init__(self, bonus_token_id: _Optional[int] = ..., draft: _Optional[_Union[_common_pb2.Draft, _Mapping]] = ...) -> None: ...
+
 class SessionRequest(_message.Message):
-    __slots__ = ("prefill", "verify")
+    __slots__ = ("prefill", "verify", "next_round")
     PREFILL_FIELD_NUMBER: _ClassVar[int]
     VERIFY_FIELD_NUMBER: _ClassVar[int]
+    NEXT_ROUND_FIELD_NUMBER: _ClassVar[int]
     prefill: Prefill
     verify: Verify
-    def __init__(self, prefill: _Optional[_Union[Prefill, _Mapping]] = ..., verify: _Optional[_Union[Verify, _Mapping]] = ...) -> None: ...
+    next_round: NextRound
+    def __init__(self, prefill: _Optional[_Union[Prefill, _Mapping]] = ..., verify: _Optional[_Union[Verify, _Mapping]] = ..., next_round: _Optional[_Union[NextRound, _Mapping]] = ...) -> None: ...
 
 class SessionResponse(_message.Message):
-    __slots__ = ("token_ids", "num_accepted_draft_tokens", "committed_len", "finish_reason", "num_draft_tokens", "logprobs", "queue_seconds", "prefill_seconds", "head_draft", "forward_seconds", "step_seconds")
+    __slots__ = ("token_ids", "num_accepted_draft_tokens", "committed_len", "finish_reason", "num_draft_tokens", "logprobs", "queue_seconds", "prefill_seconds", "head_draft", "forward_seconds", "step_seconds", "next_round_hit")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_ACCEPTED_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COMMITTED_LEN_FIELD_NUMBER: _ClassVar[int]
@@ -91,6 +109,7 @@ class SessionResponse(_message.Message):
     HEAD_DRAFT_FIELD_NUMBER: _ClassVar[int]
     FORWARD_SECONDS_FIELD_NUMBER: _ClassVar[int]
     STEP_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    NEXT_ROUND_HIT_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     num_accepted_draft_tokens: int
     committed_len: int
@@ -102,7 +121,8 @@ class SessionResponse(_message.Message):
     head_draft: _common_pb2.Draft
     forward_seconds: float
     step_seconds: float
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., num_accepted_draft_tokens: _Optional[int] = ..., committed_len: _Optional[int] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., num_draft_tokens: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., queue_seconds: _Optional[float] = ..., prefill_seconds: _Optional[float] = ..., head_draft: _Optional[_Union[_common_pb2.Draft, _Mapping]] = ..., forward_seconds: _Optional[float] = ..., step_seconds: _Optional[float] = ...) -> None: ...
+    next_round_hit: bool
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., num_accepted_draft_tokens: _Optional[int] = ..., committed_len: _Optional[int] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., num_draft_tokens: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., queue_seconds: _Optional[float] = ..., prefill_seconds: _Optional[float] = ..., head_draft: _Optional[_Union[_common_pb2.Draft, _Mapping]] = ..., forward_seconds: _Optional[float] = ..., step_seconds: _Optional[float] = ..., next_round_hit: _Optional[bool] = ...) -> None: ...
 
 class TokenLogprob(_message.Message):
     __slots__ = ("logprob", "top_token_ids", "top_logprobs")
@@ -119,7 +139,7 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model_name", "vocab_size", "max_context_len", "eos_token_ids", "device", "dtype", "tensor_parallel_size", "draft_head", "draft_token_cost")
+    __slots__ = ("model_name", "vocab_size", "max_context_len", "eos_token_ids", "device", "dtype", "tensor_parallel_size", "draft_head", "draft_token_cost", "accepts_next_round")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     MAX_CONTEXT_LEN_FIELD_NUMBER: _ClassVar[int]
@@ -129,6 +149,7 @@ class ModelInfo(_message.Message):
     TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
     DRAFT_HEAD_FIELD_NUMBER: _ClassVar[int]
     DRAFT_TOKEN_COST_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTS_NEXT_ROUND_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     vocab_size: int
     max_context_len: int
@@ -138,7 +159,8 @@ class ModelInfo(_message.Message):
     tensor_parallel_size: int
     draft_head: str
     draft_token_cost: float
-    def __init__(self, model_name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_context_len: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., tensor_parallel_size: _Optional[int] = ..., draft_head: _Optional[str] = ..., draft_token_cost: _Optional[float] = ...) -> None: ...
+    accepts_next_round: bool
+    def __init__(self, model_name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_context_len: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., tensor_parallel_size: _Optional[int] = ..., draft_head: _Optional[str] = ..., draft_token_cost: _Optional[float] = ..., accepts_next_round: _Optional[bool] = ...) -> None: ...
 
 class GetTokenizerRequest(_message.Message):
     __slots__ = ()

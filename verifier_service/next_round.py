@@ -1,0 +1,50 @@
+"""Next-round drafts: the client's drafts for the step after the one in flight,
+one per likely outcome. When a step ends in one of them (its draft accepted in
+full, then the expected bonus token), the verifier starts that continuation at
+once instead of waiting a round trip for the client's next Verify."""
+
+from dataclasses import dataclass
+
+from verifier_service.errors import InvalidRequest
+from verifier_service.sequence import Draft, FinishReason, StepResult
+
+MAX_CONTINUATIONS = 8
+
+
+@dataclass(frozen=True)
+class Continuation:
+    bonus_token_id: int
+    draft: Draft  # committed_len: the sequence length after the bonus token
+
+
+class NextRound:
+    """The latest continuations offered for one step, named by the sequence
+    length it starts from. One slot: a client offers one NextRound per step,
+    after it has seen the step before, so a newer offer makes an older useless."""
+
+    def __init__(self):
+        self._step_committed_len = -1
+        self._continuations: tuple[Continuation, ...] = ()
+
+    def offer(self, step_committed_len: int, continuations: tuple[Continuation, ...]) -> None:
+        if len(continuations) > MAX_CONTINUATIONS:
+            raise InvalidRequest(f"a next round may offer at most {MAX_CONTINUATIONS} continuations, "
+                                 f"this one offers {len(continuations)}")
+        if any(c.draft.committed_len == 0 for c in continuations):
+            raise InvalidRequest("a continuation's draft needs its committed_len")
+        self._step_committed_len, self._continuations = step_committed_len, continuations
+
+    def take(self, step_committed_len: int, result: StepResult) -> Draft | None:
+        """The continuation to verify next, after the step that started at
+        `step_committed_len` gave `result`; None when no offer matches. An offer
+        for this step is used up either way."""
+        offered, self._continuations = self._continuations, ()
+        if self._step_committed_len != step_committed_len or result.finish_reason is not FinishReason.NONE:
+            return None
+        # The length says the step's draft was accepted in full (a draft's accepted
+        # path is never longer than the draft), the last token says which bonus came.
+        for continuation in offered:
+            if (continuation.draft.committed_len == result.committed_len
+                    and continuation.bonus_token_id == result.token_ids[-1]):
+                return continuation.draft
+        return None
