@@ -11,6 +11,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "verifier": ("speclane_cli.bench.verifier", "verifier engine: batching throughput, verify overhead, KV budget"),
     "head": ("speclane_cli.bench.head", "a draft head's cost next to a verify step, and its acceptance per k"),
     "soak": ("speclane_cli.bench.soak", "hours of mixed traffic in minutes: 0 errors, flat RSS, nothing left held"),
+    "link": ("speclane_cli.bench.link", "a TCP link with a fixed delay each way, between two services"),
 }
 
 

@@ -69,7 +69,7 @@ async def stream_chat(client: httpx.AsyncClient, url: str, body: dict, headers: 
         ok=True, input_tokens=usage.get("prompt_tokens", 0), output_tokens=usage.get("completion_tokens", 0),
         ttft=(first_token_at or end) - start, e2e=end - start,
         draft_tokens=speculation.get("draft_tokens"), accepted_tokens=speculation.get("accepted_tokens"),
-        verify_steps=speculation.get("verify_steps"),
+        verify_steps=speculation.get("verify_steps"), next_round_steps=speculation.get("next_round_steps"),
     ), "".join(pieces)
 
 

@@ -21,6 +21,7 @@ class RequestResult:
     draft_tokens: int | None = None
     accepted_tokens: int | None = None
     verify_steps: int | None = None
+    next_round_steps: int | None = None  # steps the verifier started on a next-round draft
 
     @property
     def tpot(self) -> float | None:
@@ -58,6 +59,7 @@ class RunStats:
     accepted_tokens: int
     verify_steps: int
     errors: tuple[str, ...] = ()  # distinct failure messages, first few
+    next_round_steps: int = 0
 
     @property
     def acceptance_rate(self) -> float | None:
@@ -74,9 +76,17 @@ class RunStats:
         """Tokens each verify step yields: the accepted drafts plus the model's own token."""
         return None if self.acceptance_length is None else 1 + self.acceptance_length
 
+    @property
+    def next_round_hit_rate(self) -> float | None:
+        """Of the steps after a request's first, those the verifier started on the
+        gateway's next-round draft, without waiting for a Verify."""
+        later_steps = self.verify_steps - self.requests
+        return self.next_round_steps / later_steps if later_steps > 0 else None
+
     def as_dict(self) -> dict:
         return {**dataclasses.asdict(self), "acceptance_rate": self.acceptance_rate,
-                "acceptance_length": self.acceptance_length, "tokens_per_step": self.tokens_per_step}
+                "acceptance_length": self.acceptance_length, "tokens_per_step": self.tokens_per_step,
+                "next_round_hit_rate": self.next_round_hit_rate}
 
 
 def summarize(dataset: str, concurrency: int, method: str, results: Sequence[RequestResult],
@@ -99,7 +109,7 @@ def summarize(dataset: str, concurrency: int, method: str, results: Sequence[Req
         mean_e2e_s=_mean([r.e2e for r in ok]),
         throughput_tps=output_tokens / duration_s if duration_s > 0 else 0.0,
         draft_tokens=total("draft_tokens"), accepted_tokens=total("accepted_tokens"),
-        verify_steps=total("verify_steps"),
+        verify_steps=total("verify_steps"), next_round_steps=total("next_round_steps"),
         errors=tuple(dict.fromkeys(r.error for r in results if not r.ok))[:5],
     )
 

@@ -1,3 +1,5 @@
+import dataclasses
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -30,6 +32,16 @@ def test_summarize_means_throughput_and_speculation_counters():
     assert stats.acceptance_rate == pytest.approx(15 / 40)
     assert stats.acceptance_length == pytest.approx(15 / 20)
     assert stats.tokens_per_step == pytest.approx(1.75)
+
+
+def test_the_next_round_hit_rate_counts_the_steps_a_request_could_have_run_ahead():
+    results = [ok(draft=20, accepted=10, steps=5), ok(draft=20, accepted=5, steps=15)]
+    results = [dataclasses.replace(r, next_round_steps=n) for r, n in zip(results, (2, 3))]
+    stats = summarize("code-edit", 1, "suffix", results, duration_s=1.0)
+    # A request's first verify step follows the prefill: no offer came before it.
+    assert stats.next_round_steps == 5 and stats.next_round_hit_rate == pytest.approx(5 / (20 - 2))
+    assert stats.as_dict()["next_round_hit_rate"] == stats.next_round_hit_rate
+    assert summarize("humaneval", 1, "none", [ok(output_tokens=1, steps=0)], 1.0).next_round_hit_rate is None
 
 
 def test_a_baseline_run_has_no_acceptance_rate_but_one_token_per_step():
