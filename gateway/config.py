@@ -9,7 +9,12 @@ from gateway.sampling_defaults import GENERATION_CONFIG_MODES
 from gateway.tool_calls import TOOL_CALL_PARSERS
 from speclane.config import option
 from speclane.log import check_log_level
-from speclane.speculation import SpeculationSettings, parse_speculative_config, speculative_config_values
+from speclane.speculation import (
+    MAX_SPECULATIVE_TOKENS,
+    SpeculationSettings,
+    parse_speculative_config,
+    speculative_config_values,
+)
 from speclane.tls import TlsFiles, check_pair
 
 ENV_PREFIX = "SPECLANE_GATEWAY_"
@@ -69,8 +74,9 @@ class GatewayConfig:
     # drafter's own flags set them; `speclane serve` passes these on to it.
     drafter_wide_speculation: dict = dataclasses.field(init=False, repr=False)
     unused_speculation_keys: tuple[str, ...] = dataclasses.field(init=False, repr=False)  # warned about
-    # vLLM's speculative_disable_by_batch_size: no drafts while a verifier runs more sequences (None: no limit).
-    speculation_disable_by_batch_size: int | None = dataclasses.field(init=False, repr=False)
+    # (running sequences, at most this many draft tokens), from num_speculative_tokens_by_batch_size
+    # and vLLM's speculative_disable_by_batch_size L (no drafts from L + 1 on).
+    speculation_draft_tokens_by_load: tuple[tuple[int, int], ...] = dataclasses.field(init=False, repr=False)
     # next_round_drafts: offer verifiers the drafter's draft for the step after (where they accept it).
     speculation_next_round: bool = dataclasses.field(init=False, repr=False)
     tls: TlsFiles = dataclasses.field(init=False, repr=False)  # the drafter and verifier links
@@ -108,11 +114,34 @@ class GatewayConfig:
         object.__setattr__(self, "drafter_wide_speculation", drafter_wide)
         object.__setattr__(self, "unused_speculation_keys", unused)
         values = speculative_config_values(self.speculative_config)
-        disable = values.get("speculative_disable_by_batch_size")
-        if disable is not None and (isinstance(disable, bool) or not isinstance(disable, int) or disable < 1):
-            raise ValueError("speculative_disable_by_batch_size must be a positive integer")
-        object.__setattr__(self, "speculation_disable_by_batch_size", disable)
+        object.__setattr__(self, "speculation_draft_tokens_by_load", draft_tokens_by_load(values))
         next_round = values.get("next_round_drafts", True)
         if not isinstance(next_round, bool):
             raise ValueError("next_round_drafts must be true or false")
         object.__setattr__(self, "speculation_next_round", next_round)
+
+
+def _int_in(value, low: int, high: float = float("inf")) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and low <= value <= high
+
+
+def draft_tokens_by_load(values: dict) -> tuple[tuple[int, int], ...]:
+    """(running sequences, at most this many draft tokens) from a --speculative-config:
+    num_speculative_tokens_by_batch_size ({"16": 4, "32": 0}: from 16 sequences on a
+    verifier at most 4 draft tokens a step, from 32 none) and vLLM's
+    speculative_disable_by_batch_size L, which is {L + 1: 0}."""
+    limits = []
+    disable = values.get("speculative_disable_by_batch_size")
+    if disable is not None:
+        if not _int_in(disable, 1):
+            raise ValueError("speculative_disable_by_batch_size must be a positive integer")
+        limits.append((disable + 1, 0))
+    table = values.get("num_speculative_tokens_by_batch_size", {})
+    if not isinstance(table, dict):
+        raise ValueError("num_speculative_tokens_by_batch_size must be an object: batch size -> draft tokens")
+    for size, tokens in table.items():
+        if not (size.isdigit() and int(size) >= 1 and _int_in(tokens, 0, MAX_SPECULATIVE_TOKENS)):
+            raise ValueError("num_speculative_tokens_by_batch_size maps batch sizes (>= 1) to draft tokens "
+                             f"(0 to {MAX_SPECULATIVE_TOKENS}), got {size!r}: {tokens!r}")
+        limits.append((int(size), tokens))
+    return tuple(sorted(limits))

@@ -31,11 +31,16 @@ class LoopPolicy:
     """The loop's server-wide choices: from --speculative-config and the verifiers' ModelInfo."""
 
     draft_token_cost: float = 0.0  # the verifiers' measure of a draft token's cost
-    # vLLM's speculative_disable_by_batch_size, checked at every step rather than once per request:
-    # a long generation speculates again when the load falls. None: always speculate.
-    disable_by_batch_size: int | None = None
+    # (running sequences, at most this many draft tokens): from that many sequences on a
+    # verifier, its steps verify shorter drafts, or none. Checked at every step rather than
+    # once per request: a long generation speculates again when the load falls.
+    draft_tokens_by_load: tuple[tuple[int, int], ...] = ()
     # Offer the verifiers next-round drafts (they accept them): see generate().
     next_round: bool = False
+
+    def max_draft_tokens(self, num_running: int, k: int) -> int:
+        """A step's draft length limit with `num_running` sequences on its verifier."""
+        return min((limit for at_least, limit in self.draft_tokens_by_load if num_running >= at_least), default=k)
 
 
 class Orchestrator:
@@ -78,16 +83,19 @@ class Orchestrator:
                 asked = time.perf_counter()
                 drafted = await _next_draft(proposer, result)
                 drafter_seconds = time.perf_counter() - asked
-                predicted = _predicted_draft(prediction, result, k)
+                limit = self._max_draft_tokens(index, k)
+                predicted = _predicted_draft(prediction, result, limit)
                 yield _delta(result, speculation=usage)
                 ran_ahead = result.next_round_hit  # the verifier already verifies `continuation`
                 if ran_ahead:
                     source, draft = DRAFTER, continuation.draft
+                elif limit == 0:  # a head's draft is not shortened here: only switched off
+                    source, draft = NONE, _NO_DRAFT
                 else:
-                    source, draft = self._choose(speculation.method, index, predicted, _cut(drafted, 0, k),
-                                                 result.head_draft)
-                continuation = (_continuation_after(draft, drafted, k) if lookahead and source == DRAFTER
-                                and not self._overloaded(index) else None)
+                    source, draft = _pick_draft(speculation.method, predicted, _cut(drafted, 0, limit),
+                                                result.head_draft, self._policy.draft_token_cost)
+                continuation = (_continuation_after(draft, drafted, limit) if lookahead and source == DRAFTER
+                                and limit > 0 else None)
                 next_round = (verifier_pb2.NextRound(step_committed_len=result.committed_len,
                                                      continuations=[continuation]) if continuation else None)
                 sent = time.perf_counter()
@@ -134,17 +142,10 @@ class Orchestrator:
                 self._verifiers.mark_down(index)
         raise Unavailable("no verifier answered the prefill; retry shortly")
 
-    def _choose(self, method: str, index: int, predicted, drafted, head_draft) -> tuple[str, common_pb2.Draft | None]:
-        """This step's draft and its source, unless the verifier is too busy for drafts."""
-        if self._overloaded(index):
-            return NONE, _NO_DRAFT
-        return _pick_draft(method, predicted, drafted, head_draft, self._policy.draft_token_cost)
-
-    def _overloaded(self, index: int) -> bool:
-        """Too many sequences on the verifier for drafts to pay: a batch that big is
-        compute-bound, so every draft token costs what another sequence's token does."""
-        limit = self._policy.disable_by_batch_size
-        return limit is not None and self._verifiers.num_in_flight(index) > limit
+    def _max_draft_tokens(self, index: int, k: int) -> int:
+        """The request's k, or less while verifier `index` is busy: a big batch is
+        compute-bound, so a draft token costs what another sequence's token does."""
+        return min(k, self._policy.max_draft_tokens(self._verifiers.num_in_flight(index), k))
 
     def _record_step(self, result, source: str, drafter_seconds: float, verifier_seconds: float) -> None:
         """Where a step's time went: waiting for the drafter, and for the

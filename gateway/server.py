@@ -82,7 +82,7 @@ async def run(config: GatewayConfig) -> None:
              else "x-tenant-id header (trusted network)", protect_metrics=config.protect_metrics)
     verifiers.attach_metrics(metrics)
     policy = LoopPolicy(draft_token_cost=info.draft_token_cost,
-                        disable_by_batch_size=config.speculation_disable_by_batch_size,
+                        draft_tokens_by_load=config.speculation_draft_tokens_by_load,
                         next_round=config.speculation_next_round and info.accepts_next_round)
     orchestrator = Orchestrator(verifiers, drafter, metrics, policy)
     if drafter is not None:

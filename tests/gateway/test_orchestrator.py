@@ -194,7 +194,7 @@ async def test_a_head_methods_output_feeds_the_drafters_trees_and_none_stays_awa
 
 async def test_no_drafts_while_the_verifier_runs_more_sequences_than_the_limit():
     verifier = FakeVerifier()
-    async with gateway([verifier], FakeDrafter(draft_len=3), policy=LoopPolicy(disable_by_batch_size=1)) as gw:
+    async with gateway([verifier], FakeDrafter(draft_len=3), policy=LoopPolicy(draft_tokens_by_load=((2, 0),))) as gw:
         alone = await collect(gw)
         assert [] not in verifier.drafts  # one sequence: within the limit
         verifier.drafts.clear()
@@ -401,15 +401,37 @@ def test_each_step_verifies_the_draft_its_method_picks():
     assert pick("hybrid", predicted, suffix, head) == (PREDICTION, predicted)
 
 
-def test_the_gateway_reads_vllms_load_cut_off_from_the_speculative_config():
+def test_the_gateway_reads_draft_lengths_by_load_from_the_speculative_config():
     from gateway.config import GatewayConfig
 
-    config = GatewayConfig(speculative_config='{"method": "suffix", "speculative_disable_by_batch_size": 24}')
-    assert config.speculation_disable_by_batch_size == 24 and config.unused_speculation_keys == ()
-    assert GatewayConfig().speculation_disable_by_batch_size is None
+    config = GatewayConfig(speculative_config='{"method": "suffix", "speculative_disable_by_batch_size": 24, '
+                                              '"num_speculative_tokens_by_batch_size": {"8": 4, "16": 2}}')
+    assert config.speculation_draft_tokens_by_load == ((8, 4), (16, 2), (25, 0))
+    assert config.unused_speculation_keys == ()
+    assert GatewayConfig().speculation_draft_tokens_by_load == ()
     for wrong in ("0", "2.5", "true"):
         with pytest.raises(ValueError, match="speculative_disable_by_batch_size must be a positive integer"):
             GatewayConfig(speculative_config=f'{{"speculative_disable_by_batch_size": {wrong}}}')
+    for wrong in ('{"0": 4}', '{"x": 4}', '{"8": -1}', '{"8": 65}', '{"8": true}', '[8, 4]'):
+        with pytest.raises(ValueError, match="num_speculative_tokens_by_batch_size"):
+            GatewayConfig(speculative_config=f'{{"num_speculative_tokens_by_batch_size": {wrong}}}')
+
+
+def test_the_strictest_limit_a_load_reaches_bounds_the_draft():
+    policy = LoopPolicy(draft_tokens_by_load=((8, 4), (16, 2), (25, 0)))
+    assert [policy.max_draft_tokens(n, k=8) for n in (1, 7, 8, 15, 16, 24, 25, 100)] == [8, 8, 4, 4, 2, 2, 0, 0]
+    assert LoopPolicy(draft_tokens_by_load=((4, 6),)).max_draft_tokens(10, k=8) == 6
+
+
+async def test_drafts_are_cut_to_what_the_verifiers_load_allows():
+    verifier = FakeVerifier(accept=8)
+    async with gateway([verifier], FakeDrafter(draft_len=6), policy=LoopPolicy(draft_tokens_by_load=((2, 3),))) as gw:
+        alone = await collect(gw)
+        assert max(map(len, verifier.drafts)) > 3  # one sequence: below the table's first row
+        verifier.drafts.clear()
+        together = await asyncio.gather(collect(gw), collect(gw))
+    assert tokens_of(alone) == tokens_of(together[0]) == tokens_of(together[1]) == TARGET[:10]
+    assert [len(draft) for draft in verifier.drafts[:2]] == [3, 3]  # both first steps ran with two in flight
 
 
 def test_next_round_drafts_are_on_unless_the_speculative_config_turns_them_off():
