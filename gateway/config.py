@@ -79,6 +79,8 @@ class GatewayConfig:
     speculation_draft_tokens_by_load: tuple[tuple[int, int], ...] = dataclasses.field(init=False, repr=False)
     # next_round_drafts: offer verifiers the drafter's draft for the step after (where they accept it).
     speculation_next_round: bool = dataclasses.field(init=False, repr=False)
+    # adaptive_draft_length: each request's draft length follows its acceptance (gateway/draft_length.py).
+    speculation_adaptive_draft_length: bool = dataclasses.field(init=False, repr=False)
     tls: TlsFiles = dataclasses.field(init=False, repr=False)  # the drafter and verifier links
     keyring: Keyring = dataclasses.field(init=False, repr=False, compare=False)  # --api-key and --api-keys-file
 
@@ -115,10 +117,16 @@ class GatewayConfig:
         object.__setattr__(self, "unused_speculation_keys", unused)
         values = speculative_config_values(self.speculative_config)
         object.__setattr__(self, "speculation_draft_tokens_by_load", draft_tokens_by_load(values))
-        next_round = values.get("next_round_drafts", True)
-        if not isinstance(next_round, bool):
-            raise ValueError("next_round_drafts must be true or false")
-        object.__setattr__(self, "speculation_next_round", next_round)
+        object.__setattr__(self, "speculation_next_round", _switch(values, "next_round_drafts", True))
+        object.__setattr__(self, "speculation_adaptive_draft_length",
+                           _switch(values, "adaptive_draft_length", False))
+
+
+def _switch(values: dict, key: str, default: bool) -> bool:
+    value = values.get(key, default)
+    if not isinstance(value, bool):
+        raise ValueError(f"{key} must be true or false")
+    return value
 
 
 def _int_in(value, low: int, high: float = float("inf")) -> bool:

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import grpc
 import structlog
 
+from gateway.draft_length import AdaptiveDraftLength
 from gateway.drafter_client import DrafterClient, DrafterSession
 from gateway.errors import InvalidRequest, Overloaded, Unavailable
 from gateway.metrics import GatewayMetrics, StepTimes
@@ -37,6 +38,8 @@ class LoopPolicy:
     draft_tokens_by_load: tuple[tuple[int, int], ...] = ()
     # Offer the verifiers next-round drafts (they accept them): see generate().
     next_round: bool = False
+    # Adapt each request's draft length to its acceptance (gateway/draft_length.py).
+    adaptive_draft_length: bool = False
 
     def max_draft_tokens(self, num_running: int, k: int) -> int:
         """A step's draft length limit with `num_running` sequences on its verifier."""
@@ -78,12 +81,13 @@ class Orchestrator:
             index, verifier, result = await self._prefill(request)
             output = list(result.token_ids)
             continuation = None  # offered for the step in flight
+            adaptive = AdaptiveDraftLength(k) if self._policy.adaptive_draft_length else None
             while result.finish_reason == common_pb2.FINISH_REASON_UNSPECIFIED:
                 # Drafted before the tokens go out: a drafter that refuses the request makes it a 400.
                 asked = time.perf_counter()
                 drafted = await _next_draft(proposer, result)
                 drafter_seconds = time.perf_counter() - asked
-                limit = self._max_draft_tokens(index, k)
+                limit = self._max_draft_tokens(index, adaptive.limit if adaptive else k)
                 predicted = _predicted_draft(prediction, result, limit)
                 yield _delta(result, speculation=usage)
                 ran_ahead = result.next_round_hit  # the verifier already verifies `continuation`
@@ -108,6 +112,8 @@ class Orchestrator:
                                                             skip_head_draft_if_all_accepted=bool(on_a_run),
                                                             next_round=next_round))
                 usage += _step_usage(result, source, ran_ahead)
+                if adaptive is not None and source == DRAFTER:
+                    adaptive.observe(result.num_draft_tokens, result.num_accepted_draft_tokens)
                 output += result.token_ids
                 self._record_step(result, source, drafter_seconds, time.perf_counter() - sent)
             if drafter is not None:  # the tokens it has not been sent: the last step's, or all of them

@@ -83,7 +83,8 @@ async def run(config: GatewayConfig) -> None:
     verifiers.attach_metrics(metrics)
     policy = LoopPolicy(draft_token_cost=info.draft_token_cost,
                         draft_tokens_by_load=config.speculation_draft_tokens_by_load,
-                        next_round=config.speculation_next_round and info.accepts_next_round)
+                        next_round=config.speculation_next_round and info.accepts_next_round,
+                        adaptive_draft_length=config.speculation_adaptive_draft_length)
     orchestrator = Orchestrator(verifiers, drafter, metrics, policy)
     if drafter is not None:
         await _check_drafter(drafter, config.drafter_wide_speculation)

@@ -22,7 +22,8 @@ VERIFIER_KEYS = ("model", "draft_tensor_parallel_size", "draft_model_config", "s
                  "draft_token_cost")
 # --speculative-config keys the gateway applies server-wide: vLLM's load cut-off, and ours:
 # draft lengths by load, and whether the gateway offers verifiers next-round drafts (default on).
-GATEWAY_KEYS = ("speculative_disable_by_batch_size", "num_speculative_tokens_by_batch_size", "next_round_drafts")
+GATEWAY_KEYS = ("speculative_disable_by_batch_size", "num_speculative_tokens_by_batch_size", "next_round_drafts",
+                "adaptive_draft_length")
 # vLLM's method that only captures hidden states in the verifier: the sequences themselves are not speculated.
 CAPTURE_METHOD = "extract_hidden_states"
 MAX_SPECULATIVE_TOKENS = 64

@@ -347,6 +347,16 @@ def test_a_continuation_is_read_from_the_longer_draft_where_it_goes_on_past_the_
     assert _cut(tree, 0, 2) is tree and _continuation_after(_cut(tree, 0, 1), tree, k=2) is None
 
 
+# Adaptive draft length
+
+async def test_a_request_whose_drafts_keep_failing_gets_shorter_drafts_and_the_same_output():
+    verifier = FakeVerifier(accept=0)  # every draft rejected at its first token
+    async with gateway([verifier], FakeDrafter(draft_len=8), policy=LoopPolicy(adaptive_draft_length=True)) as gw:
+        deltas = await collect(gw, generation(max_tokens=12))
+    assert tokens_of(deltas) == target_tokens(0, 12)
+    assert [len(draft) for draft in verifier.drafts[:5]] == [8, 4, 2, 1, 1]
+
+
 # Predicted outputs
 
 async def test_a_prediction_drafts_instead_of_the_drafter_and_its_tokens_are_counted():
@@ -442,3 +452,7 @@ def test_next_round_drafts_are_on_unless_the_speculative_config_turns_them_off()
     assert not off.speculation_next_round and off.unused_speculation_keys == () and off.speculation.method == "ngram"
     with pytest.raises(ValueError, match="next_round_drafts must be true or false"):
         GatewayConfig(speculative_config='{"next_round_drafts": 1}')
+    assert not GatewayConfig().speculation_adaptive_draft_length
+    assert GatewayConfig(speculative_config='{"adaptive_draft_length": true}').speculation_adaptive_draft_length
+    with pytest.raises(ValueError, match="adaptive_draft_length must be true or false"):
+        GatewayConfig(speculative_config='{"adaptive_draft_length": "yes"}')
