@@ -100,17 +100,9 @@ class Orchestrator:
                                                 result.head_draft, self._policy.draft_token_cost)
                 continuation = (_continuation_after(draft, drafted, limit) if lookahead and source == DRAFTER
                                 and limit > 0 else None)
-                next_round = (verifier_pb2.NextRound(step_committed_len=result.committed_len,
-                                                     continuations=[continuation]) if continuation else None)
                 sent = time.perf_counter()
-                if ran_ahead:
-                    result = await _checked(verifier.next_answer(next_round))
-                else:
-                    # Hybrid: a drafter run that keeps being accepted will likely win the next step too.
-                    on_a_run = speculation.method == "hybrid" and source == DRAFTER and len(draft.token_ids)
-                    result = await _checked(verifier.verify(draft, use_head_draft=source == HEAD,
-                                                            skip_head_draft_if_all_accepted=bool(on_a_run),
-                                                            next_round=next_round))
+                result = await _checked(_step(verifier, speculation.method, result, source, draft, ran_ahead,
+                                              continuation))
                 usage += _step_usage(result, source, ran_ahead)
                 if adaptive is not None and source == DRAFTER:
                     adaptive.observe(result.num_draft_tokens, result.num_accepted_draft_tokens)
@@ -173,6 +165,20 @@ def _delta(result, finish_reason: str | None = None, speculation: SpeculationUsa
     logprobs = tuple(TokenLogprob(entry.logprob, tuple(zip(entry.top_token_ids, entry.top_logprobs)))
                      for entry in result.logprobs)
     return TokenDelta(list(result.token_ids), finish_reason, speculation, logprobs)
+
+
+def _step(verifier, method: str, last, source: str, draft: common_pb2.Draft | None, ran_ahead: bool,
+          continuation: verifier_pb2.Continuation | None):
+    """Sends a step's draft, or nothing when the verifier already runs it
+    (`ran_ahead`), with `continuation` offered for the step after; the answer."""
+    next_round = (verifier_pb2.NextRound(step_committed_len=last.committed_len, continuations=[continuation])
+                  if continuation else None)
+    if ran_ahead:
+        return verifier.next_answer(next_round)
+    # Hybrid: a drafter run that keeps being accepted will likely win the next step too.
+    on_a_run = method == "hybrid" and source == DRAFTER and len(draft.token_ids) > 0
+    return verifier.verify(draft, use_head_draft=source == HEAD, skip_head_draft_if_all_accepted=on_a_run,
+                           next_round=next_round)
 
 
 def _step_usage(result, source: str, ran_ahead: bool) -> SpeculationUsage:
