@@ -42,8 +42,8 @@ class LoopPolicy:
     adaptive_draft_length: bool = False
 
     def max_draft_tokens(self, num_running: int, k: int) -> int:
-        """A step's draft length limit with `num_running` sequences on its verifier."""
-        return min((limit for at_least, limit in self.draft_tokens_by_load if num_running >= at_least), default=k)
+        """A step's draft length limit, k at most, with `num_running` sequences on its verifier."""
+        return min([k, *(limit for at_least, limit in self.draft_tokens_by_load if num_running >= at_least)])
 
 
 class Orchestrator:
@@ -87,7 +87,10 @@ class Orchestrator:
                 asked = time.perf_counter()
                 drafted = await _next_draft(proposer, result)
                 drafter_seconds = time.perf_counter() - asked
-                limit = self._max_draft_tokens(index, adaptive.limit if adaptive else k)
+                # Less than k while the verifier is busy: a big batch is compute-bound, so a
+                # draft token costs what another sequence's token does.
+                limit = self._policy.max_draft_tokens(self._verifiers.num_in_flight(index),
+                                                      adaptive.limit if adaptive else k)
                 predicted = _predicted_draft(prediction, result, limit)
                 yield _delta(result, speculation=usage)
                 ran_ahead = result.next_round_hit  # the verifier already verifies `continuation`
@@ -139,11 +142,6 @@ class Orchestrator:
                     raise
                 self._verifiers.mark_down(index)
         raise Unavailable("no verifier answered the prefill; retry shortly")
-
-    def _max_draft_tokens(self, index: int, k: int) -> int:
-        """The request's k, or less while verifier `index` is busy: a big batch is
-        compute-bound, so a draft token costs what another sequence's token does."""
-        return min(k, self._policy.max_draft_tokens(self._verifiers.num_in_flight(index), k))
 
     def _record_step(self, result, source: str, drafter_seconds: float, verifier_seconds: float) -> None:
         """Where a step's time went: waiting for the drafter, and for the

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from verifier_service.errors import InvalidRequest
 from verifier_service.sequence import Draft, FinishReason, StepResult
 
-MAX_CONTINUATIONS = 8
+MAX_CONTINUATIONS = 8  # per NextRound message
 
 
 @dataclass(frozen=True)
@@ -27,9 +27,6 @@ class NextRound:
         self._continuations: tuple[Continuation, ...] = ()
 
     def offer(self, step_committed_len: int, continuations: tuple[Continuation, ...]) -> None:
-        if len(continuations) > MAX_CONTINUATIONS:
-            raise InvalidRequest(f"a next round may offer at most {MAX_CONTINUATIONS} continuations, "
-                                 f"this one offers {len(continuations)}")
         if any(c.draft.committed_len == 0 for c in continuations):
             raise InvalidRequest("a continuation's draft needs its committed_len")
         self._step_committed_len, self._continuations = step_committed_len, continuations

@@ -15,7 +15,7 @@ from verifier_service.async_engine import AsyncEngine
 from verifier_service.config import DEFAULT_MAX_DRAFT_TOKENS
 from verifier_service.engine import Engine
 from verifier_service.errors import InvalidRequest, ResourceExhausted, SequenceFinished, StaleDraft
-from verifier_service.next_round import Continuation, NextRound
+from verifier_service.next_round import MAX_CONTINUATIONS, Continuation, NextRound
 from verifier_service.sampling import SamplingParams
 from verifier_service.sequence import Draft, FinishReason, GenerationParams, Proposal, Sequence, StepResult
 
@@ -72,6 +72,10 @@ def draft_from_proto(draft: common_pb2.Draft, max_tokens: int, skip_head_draft_i
 
 
 def continuations_from_proto(message: verifier_pb2.NextRound, max_tokens: int) -> tuple[Continuation, ...]:
+    # Counted on the message, as drafts are, before any of it is copied.
+    if len(message.continuations) > MAX_CONTINUATIONS:
+        raise InvalidRequest(f"a next round may offer at most {MAX_CONTINUATIONS} continuations, "
+                             f"this one offers {len(message.continuations)}")
     return tuple(Continuation(c.bonus_token_id, draft_from_proto(c.draft, max_tokens)) for c in message.continuations)
 
 
