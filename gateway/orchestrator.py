@@ -187,13 +187,15 @@ def _step_usage(result, source: str, ran_ahead: bool) -> SpeculationUsage:
 
 
 def _cut(draft: common_pb2.Draft, start: int, stop: int) -> common_pb2.Draft:
-    """Tokens start..stop of a chain draft (the drafter drafts further ahead
-    than a step verifies when next-round drafts are on)."""
-    if draft.parents or (start == 0 and len(draft.token_ids) <= stop):  # a tree is never drafted ahead
+    """Tokens start..stop of a draft: anywhere in a chain (the drafter drafts further
+    ahead than a step verifies when next-round drafts are on), from the start of a
+    tree (its nodes come parents first, so its first nodes are a tree too)."""
+    if start == 0 and len(draft.token_ids) <= stop:
         return draft
     confidences = draft.confidences[start:stop]
-    return common_pb2.Draft(token_ids=draft.token_ids[start:stop], confidences=confidences,
-                            score=sum(confidences), committed_len=draft.committed_len + start, source=draft.source)
+    return common_pb2.Draft(token_ids=draft.token_ids[start:stop], parents=draft.parents[start:stop],
+                            confidences=confidences, score=sum(confidences),
+                            committed_len=draft.committed_len + start, source=draft.source)
 
 
 def _continuation_after(step: common_pb2.Draft, drafted: common_pb2.Draft,

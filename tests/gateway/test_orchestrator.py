@@ -343,8 +343,10 @@ def test_a_continuation_is_read_from_the_longer_draft_where_it_goes_on_past_the_
     assert list(continuation.draft.confidences) == [.5, .5]
     assert _continuation_after(common_pb2.Draft(token_ids=[1, 7]), drafted, k=2) is None  # drafted something else
     assert _continuation_after(_cut(drafted, 0, 5), drafted, k=2) is None  # nothing after the bonus
-    tree = common_pb2.Draft(token_ids=[1, 2, 3, 4], parents=[-1, 0, 0, 1])
-    assert _cut(tree, 0, 2) is tree and _continuation_after(_cut(tree, 0, 1), tree, k=2) is None
+    tree = common_pb2.Draft(token_ids=[1, 2, 3, 4], parents=[-1, 0, 0, 1], confidences=[1, .5, .5, .25])
+    cut = _cut(tree, 0, 3)  # a load or adaptive limit holds for trees too
+    assert (list(cut.token_ids), list(cut.parents), cut.score) == ([1, 2, 3], [-1, 0, 0], 2)
+    assert _continuation_after(_cut(tree, 0, 1), tree, k=2) is None
 
 
 # Adaptive draft length
