@@ -23,12 +23,13 @@ async def model_info(ctx: ServingContext, backends: Backends | None) -> gateway_
     """`backends` None: a front end over no services of ours (the text layer's tests)."""
     info = gateway_pb2.ModelInfo(model_name=ctx.model_name, max_context_len=ctx.max_context_len,
                                  vocab_size=len(ctx.tokenizer))
-    info.default_speculation.CopyFrom(gateway_pb2.SpeculationConfig(**dataclasses.asdict(ctx.default_speculation)))
     if backends is None:
+        info.default_speculation.CopyFrom(_speculation_config(ctx.default_speculation.with_draft_length(None)))
         return info
     drafter = backends.drafter
     serving, limits = await asyncio.gather(backends.verifiers.num_serving(),
                                            drafter.refresh_limits() if drafter is not None else _no_limits())
+    info.default_speculation.CopyFrom(_speculation_config(ctx.default_speculation.with_draft_length(limits)))
     info.num_verifiers = len(backends.verifiers.addresses)
     info.num_verifiers_serving = serving
     info.drafter_configured = drafter is not None
@@ -37,6 +38,10 @@ async def model_info(ctx: ServingContext, backends: Backends | None) -> gateway_
         for key, field in DRAFTER_WIDE_KEYS.items():
             setattr(info.default_speculation, key, getattr(limits, field))
     return info
+
+
+def _speculation_config(settings) -> gateway_pb2.SpeculationConfig:
+    return gateway_pb2.SpeculationConfig(**dataclasses.asdict(settings))
 
 
 async def _no_limits() -> DrafterLimits | None:

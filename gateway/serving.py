@@ -193,7 +193,8 @@ def build_generation_request(ctx: ServingContext, request_id: str, params: Gener
     if not prompt_ids:
         raise InvalidRequest("the prompt must not be empty", "prompt")
     try:
-        speculation = ctx.default_speculation.merged(params.speculation or {}, ctx.drafter_limits())
+        limits = ctx.drafter_limits()
+        speculation = ctx.default_speculation.merged(params.speculation or {}, limits).with_draft_length(limits)
     except ValueError as error:
         raise InvalidRequest(str(error), "speculation") from error
     _check_head(ctx, speculation.method)

@@ -8,6 +8,7 @@ mapping to and from the drafter's messages is here too, for both ends."""
 import dataclasses
 import json
 import math
+import typing
 from dataclasses import dataclass
 
 from protos.drafter.v1 import drafter_pb2
@@ -27,6 +28,9 @@ GATEWAY_KEYS = ("speculative_disable_by_batch_size", "num_speculative_tokens_by_
 # vLLM's method that only captures hidden states in the verifier: the sequences themselves are not speculated.
 CAPTURE_METHOD = "extract_hidden_states"
 MAX_SPECULATIVE_TOKENS = 64
+# k where a configuration names none: suffix decoding drafts up to the tree depth (vLLM's default for it; its
+# budget rule keeps drafts short where matches are short), every other method this many.
+DEFAULT_SPECULATIVE_TOKENS = 8
 # Appending costs O(depth) per token and tree, so a drafter's depth is bounded.
 MAX_TREE_DEPTH = 256
 # The longest n-gram prompt lookup matches (the drafter core's bound).
@@ -54,7 +58,7 @@ class SpeculationSettings:
     our `suffix_decoding_max_spec_offset` and `suffix_decoding_use_tree_spec`)."""
 
     method: str = "suffix"
-    num_speculative_tokens: int = 8
+    num_speculative_tokens: int | None = None  # None: the method's default (see draft_length)
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 5
     # suffix: draft budget = min(k, factor * match_len + offset); stop below min_token_prob
@@ -69,7 +73,7 @@ class SpeculationSettings:
             object.__setattr__(self, "method", METHOD_ALIASES[self.method])
         if self.method not in METHODS:
             raise ValueError(f"method must be one of {', '.join(METHODS)}, got {self.method!r}")
-        if not 1 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
+        if self.num_speculative_tokens is not None and not 1 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
             raise ValueError(f"num_speculative_tokens must be between 1 and {MAX_SPECULATIVE_TOKENS}, "
                              f"got {self.num_speculative_tokens}")
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max <= MAX_PROMPT_LOOKUP:
@@ -103,16 +107,26 @@ class SpeculationSettings:
         for key, value in values.items():
             if key not in fields:
                 raise ValueError(f"unknown speculation key {key!r}")
-            values[key] = _typed(key, value, type(getattr(self, key)))
+            values[key] = _typed(key, value, _value_type(fields[key]))
         if "prompt_lookup_min" in values and "prompt_lookup_max" not in values:
             values["prompt_lookup_max"] = values["prompt_lookup_min"]
         elif "prompt_lookup_max" in values and "prompt_lookup_min" not in values:
             values["prompt_lookup_min"] = values["prompt_lookup_max"]
         settings = dataclasses.replace(self, **values)
-        if limits is not None and settings.num_speculative_tokens > limits.max_speculative_tokens:
+        if limits is not None and (settings.num_speculative_tokens or 0) > limits.max_speculative_tokens:
             raise ValueError(f"num_speculative_tokens must be at most {limits.max_speculative_tokens} "
                              "on this drafter")
         return settings
+
+    def with_draft_length(self, limits: DrafterLimits | None) -> "SpeculationSettings":
+        """These settings with k fixed: as given, else the method's default on a drafter with `limits`
+        (its defaults where unknown)."""
+        if self.num_speculative_tokens is not None:
+            return self
+        limits = limits or DrafterLimits()
+        k = (min(limits.max_tree_depth, limits.max_speculative_tokens) if self.method == "suffix"
+             else DEFAULT_SPECULATIVE_TOKENS)
+        return dataclasses.replace(self, num_speculative_tokens=k)
 
     @property
     def uses_drafter(self) -> bool:
@@ -140,6 +154,11 @@ def draft_value(score: float, num_tokens: int, token_cost: float) -> float:
     tokens) over the step's cost, where a plain step costs 1 and each draft
     token `token_cost` more (the verifier measures it; see draft_cost.py)."""
     return (1.0 + score) / (1.0 + token_cost * num_tokens)
+
+
+def _value_type(field: dataclasses.Field) -> type:
+    """What a key's value must be: the field's type, int for `int | None`."""
+    return next((kind for kind in typing.get_args(field.type) if kind is not type(None)), field.type)
 
 
 def _typed(key: str, value, expected: type):

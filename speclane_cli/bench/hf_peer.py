@@ -34,13 +34,14 @@ class _TokenClock(BaseStreamer):
 
 
 class HfPeer:
-    def __init__(self, model_dir, num_speculative_tokens: int, request_fields: dict):
+    def __init__(self, model_dir, num_speculative_tokens: int | None, request_fields: dict):
         # One thread, as the verifier decodes (speclane serve --threads 0 means 1).
         torch.set_num_threads(1)
         transformers_logging.disable_progress_bar()  # its bar would tear the benchmark's own
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-        self.num_speculative_tokens = num_speculative_tokens
+        # None: transformers' own default prompt_lookup_num_tokens
+        self.num_speculative_tokens = num_speculative_tokens or 10
         self.max_new_tokens = request_fields["max_tokens"]
         temperature = request_fields.get("temperature") or 0.0
         self.sampling = {"do_sample": temperature > 0}

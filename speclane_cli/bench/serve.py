@@ -48,9 +48,15 @@ def add_arguments(parser) -> None:
     parser.add_argument("--methods", default=DEFAULT_METHODS,
                         help="comma-separated speculation methods; 'none' is the baseline; 'default' sends "
                              "no speculation field (the server's own configuration)")
-    parser.add_argument("--num-speculative-tokens", type=int, default=8,
-                        help="k, the draft length, for speculative methods and the peer")
+    parser.add_argument("--num-speculative-tokens", type=int, default=None,
+                        help="k, the draft length, for speculative methods and the peer; default: each "
+                             "method's own on the server (suffix: the drafter's tree depth, others 8), "
+                             "transformers' for the peer")
     parser.add_argument("--max-tokens", type=int, default=128, help="max_tokens of every request")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="times every method runs each data set and concurrency, in reversed order every other "
+                             "round, each round with fresh tenants; a row sums its rounds (drift on a noisy machine "
+                             "then weighs on all methods alike)")
     parser.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0: greedy)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the data set sampling and generators")
     parser.add_argument("--peer", choices=PEERS, default=None,
@@ -67,13 +73,13 @@ def _settings(args) -> dict:
         "url": args.url, "model": args.model, "datasets": _csv(str)(args.dataset),
         "concurrency": _csv(int)(args.concurrency), "num_prompts": args.num_prompts, "max_turns": args.max_turns,
         "methods": _csv(str)(args.methods), "num_speculative_tokens": args.num_speculative_tokens,
-        "max_tokens": args.max_tokens, "temperature": args.temperature, "seed": args.seed, "peer": args.peer,
-        "peer_model": args.peer_model, "output_dir": args.output_dir,
+        "max_tokens": args.max_tokens, "rounds": args.rounds, "temperature": args.temperature, "seed": args.seed,
+        "peer": args.peer, "peer_model": args.peer_model, "output_dir": args.output_dir,
     }
     if min(settings["concurrency"]) < 1:
         raise ValueError("concurrency levels must be >= 1")
-    if min(args.num_prompts, args.max_turns, args.max_tokens, args.num_speculative_tokens) < 1:
-        raise ValueError("--num-prompts, --max-turns, --max-tokens and --num-speculative-tokens must be >= 1")
+    if min(args.num_prompts, args.max_turns, args.max_tokens, args.rounds, args.num_speculative_tokens or 1) < 1:
+        raise ValueError("--num-prompts, --max-turns, --max-tokens, --rounds and --num-speculative-tokens must be >= 1")
     if args.temperature < 0:
         raise ValueError("--temperature must be >= 0")
     if any(method.startswith("hf-") for method in settings["methods"]):
@@ -87,10 +93,15 @@ def command_line(settings: dict) -> str:
              "--concurrency": ",".join(map(str, settings["concurrency"])), "--num-prompts": settings["num_prompts"],
              "--max-turns": settings["max_turns"], "--methods": ",".join(settings["methods"]),
              "--num-speculative-tokens": settings["num_speculative_tokens"], "--max-tokens": settings["max_tokens"],
+             "--rounds": settings["rounds"],
              "--temperature": settings["temperature"], "--seed": settings["seed"], "--peer": settings["peer"],
              "--peer-model": settings["peer_model"], "--output-dir": settings["output_dir"]}
     if settings["peer"] is None:
         del flags["--peer"], flags["--peer-model"]
+    if settings["num_speculative_tokens"] is None:
+        del flags["--num-speculative-tokens"]
+    if settings["rounds"] == 1:
+        del flags["--rounds"]
     return "speclane bench serve " + " ".join(f"{flag} {shlex.quote(str(value))}" for flag, value in flags.items())
 
 
@@ -99,7 +110,9 @@ def request_fields(settings: dict, method: str) -> dict:
     if method == "none":
         fields["speculation"] = {"method": "none"}
     elif method != "default":
-        fields["speculation"] = {"method": method, "num_speculative_tokens": settings["num_speculative_tokens"]}
+        fields["speculation"] = {"method": method}
+        if settings["num_speculative_tokens"] is not None:
+            fields["speculation"]["num_speculative_tokens"] = settings["num_speculative_tokens"]
     return fields
 
 
@@ -111,14 +124,18 @@ def _run_all(settings: dict, workloads: dict[str, list[Conversation]]) -> list[R
         from speclane_cli.bench.hf_peer import PEER_METHODS
 
         peer_methods = list(PEER_METHODS)
-    plan = [(dataset, concurrency, method) for dataset in workloads for concurrency in settings["concurrency"]
-            for method in settings["methods"]]
-    plan += [(dataset, 1, method) for dataset in workloads for method in peer_methods]
-    total = sum(len(c.turns) for dataset, _, _ in plan for c in workloads[dataset])
+    plan = []
+    for number in range(settings["rounds"]):
+        order = 1 if number % 2 == 0 else -1
+        plan += [(number, dataset, concurrency, method) for dataset in workloads
+                 for concurrency in settings["concurrency"] for method in settings["methods"][::order]]
+        plan += [(number, dataset, 1, method) for dataset in workloads for method in peer_methods[::order]]
+    total = sum(len(c.turns) for _, dataset, _, _ in plan for c in workloads[dataset])
     run_id = uuid.uuid4().hex[:8]
-    runs, peer = [], None
+    measured: dict[tuple, tuple[list, float]] = {}  # (dataset, concurrency, method) -> results, seconds
+    peer = None
     with tqdm(total=total, unit="req", desc="bench serve") as bar:
-        for dataset, concurrency, method in plan:
+        for number, dataset, concurrency, method in plan:
             bar.set_postfix_str(f"{dataset} c={concurrency} {method}")
             if method in peer_methods:
                 if peer is None:
@@ -127,9 +144,10 @@ def _run_all(settings: dict, workloads: dict[str, list[Conversation]]) -> list[R
             else:
                 results, duration = asyncio.run(closed_loop(
                     settings["url"], workloads[dataset], concurrency, request_fields(settings, method),
-                    tenant=f"bench-{run_id}-{dataset}-c{concurrency}-{method}", on_request=bar.update))
-            runs.append(summarize(dataset, concurrency, method, results, duration))
-    return runs
+                    tenant=f"bench-{run_id}-r{number}-{dataset}-c{concurrency}-{method}", on_request=bar.update))
+            earlier, seconds = measured.get((dataset, concurrency, method), ([], 0.0))
+            measured[(dataset, concurrency, method)] = (earlier + results, seconds + duration)
+    return [summarize(*key, results, duration) for key, (results, duration) in measured.items()]
 
 
 def _load_peer(settings: dict):

@@ -60,8 +60,9 @@ def test_a_tiny_benchmark_runs_end_to_end(stack, tmp_path, capsys):
 
 @pytest.mark.e2e
 def test_failed_requests_are_counted_and_reported_not_averaged(stack, tmp_path, capsys):
-    code = bench("--url", stack.base_url, "--dataset", "humaneval", "--concurrency", "1", "--num-prompts", "2",
-                 "--max-tokens", "4", "--methods", "none,eagle9", "--output-dir", str(tmp_path))
+    # Two rounds: each row sums both.
+    code = bench("--url", stack.base_url, "--dataset", "humaneval", "--concurrency", "1", "--num-prompts", "1",
+                 "--max-tokens", "4", "--methods", "none,eagle9", "--rounds", "2", "--output-dir", str(tmp_path))
     captured = capsys.readouterr()
     assert code == 1
     assert "FAILED: humaneval c=1 eagle9: 2 failed, e.g. HTTP 400" in captured.err
@@ -83,6 +84,7 @@ def test_an_unreachable_server_is_refused_with_a_clear_message(tmp_path, capsys)
     (["--concurrency", "0"], "concurrency levels must be >= 1"),
     (["--concurrency", "one"], "expected a comma-separated list"),
     (["--max-tokens", "0"], "must be >= 1"),
+    (["--rounds", "0"], "must be >= 1"),
     (["--methods", "hf-generate"], "come from --peer"),
 ])
 def test_bad_flags_are_refused_before_any_request(flags, message, capsys):

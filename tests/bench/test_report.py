@@ -2,7 +2,7 @@ import json
 
 from speclane_cli.bench.plots import write_plots
 from speclane_cli.bench.report import markdown_table, terminal_table, write_results
-from speclane_cli.bench.serve import command_line
+from speclane_cli.bench.serve import command_line, request_fields
 from speclane_cli.bench.stats import comparisons
 from tests.bench.factories import run
 
@@ -38,7 +38,7 @@ def test_results_files_and_plots(tmp_path):
     assert all(p.read_bytes().startswith(PNG_MAGIC) for p in plots)
     settings = {"url": "http://127.0.0.1:8000", "model": "m", "datasets": ["humaneval"], "concurrency": [1, 4],
                 "num_prompts": 2, "max_turns": 3, "methods": ["none", "suffix"], "num_speculative_tokens": 8,
-                "max_tokens": 16, "temperature": 0.0, "seed": 0, "peer": "hf-prompt-lookup",
+                "max_tokens": 16, "rounds": 1, "temperature": 0.0, "seed": 0, "peer": "hf-prompt-lookup",
                 "peer_model": "smollm2-135m-instruct", "output_dir": str(tmp_path)}
     command = command_line(settings)
     json_path, md_path = write_results(tmp_path, command, settings, RUNS, rows, plots)
@@ -53,9 +53,19 @@ def test_results_files_and_plots(tmp_path):
 def test_command_line_reproduces_every_setting():
     settings = {"url": "http://h:1", "model": "m", "datasets": ["humaneval", "my prompts.jsonl"],
                 "concurrency": [1, 4], "num_prompts": 5, "max_turns": 2, "methods": ["none", "suffix"],
-                "num_speculative_tokens": 4, "max_tokens": 32, "temperature": 0.0, "seed": 7, "peer": None,
+                "num_speculative_tokens": 4, "max_tokens": 32, "rounds": 2, "temperature": 0.0, "seed": 7, "peer": None,
                 "peer_model": "x", "output_dir": "out"}
     assert command_line(settings) == (
         "speclane bench serve --url http://h:1 --model m --dataset 'humaneval,my prompts.jsonl' --concurrency 1,4 "
-        "--num-prompts 5 --max-turns 2 --methods none,suffix --num-speculative-tokens 4 --max-tokens 32 "
+        "--num-prompts 5 --max-turns 2 --methods none,suffix --num-speculative-tokens 4 --max-tokens 32 --rounds 2 "
         "--temperature 0.0 --seed 7 --output-dir out")
+
+
+def test_without_a_k_each_method_drafts_the_servers_own_length():
+    settings = {"url": "http://h:1", "model": "m", "datasets": ["humaneval"], "concurrency": [1], "num_prompts": 5,
+                "max_turns": 1, "methods": ["ngram", "suffix"], "num_speculative_tokens": None, "max_tokens": 32,
+                "rounds": 1, "temperature": 0.0, "seed": 7, "peer": None, "peer_model": "x", "output_dir": "out"}
+    assert not {"--num-speculative-tokens", "--rounds"} & set(command_line(settings).split())
+    assert request_fields(settings, "suffix")["speculation"] == {"method": "suffix"}
+    assert request_fields({**settings, "num_speculative_tokens": 4}, "ngram")["speculation"] == {
+        "method": "ngram", "num_speculative_tokens": 4}

@@ -245,7 +245,7 @@ async def generation_api(tokenizer, gw: Gateway):
 
 def generation(max_tokens: int = 10) -> GenerationRequest:
     return GenerationRequest(request_id=f"req-{next(_request_ids)}", prompt_token_ids=PROMPT, max_tokens=max_tokens,
-                             speculation=SpeculationSettings())
+                             speculation=SpeculationSettings(num_speculative_tokens=8))
 
 
 async def collect(gw: Gateway, request: GenerationRequest | None = None, into: list | None = None) -> list[TokenDelta]:

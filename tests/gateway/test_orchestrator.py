@@ -186,8 +186,10 @@ async def test_concurrent_requests_go_to_the_least_busy_verifier():
 async def test_a_head_methods_output_feeds_the_drafters_trees_and_none_stays_away():
     verifier, drafter = FakeVerifier(), FakeDrafter()
     async with gateway([verifier], drafter) as gw:
-        head = await collect(gw, dataclasses.replace(generation(), speculation=SpeculationSettings(method="eagle3")))
-        await collect(gw, dataclasses.replace(generation(), speculation=SpeculationSettings(method="none")))
+        head_request, none_request = (dataclasses.replace(generation(), speculation=dataclasses.replace(
+            generation().speculation, method=method)) for method in ("eagle3", "none"))
+        head = await collect(gw, head_request)
+        await collect(gw, none_request)
     assert drafter.committed == [tokens_of(head)]  # the whole output, handed over once at the end
     assert all(draft == [] for draft in verifier.drafts)  # nothing the drafter proposed was verified
 

@@ -1,3 +1,5 @@
+import dataclasses
+
 import pytest
 
 from gateway.chat_template import ChatPrompt
@@ -5,7 +7,7 @@ from gateway.errors import InvalidRequest, ModelNotFound, Overloaded
 from gateway.sampling_defaults import SamplingDefaults, read_sampling_defaults
 from gateway.serving import GenerationParams, build_generation_request, generate_text
 from gateway.types import SpeculationUsage
-from speclane.speculation import DrafterLimits
+from speclane.speculation import DEFAULT_SPECULATIVE_TOKENS, DrafterLimits, SpeculationSettings
 from tests.gateway.fakes import COMPLETION, MODEL_NAME, ScriptedEngine, make_context
 
 USER = [{"role": "user", "content": "Say hello"}]
@@ -45,7 +47,16 @@ def test_eos_stops_generation_unless_ignore_eos(ctx, tiny_tokenizer):
 def test_speculation_overrides_the_default(ctx):
     request = build(ctx, GenerationParams(speculation={"method": "ngram", "num_speculative_tokens": 3}))
     assert (request.speculation.method, request.speculation.num_speculative_tokens) == ("ngram", 3)
-    assert build(ctx).speculation == ctx.default_speculation
+    assert build(ctx).speculation == ctx.default_speculation.with_draft_length(None)
+
+
+def test_a_method_without_a_configured_k_drafts_its_own_default_length(ctx):
+    ctx.drafter_limits = lambda: DrafterLimits(max_tree_depth=16, max_cached_requests=10)
+    assert build(ctx).speculation.num_speculative_tokens == 16  # suffix: as deep as the drafter's trees
+    ngram = build(ctx, GenerationParams(speculation={"method": "ngram"}))
+    assert ngram.speculation.num_speculative_tokens == DEFAULT_SPECULATIVE_TOKENS
+    configured = dataclasses.replace(ctx, default_speculation=SpeculationSettings(num_speculative_tokens=5))
+    assert build(configured, GenerationParams(speculation={"method": "ngram"})).speculation.num_speculative_tokens == 5
 
 
 def test_requests_are_checked_against_the_drafters_limits(ctx):
