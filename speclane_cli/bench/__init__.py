@@ -12,6 +12,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "head": ("speclane_cli.bench.head", "a draft head's cost next to a verify step, and its acceptance per k"),
     "soak": ("speclane_cli.bench.soak", "hours of mixed traffic in minutes: 0 errors, flat RSS, nothing left held"),
     "link": ("speclane_cli.bench.link", "a TCP link with a fixed delay each way, between two services"),
+    "policy": ("speclane_cli.bench.policy", "draft policies replayed on recorded target replies, without noise"),
 }
 
 

@@ -1,0 +1,160 @@
+"""`speclane bench policy`: draft policies replayed on the target's own outputs, without noise.
+
+The target's greedy replies to the bench data sets are recorded once (transformers, the same chat template and
+conversations as `bench serve`) and saved; each policy then replays them through the compiled drafter core as the
+gateway drives it: a drafter session per request (the data set's requests in order, one tenant, so the global
+tree learns as it would at concurrency 1), a draft of k tokens verified greedily (accepted up to the first token
+the target did not write, plus the target's own next token), and with next-round drafts the continuation the
+drafter offered used as the next step's draft when the whole draft and its guessed bonus token were right (after
+a freshly drafted step only: the gateway can chain one more offer after a hit, which this leaves out).
+
+Steps are priced as the verifier measures them (`draft_cost.py`): a plain step costs 1, each draft token
+`--draft-token-cost` more, so a policy's decode speed relative to n-gram lookup is estimated exactly from counts.
+Greedy verification makes the replay deterministic: it finds the knobs, and `bench serve` confirms the winners.
+"""
+
+import json
+import pathlib
+from dataclasses import dataclass
+
+from drafter_service import _core
+
+NGRAM_LOOKUP = (2, 5)  # prompt_lookup_min/max: the gateway's defaults
+
+
+@dataclass(frozen=True)
+class Trace:
+    prompt: tuple[int, ...]
+    output: tuple[int, ...]
+
+
+@dataclass
+class Replayed:
+    tokens: int = 0  # decoded after the first (which the prefill gives)
+    steps: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    next_round_steps: int = 0
+    cost: float = 0.0  # in plain-step units
+
+    @property
+    def speed(self) -> float:
+        return self.tokens / self.cost if self.cost else 0.0
+
+
+def replay(traces: list[Trace], method: str, k: int, token_cost: float, next_round: bool = True,
+           **suffix_params) -> Replayed:
+    """Decodes every trace with drafts of `method` ("suffix" or "ngram", k tokens) and counts what it costs."""
+    cache = _core.Cache(24, 10000, 0)
+    core_method = _core.METHOD_SUFFIX if method == "suffix" else _core.METHOD_NGRAM
+    # As the gateway asks: k for this step, the drafter's guess of the bonus token, k more after it.
+    asked = 2 * k + 1 if next_round else k
+    result = Replayed()
+    for number, trace in enumerate(traces):
+        out = trace.output
+        cache.start_request(number, list(trace.prompt), method=core_method, max_spec_tokens=asked,
+                            prompt_lookup_min=NGRAM_LOOKUP[0], prompt_lookup_max=NGRAM_LOOKUP[1], **suffix_params)
+        position, committed, offered = 1, list(out[:1]), None
+        while position < len(out):
+            fresh = cache.step([number], [committed])[0][0]
+            draft = offered if offered is not None else fresh[:k]
+            result.next_round_steps += offered is not None
+            accepted = _accepted(draft, out[position:])
+            bonus_at = position + accepted
+            offered = (fresh[k + 1:] if next_round and offered is None and accepted == k and len(fresh) > k + 1
+                       and bonus_at < len(out) and out[bonus_at] == fresh[k] else None)
+            committed = list(out[position:bonus_at + 1])
+            position += len(committed)
+            result.steps += 1
+            result.drafted += len(draft)
+            result.accepted += accepted
+            result.cost += 1 + token_cost * len(draft)
+        cache.stop_request(number)
+        result.tokens += len(out) - 1
+    return result
+
+
+def _accepted(draft, target) -> int:
+    """Greedy verification: the draft's longest prefix the target wrote."""
+    count = 0
+    while count < min(len(draft), len(target)) and draft[count] == target[count]:
+        count += 1
+    return count
+
+
+def record(path: pathlib.Path, datasets: list[str], num_prompts: int, max_turns: int, max_tokens: int,
+           seed: int) -> dict[str, list[Trace]]:
+    """The packaged model's greedy replies to the bench conversations, saved to `path` as JSON."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from speclane.models import resolve_model
+    from speclane_cli.bench.workloads import load_workload
+
+    model_dir = str(resolve_model("smollm2-135m-instruct"))
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    recorded = {}
+    for name in datasets:
+        traces = []
+        for conversation in load_workload(name, num_prompts, seed, max_turns):
+            replies: list[str] = []
+            for _ in conversation.turns:
+                prompt = tokenizer.apply_chat_template(conversation.messages(replies), add_generation_prompt=True,
+                                                       return_dict=True)["input_ids"]
+                with torch.inference_mode():
+                    generated = model.generate(torch.tensor([prompt]), max_new_tokens=max_tokens, do_sample=False,
+                                               pad_token_id=tokenizer.eos_token_id)
+                output = generated[0, len(prompt):].tolist()
+                traces.append(Trace(tuple(prompt), tuple(output)))
+                replies.append(tokenizer.decode(output, skip_special_tokens=True))
+        recorded[name] = traces
+    path.write_text(json.dumps({name: [[list(t.prompt), list(t.output)] for t in traces]
+                                for name, traces in recorded.items()}))
+    return recorded
+
+
+def load(path: pathlib.Path) -> dict[str, list[Trace]]:
+    return {name: [Trace(tuple(prompt), tuple(output)) for prompt, output in traces]
+            for name, traces in json.loads(path.read_text()).items()}
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--traces", default="bench-traces.json",
+                        help="recorded replies (JSON); recorded first with the packaged model when absent")
+    parser.add_argument("--dataset", default="humaneval,sharegpt,agent-loop,code-edit",
+                        help="comma-separated bench serve data sets (when recording)")
+    parser.add_argument("--num-prompts", type=int, default=10, help="conversations per data set (when recording)")
+    parser.add_argument("--max-turns", type=int, default=2, help="turns per conversation (when recording)")
+    parser.add_argument("--max-tokens", type=int, default=128, help="tokens per reply (when recording)")
+    parser.add_argument("--seed", type=int, default=0, help="data set seed (when recording)")
+    parser.add_argument("--k", default="8,12,16,24", help="comma-separated suffix draft lengths to try")
+    parser.add_argument("--max-spec-factor", default="1,2", help="comma-separated suffix budgets per match token")
+    parser.add_argument("--min-token-prob", default="0.1,0.3", help="comma-separated suffix probability floors")
+    parser.add_argument("--ngram-k", type=int, default=8, help="n-gram lookup's draft length, the reference")
+    parser.add_argument("--draft-token-cost", type=float, default=0.17,
+                        help="a draft token's verify cost relative to a plain step (the verifier logs its own)")
+    parser.add_argument("--no-next-round", action="store_true", help="replay without next-round drafts")
+
+
+def run(args) -> int:
+    path = pathlib.Path(args.traces)
+    datasets = [name for name in args.dataset.split(",") if name]
+    traces = load(path) if path.exists() else record(path, datasets, args.num_prompts, args.max_turns,
+                                                        args.max_tokens, args.seed)
+    floats = lambda text: [float(value) for value in text.split(",")]  # noqa: E731
+    grid = [(k, factor, floor) for k in (int(value) for value in args.k.split(","))
+            for factor in floats(args.max_spec_factor) for floor in floats(args.min_token_prob)]
+    cost, next_round = args.draft_token_cost, not args.no_next_round
+    names = list(traces)
+    print(f"suffix decoding's estimated decode speed / n-gram lookup's (k={args.ngram_k}), draft token cost "
+          f"{cost:.2f}, next round {'on' if next_round else 'off'}")
+    print("| k | max_spec_factor | min_token_prob | " + " | ".join(names) + " | worst |")
+    print("|---|---|---|" + "---|" * (len(names) + 1))
+    reference = {name: replay(traces[name], "ngram", args.ngram_k, cost, next_round).speed for name in names}
+    for k, factor, floor in grid:
+        ratios = [replay(traces[name], "suffix", k, cost, next_round, max_spec_factor=factor,
+                         min_token_prob=floor).speed / reference[name] for name in names]
+        print(f"| {k} | {factor:g} | {floor:g} | " + " | ".join(f"{r:.3f}" for r in ratios)
+              + f" | {min(ratios):.3f} |")
+    return 0
