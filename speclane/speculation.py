@@ -58,7 +58,7 @@ class SpeculationSettings:
     our `suffix_decoding_max_spec_offset` and `suffix_decoding_use_tree_spec`)."""
 
     method: str = "suffix"
-    num_speculative_tokens: int | None = None  # None: the method's default (see draft_length)
+    num_speculative_tokens: int | None = None  # None: the method's default (see with_draft_length)
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 5
     # suffix: draft budget = min(k, factor * match_len + offset); stop below min_token_prob

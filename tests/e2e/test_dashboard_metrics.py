@@ -57,6 +57,6 @@ def test_model_info_over_grpc(stack):
         info = client.model_info()
     assert info.model_name == MODEL and info.vocab_size == 49152
     assert info.default_speculation["method"] == "suffix"
-    assert info.default_speculation["num_speculative_tokens"] == 24  # suffix's default k: the drafter's tree depth
+    assert info.default_speculation["num_speculative_tokens"] == 8  # as the stack's --speculative-config names it
     assert (info.num_verifiers, info.num_verifiers_serving) == (1, 1)
     assert info.drafter_configured and info.drafter_reachable

@@ -12,6 +12,8 @@ PROMPTS = [("humaneval", i) for i in range(10)] + [("sharegpt", i) for i in rang
 SPECULATION = {
     "suffix": {"method": "suffix"},
     "suffix-tree": {"method": "suffix", "suffix_decoding_use_tree_spec": True},
+    # The stack names k = 8; suffix decoding's own default is the tree depth.
+    "suffix-24": {"method": "suffix", "num_speculative_tokens": 24},
     "ngram": {"method": "ngram"},
     "none": {"method": "none"},
 }
@@ -37,7 +39,7 @@ def test_speculative_greedy_output_equals_plain(client, prompts, source, index):
     plain = runs["none"]
     assert plain.usage.draft_tokens == 0 and plain.usage.verify_steps > 0
     assert len(plain.token_ids) > 0
-    for name in ("suffix", "suffix-tree", "ngram"):
+    for name in ("suffix", "suffix-tree", "suffix-24", "ngram"):
         assert runs[name].token_ids == plain.token_ids, f"{name} changed the output"
         assert runs[name].text == plain.text
 

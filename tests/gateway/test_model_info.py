@@ -37,7 +37,8 @@ class HealthyVerifier(FakeVerifier):
 
 
 @contextlib.asynccontextmanager
-async def gateway_api(ctx, verifiers: list[HealthyVerifier], drafter: FakeDrafter | None):
+async def gateway_api(ctx, verifiers: list[HealthyVerifier], drafter: FakeDrafter | None,
+                      settings: SpeculationSettings = SETTINGS):
     """The servicer as gateway/server.py wires it; yields (address, drafter's server stack)."""
     async with contextlib.AsyncExitStack() as stack:
         addresses = [await stack.enter_async_context(serve(v.add_to)) for v in verifiers]
@@ -51,7 +52,7 @@ async def gateway_api(ctx, verifiers: list[HealthyVerifier], drafter: FakeDrafte
             client = DrafterClient(await drafter_server.enter_async_context(serve(drafter.add_to)), 1.0)
             stack.push_async_callback(client.close)
         stack.push_async_callback(drafter_server.aclose)
-        ctx = dataclasses.replace(ctx, default_speculation=SETTINGS, keyring=Keyring.load(("sk-1",)))
+        ctx = dataclasses.replace(ctx, default_speculation=settings, keyring=Keyring.load(("sk-1",)))
         yield await stack.enter_async_context(
             serve(lambda server: add_generation_servicer(server, ctx, Backends(pool, client)))), drafter_server
 
@@ -77,6 +78,14 @@ async def test_model_info_reports_the_model_the_defaults_and_the_backends(ctx, t
         assert (info.num_verifiers, info.num_verifiers_serving) == (2, 1)
         assert info.drafter_configured and not info.drafter_reachable
         assert "suffix_decoding_max_tree_depth" not in info.default_speculation
+
+
+async def test_a_suffix_default_without_k_reports_the_drafters_tree_depth(ctx):
+    async with gateway_api(ctx, [HealthyVerifier()], FakeDrafter(max_tree_depth=32), SpeculationSettings()) as (
+            address, drafter_server), AsyncGenerationClient(address, api_key="sk-1") as client:
+        assert (await client.model_info()).default_speculation["num_speculative_tokens"] == 32
+        await drafter_server.aclose()
+        assert (await client.model_info()).default_speculation["num_speculative_tokens"] == 24  # its default depth
 
 
 async def test_without_a_drafter_and_with_the_blocking_client(ctx):
