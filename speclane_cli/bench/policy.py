@@ -13,13 +13,13 @@ Steps are priced as the verifier measures them (`draft_cost.py`): a plain step c
 Greedy verification makes the replay deterministic: it finds the knobs, and `bench serve` confirms the winners.
 """
 
+import dataclasses
 import json
 import pathlib
 from dataclasses import dataclass
 
-from drafter_service import _core
-
-NGRAM_LOOKUP = (2, 5)  # prompt_lookup_min/max: the gateway's defaults
+from drafter_service.engine import DraftEngine
+from speclane.speculation import DrafterLimits, SpeculationSettings
 
 
 @dataclass(frozen=True)
@@ -42,21 +42,22 @@ class Replayed:
         return self.tokens / self.cost if self.cost else 0.0
 
 
-def replay(traces: list[Trace], method: str, k: int, token_cost: float, next_round: bool = True,
-           **suffix_params) -> Replayed:
-    """Decodes every trace with drafts of `method` ("suffix" or "ngram", k tokens) and counts what it costs."""
-    cache = _core.Cache(24, 10000, 0)
-    core_method = _core.METHOD_SUFFIX if method == "suffix" else _core.METHOD_NGRAM
+def replay(traces: list[Trace], settings: SpeculationSettings, token_cost: float,
+           next_round: bool = True) -> Replayed:
+    """Decodes every trace with the drafter's drafts under `settings` (suffix or ngram) and counts what it costs."""
+    limits = DrafterLimits()
+    engine = DraftEngine(limits.max_tree_depth, limits.max_cached_requests)
+    k = settings.num_speculative_tokens
     # As the gateway asks: k for this step, the drafter's guess of the bonus token, k more after it.
-    asked = 2 * k + 1 if next_round else k
+    asked = dataclasses.replace(settings, num_speculative_tokens=min(2 * k + 1, limits.max_speculative_tokens)
+                                if next_round else k)
     result = Replayed()
-    for number, trace in enumerate(traces):
+    for trace in traces:
         out = trace.output
-        cache.start_request(number, list(trace.prompt), method=core_method, max_spec_tokens=asked,
-                            prompt_lookup_min=NGRAM_LOOKUP[0], prompt_lookup_max=NGRAM_LOOKUP[1], **suffix_params)
+        seq_id = engine.start(trace.prompt, asked, tenant="")
         position, committed, offered = 1, list(out[:1]), None
         while position < len(out):
-            fresh = cache.step([number], [committed])[0][0]
+            fresh = engine.core.step([seq_id], [committed])[0][0]  # the batch step, one sequence, synchronously
             draft = offered if offered is not None else fresh[:k]
             result.next_round_steps += offered is not None
             accepted = _accepted(draft, out[position:])
@@ -69,7 +70,7 @@ def replay(traces: list[Trace], method: str, k: int, token_cost: float, next_rou
             result.drafted += len(draft)
             result.accepted += accepted
             result.cost += 1 + token_cost * len(draft)
-        cache.stop_request(number)
+        engine.end(seq_id)
         result.tokens += len(out) - 1
     return result
 
@@ -151,10 +152,12 @@ def run(args) -> int:
           f"{cost:.2f}, next round {'on' if next_round else 'off'}")
     print("| k | max_spec_factor | min_token_prob | " + " | ".join(names) + " | worst |")
     print("|---|---|---|" + "---|" * (len(names) + 1))
-    reference = {name: replay(traces[name], "ngram", args.ngram_k, cost, next_round).speed for name in names}
+    ngram = SpeculationSettings(method="ngram", num_speculative_tokens=args.ngram_k)
+    reference = {name: replay(traces[name], ngram, cost, next_round).speed for name in names}
     for k, factor, floor in grid:
-        ratios = [replay(traces[name], "suffix", k, cost, next_round, max_spec_factor=factor,
-                         min_token_prob=floor).speed / reference[name] for name in names]
+        suffix = SpeculationSettings(method="suffix", num_speculative_tokens=k,
+                                     suffix_decoding_max_spec_factor=factor, suffix_decoding_min_token_prob=floor)
+        ratios = [replay(traces[name], suffix, cost, next_round).speed / reference[name] for name in names]
         print(f"| {k} | {factor:g} | {floor:g} | " + " | ".join(f"{r:.3f}" for r in ratios)
               + f" | {min(ratios):.3f} |")
     return 0

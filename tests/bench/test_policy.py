@@ -1,33 +1,36 @@
 import pytest
 
+from speclane.speculation import SpeculationSettings
 from speclane_cli.bench.policy import Trace, load, replay
 
 # A reply that copies 40 tokens of its prompt after a short preamble of its own.
 SOURCE = tuple(range(100, 140))
 COPY = Trace(prompt=(1, 2, 3) + SOURCE + (4, 5), output=(7, 8) + SOURCE)
+NGRAM = SpeculationSettings(method="ngram", num_speculative_tokens=4)
 
 
 def test_a_verbatim_copy_is_drafted_whole_and_every_step_is_priced():
-    copied = replay([COPY], "ngram", k=4, token_cost=0.5, next_round=False)
+    copied = replay([COPY], NGRAM, token_cost=0.5, next_round=False)
     assert copied.tokens == len(COPY.output) - 1
     # Once two tokens of the copy are out, every draft is right in full (the last one cut by the reply's end).
     assert copied.drafted - copied.accepted == 1
     assert copied.steps == 3 + (len(SOURCE) - 2 + 4) // 5
     assert copied.cost == pytest.approx(copied.steps + 0.5 * copied.drafted)
-    plain = replay([Trace(COPY.prompt, tuple(range(500, 540)))], "ngram", k=4, token_cost=0.5, next_round=False)
+    plain = replay([Trace(COPY.prompt, tuple(range(500, 540)))], NGRAM, token_cost=0.5, next_round=False)
     assert (plain.drafted, plain.steps, plain.speed) == (0, 39, 1.0)
 
 
 def test_next_round_offers_continue_a_fully_accepted_draft():
-    offered = replay([COPY], "ngram", k=4, token_cost=0.2, next_round=True)
-    fresh = replay([COPY], "ngram", k=4, token_cost=0.2, next_round=False)
+    offered = replay([COPY], NGRAM, token_cost=0.2, next_round=True)
+    fresh = replay([COPY], NGRAM, token_cost=0.2, next_round=False)
     assert offered.next_round_steps > 0 and fresh.next_round_steps == 0
     assert offered.tokens == fresh.tokens and offered.accepted <= offered.drafted
 
 
 def test_the_suffix_budget_knob_changes_the_drafts():
-    short = replay([COPY], "suffix", k=16, token_cost=0.1, next_round=False, max_spec_factor=0.5)
-    long = replay([COPY], "suffix", k=16, token_cost=0.1, next_round=False, max_spec_factor=4.0)
+    short, long = (replay([COPY], SpeculationSettings(num_speculative_tokens=16,
+                                                      suffix_decoding_max_spec_factor=factor),
+                          token_cost=0.1, next_round=False) for factor in (0.5, 4.0))
     assert long.steps < short.steps and long.speed > short.speed
 
 
