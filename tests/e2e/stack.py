@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 
+import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from drafter_service.config import DrafterConfig
@@ -82,10 +83,21 @@ class Stack:
             for name, process in self.processes.items():
                 if process.poll() is not None:
                     raise RuntimeError(f"{name} exited with {process.returncode}:\n{self.logs(name)}")
-            if http_ok(self.base_url.removesuffix("/v1") + "/health", context=self.http_context):
+            # Every verifier first: the gateway's /health needs only one, and a test that
+            # expects the gateway to pick between two needs it to have seen both serving.
+            if self._verifiers_serving() and http_ok(self.base_url.removesuffix("/v1") + "/health",
+                                                     context=self.http_context):
                 return
             time.sleep(0.5)
         raise TimeoutError("the stack did not become ready:\n" + "\n".join(self.logs(n) for n in self.processes))
+
+    def _verifiers_serving(self) -> bool:
+        tls = TlsFiles(self.gateway.tls_cert, self.gateway.tls_key, self.gateway.tls_ca)
+        try:
+            return all(grpc_health(v.address, tls) == health_pb2.HealthCheckResponse.SERVING
+                       for v in (self.verifier, *self.more_verifiers))
+        except grpc.RpcError:
+            return False
 
     def logs(self, name: str) -> str:
         return (self.log_dir / f"{name}.log").read_text(errors="replace")[-4000:]

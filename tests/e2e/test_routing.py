@@ -3,7 +3,7 @@ the verifier that holds its conversation's prefix (that verifier's prefix
 cache says so), and with one verifier killed, new requests all succeed on the
 other."""
 
-import threading
+import concurrent.futures
 import time
 
 import grpc
@@ -41,12 +41,12 @@ def test_a_follow_up_turn_goes_to_the_verifier_holding_its_prefix(two_verifiers)
     conversation = humaneval_messages(1)[0]  # about 150 prompt tokens: two whole blocks
     with GenerationClient(two_verifiers.gateway.grpc_address) as client:
         # A long generation holds the first verifier, so the conversation starts on the second.
-        busy = threading.Thread(target=client.generate, kwargs={
-            "messages": sharegpt_messages(1)[0], "max_tokens": 160, "ignore_eos": True, "temperature": 0.0})
-        busy.start()
-        wait_for(lambda: load(first).num_running == 1)
-        reply = client.generate(messages=conversation, max_tokens=16, temperature=0.0)
-        busy.join()
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            busy = pool.submit(client.generate, messages=sharegpt_messages(1)[0], max_tokens=160, ignore_eos=True,
+                               temperature=0.0)
+            wait_for(lambda: busy.done() or load(first).num_running == 1)
+            reply = client.generate(messages=conversation, max_tokens=16, temperature=0.0)
+            assert len(busy.result().token_ids) == 160
         before = load(first), load(second)
         assert before[1].prefix_cache_queries > 0  # the first turn ran on the second verifier
         # Both idle now: the least busy rule alone would pick the first.
