@@ -81,6 +81,8 @@ class GatewayConfig:
     speculation_next_round: bool = dataclasses.field(init=False, repr=False)
     # adaptive_draft_length: each request's draft length follows its acceptance (gateway/draft_length.py).
     speculation_adaptive_draft_length: bool = dataclasses.field(init=False, repr=False)
+    # break_even_drafts: a drafter's draft stops where its tokens no longer pay at the load (gateway/break_even.py).
+    speculation_break_even: bool = dataclasses.field(init=False, repr=False)
     tls: TlsFiles = dataclasses.field(init=False, repr=False)  # the drafter and verifier links
     keyring: Keyring = dataclasses.field(init=False, repr=False, compare=False)  # --api-key and --api-keys-file
 
@@ -120,6 +122,7 @@ class GatewayConfig:
         object.__setattr__(self, "speculation_next_round", _switch(values, "next_round_drafts", True))
         object.__setattr__(self, "speculation_adaptive_draft_length",
                            _switch(values, "adaptive_draft_length", False))
+        object.__setattr__(self, "speculation_break_even", _switch(values, "break_even_drafts", True))
 
 
 def _switch(values: dict, key: str, default: bool) -> bool:

@@ -34,7 +34,7 @@ class StepTimes:
     """One propose/verify step, as the gateway saw it (seconds)."""
 
     drafter_wait: float  # asking the drafter for the draft
-    verifier_wait: float  # sending the Verify until its answer arrived
+    verifier_wait: float  # sending the Verify until its answer is read (the last tokens stream meanwhile)
     verifier: float  # the verifier's own share: arrival to answer (it reports it)
     forward: float  # the forward pass that verified the step (shared with its batch)
 
@@ -98,7 +98,7 @@ class GatewayMetrics:
             "drafter_wait": histogram("speclane:step_drafter_wait_seconds",
                                       "Time a verify step waited for the drafter's draft.", STEP_BUCKETS),
             "verifier_wait": histogram("speclane:step_verifier_wait_seconds",
-                                       "Time from sending a Verify to its answer.", STEP_BUCKETS),
+                                       "Time from sending a Verify to reading its answer.", STEP_BUCKETS),
             "verifier": histogram("speclane:step_verifier_seconds", "The verifier's own time for a step, as it "
                                   "reports it: arrival to answer, batching and the head's draft included.",
                                   STEP_BUCKETS),
@@ -159,6 +159,13 @@ class GatewayMetrics:
         if prefill_seconds is not None:
             self._prefill.observe(prefill_seconds)
             self._inference.observe(prefill_seconds + decode_seconds)
+
+    def add_verifiers_serving(self, count: Callable[[], int]) -> None:
+        """Exports how many verifiers get new sequences, read from `count` at each scrape."""
+        gauge = Gauge("speclane:verifiers_serving", "Verifiers this gateway sends new sequences to (SERVING at "
+                      "the last health check, and no session found them gone since).", ["model_name"],
+                      registry=self.registry)
+        gauge.labels(self.model_name).set_function(count)
 
     def add_verifier_loads(self, loads: LoadSource) -> None:
         """Exports the verifiers' load, read from `loads` at each scrape."""

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import grpc
 import structlog
 
+from gateway.break_even import MethodAcceptance, RequestAcceptance, break_even
 from gateway.draft_length import AdaptiveDraftLength
 from gateway.drafter_client import DrafterClient, DrafterSession
 from gateway.errors import InvalidRequest, Overloaded, Unavailable
@@ -40,10 +41,18 @@ class LoopPolicy:
     next_round: bool = False
     # Adapt each request's draft length to its acceptance (gateway/draft_length.py).
     adaptive_draft_length: bool = False
+    # Cut a drafter's draft where its tokens' chance of acceptance no longer pays at the load (gateway/break_even.py).
+    break_even: bool = False
 
     def max_draft_tokens(self, num_running: int, k: int) -> int:
         """A step's draft length limit, k at most, with `num_running` sequences on its verifier."""
         return min([k, *(limit for at_least, limit in self.draft_tokens_by_load if num_running >= at_least)])
+
+    def paying_draft_tokens(self, num_running: int, limit: int, acceptance: RequestAcceptance | None) -> int:
+        """How much of a drafter's draft (not a head's: see generate) pays for its verification."""
+        if acceptance is None:
+            return limit
+        return acceptance.worthwhile_length(break_even(self.draft_token_cost, num_running), limit)
 
 
 class Orchestrator:
@@ -55,6 +64,8 @@ class Orchestrator:
         self._metrics = metrics
         # Drafter sessions finishing in the background; kept so they are not garbage-collected.
         self._finishing: set[asyncio.Task] = set()
+        # Each drafter method's acceptance by draft position, over all requests: a new request's prior.
+        self._acceptance = {method: MethodAcceptance() for method in DRAFTER_METHODS}
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[TokenDelta]:
         """Yields each step's committed tokens; closing the generator aborts the sequence.
@@ -82,6 +93,8 @@ class Orchestrator:
             output = list(result.token_ids)
             continuation = None  # offered for the step in flight
             adaptive = AdaptiveDraftLength(k) if self._policy.adaptive_draft_length else None
+            acceptance = (RequestAcceptance(self._acceptance[speculation.drafter_method])
+                          if self._policy.break_even and proposer is not None else None)
             while result.finish_reason == common_pb2.FINISH_REASON_UNSPECIFIED:
                 # Drafted before the tokens go out: a drafter that refuses the request makes it a 400.
                 asked = time.perf_counter()
@@ -89,26 +102,31 @@ class Orchestrator:
                 drafter_seconds = time.perf_counter() - asked
                 # Less than k while the verifier is busy: a big batch is compute-bound, so a
                 # draft token costs what another sequence's token does.
-                limit = self._policy.max_draft_tokens(self._verifiers.num_in_flight(index),
-                                                      adaptive.limit if adaptive else k)
+                running = self._verifiers.num_in_flight(index)
+                limit = self._policy.max_draft_tokens(running, adaptive.limit if adaptive else k)
+                drafter_limit = self._policy.paying_draft_tokens(running, limit, acceptance)
                 predicted = _predicted_draft(prediction, result, limit)
-                yield _delta(result, speculation=usage)
                 ran_ahead = result.next_round_hit  # the verifier already verifies `continuation`
                 if ran_ahead:
                     source, draft = DRAFTER, continuation.draft
                 elif limit == 0:  # a head's draft is not shortened here: only switched off
                     source, draft = NONE, _NO_DRAFT
                 else:
-                    source, draft = _pick_draft(speculation.method, predicted, _cut(drafted, 0, limit),
+                    source, draft = _pick_draft(speculation.method, predicted, _cut(drafted, 0, drafter_limit),
                                                 result.head_draft, self._policy.draft_token_cost)
-                continuation = (_continuation_after(draft, drafted, limit) if lookahead and source == DRAFTER
+                continuation = (_continuation_after(draft, drafted, drafter_limit) if lookahead and source == DRAFTER
                                 and limit > 0 else None)
                 sent = time.perf_counter()
-                result = await _checked(_step(verifier, speculation.method, result, source, draft, ran_ahead,
-                                              continuation))
+                await _checked(_send_step(verifier, speculation.method, result, source, draft, ran_ahead,
+                                          continuation))
+                # The last step's tokens go out (detokenized, streamed) while the verifier runs this one.
+                yield _delta(result, speculation=usage)
+                result = await _checked(verifier.answer())
                 usage += _step_usage(result, source, ran_ahead)
-                if adaptive is not None and source == DRAFTER:
-                    adaptive.observe(result.num_draft_tokens, result.num_accepted_draft_tokens)
+                if source == DRAFTER:
+                    for model in (adaptive, acceptance):
+                        if model is not None:
+                            model.observe(result.num_draft_tokens, result.num_accepted_draft_tokens)
                 output += result.token_ids
                 self._record_step(result, source, drafter_seconds, time.perf_counter() - sent)
             if drafter is not None:  # the tokens it has not been sent: the last step's, or all of them
@@ -165,18 +183,18 @@ def _delta(result, finish_reason: str | None = None, speculation: SpeculationUsa
     return TokenDelta(list(result.token_ids), finish_reason, speculation, logprobs)
 
 
-def _step(verifier, method: str, last, source: str, draft: common_pb2.Draft | None, ran_ahead: bool,
-          continuation: verifier_pb2.Continuation | None):
+def _send_step(verifier, method: str, last, source: str, draft: common_pb2.Draft | None, ran_ahead: bool,
+               continuation: verifier_pb2.Continuation | None):
     """Sends a step's draft, or nothing when the verifier already runs it
-    (`ran_ahead`), with `continuation` offered for the step after; the answer."""
+    (`ran_ahead`), with `continuation` offered for the step after."""
     next_round = (verifier_pb2.NextRound(step_committed_len=last.committed_len, continuations=[continuation])
                   if continuation else None)
     if ran_ahead:
-        return verifier.next_answer(next_round)
+        return verifier.send_offer(next_round)
     # Hybrid: a drafter run that keeps being accepted will likely win the next step too.
     on_a_run = method == "hybrid" and source == DRAFTER and len(draft.token_ids) > 0
-    return verifier.verify(draft, use_head_draft=source == HEAD, skip_head_draft_if_all_accepted=on_a_run,
-                           next_round=next_round)
+    return verifier.send_verify(draft, use_head_draft=source == HEAD, skip_head_draft_if_all_accepted=on_a_run,
+                                next_round=next_round)
 
 
 def _step_usage(result, source: str, ran_ahead: bool) -> SpeculationUsage:

@@ -84,7 +84,8 @@ async def run(config: GatewayConfig) -> None:
     policy = LoopPolicy(draft_token_cost=info.draft_token_cost,
                         draft_tokens_by_load=config.speculation_draft_tokens_by_load,
                         next_round=config.speculation_next_round and info.accepts_next_round,
-                        adaptive_draft_length=config.speculation_adaptive_draft_length)
+                        adaptive_draft_length=config.speculation_adaptive_draft_length,
+                        break_even=config.speculation_break_even)
     orchestrator = Orchestrator(verifiers, drafter, metrics, policy)
     if drafter is not None:
         await _check_drafter(drafter, config.drafter_wide_speculation)

@@ -34,28 +34,27 @@ class VerifierSession:
         self._timer = timer
         self._step_timeout = step_timeout_seconds
 
-    async def _exchange(self, *messages: verifier_pb2.SessionRequest) -> verifier_pb2.SessionResponse:
-        """Sends `messages`, then reads the next answer."""
+    async def _deadline(self, awaitable):
         # A link that stops carrying bytes without closing (a frozen peer, a dropped
         # route) never fails the stream by itself: without this deadline the request
         # would wait forever. The caller's close() then cancels the call.
         try:
-            return await asyncio.wait_for(self._write_and_read(messages), self._step_timeout)
+            return await asyncio.wait_for(awaitable, self._step_timeout)
         except TimeoutError:
             raise Unavailable(f"the verifier did not answer within {self._step_timeout:g} s") from None
 
-    async def _write_and_read(self, messages) -> verifier_pb2.SessionResponse:
-        for message in messages:
-            await self._call.write(message)
-        response = await self._call.read()
+    async def _send(self, *messages: verifier_pb2.SessionRequest) -> None:
+        async def write_all():
+            for message in messages:
+                await self._call.write(message)
+
+        if messages:
+            await self._deadline(write_all())
+
+    async def _read(self) -> verifier_pb2.SessionResponse:
+        response = await self._deadline(self._call.read())
         if response is grpc.aio.EOF:  # an error status would have raised in read()
             raise RuntimeError("the verifier ended the session without answering")
-        return response
-
-    async def _step(self, *messages: verifier_pb2.SessionRequest) -> verifier_pb2.SessionResponse:
-        response = await self._exchange(*messages)
-        if self._timer is not None:
-            self._timer.stepped(len(response.token_ids))
         return response
 
     async def prefill(self, request: GenerationRequest) -> verifier_pb2.SessionResponse:
@@ -78,25 +77,33 @@ class VerifierSession:
             sequence_id=request.request_id, prompt_token_ids=request.prompt_token_ids, sampling=sampling,
             num_head_draft_tokens=speculation.num_speculative_tokens if speculation.uses_head else 0,
         )
-        response = await self._exchange(verifier_pb2.SessionRequest(prefill=prefill))
+        await self._send(verifier_pb2.SessionRequest(prefill=prefill))
+        response = await self._read()
         if self._timer is not None:
             self._timer.prefilled(len(response.token_ids), _optional(response, "queue_seconds"),
                                   _optional(response, "prefill_seconds"))
         return response
 
-    async def verify(self, draft: common_pb2.Draft | None, use_head_draft: bool = False,
-                     skip_head_draft_if_all_accepted: bool = False,
-                     next_round: verifier_pb2.NextRound | None = None) -> verifier_pb2.SessionResponse:
-        """Verifies `draft`, or with `use_head_draft` the verifier head's own last
-        draft; offers `next_round` for the step after it."""
+    async def send_verify(self, draft: common_pb2.Draft | None, use_head_draft: bool = False,
+                          skip_head_draft_if_all_accepted: bool = False,
+                          next_round: verifier_pb2.NextRound | None = None) -> None:
+        """Sends a step: `draft`, or with `use_head_draft` the verifier head's own
+        last draft; offers `next_round` for the step after it. answer() reads its answer."""
         verify = verifier_pb2.Verify(draft=draft, use_head_draft=use_head_draft,
                                      skip_head_draft_if_all_accepted=skip_head_draft_if_all_accepted)
-        return await self._step(verifier_pb2.SessionRequest(verify=verify), *_offer(next_round))
+        await self._send(verifier_pb2.SessionRequest(verify=verify), *_offer(next_round))
 
-    async def next_answer(self, next_round: verifier_pb2.NextRound | None = None) -> verifier_pb2.SessionResponse:
-        """The answer to the step the verifier started on its own (the last
-        answer's next_round_hit); offers `next_round` for the step after it."""
-        return await self._step(*_offer(next_round))
+    async def send_offer(self, next_round: verifier_pb2.NextRound | None) -> None:
+        """Offers `next_round` while the verifier runs a step it started on its own
+        (the last answer's next_round_hit); answer() reads that step's answer."""
+        await self._send(*_offer(next_round))
+
+    async def answer(self) -> verifier_pb2.SessionResponse:
+        """The answer to the step in flight."""
+        response = await self._read()
+        if self._timer is not None:
+            self._timer.stepped(len(response.token_ids))
+        return response
 
     def close(self) -> None:
         # Cancelling (rather than half-closing) frees the KV cache at once, also mid-generation.
@@ -136,6 +143,7 @@ class VerifierPool:
     def attach_metrics(self, metrics: GatewayMetrics) -> None:
         """Sequences report their timings, and /metrics the verifiers' load, to `metrics`."""
         self._metrics = metrics
+        metrics.add_verifiers_serving(lambda: sum(self._serving))
         metrics.add_verifier_loads(self.loads)
 
     def open(self, request_id: str, prompt_token_ids: list[int]) -> tuple[int, VerifierSession]:

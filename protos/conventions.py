@@ -19,11 +19,19 @@ KEEPALIVE_OPTIONS = (
     ("grpc.http2.max_pings_without_data", 0),
     ("grpc.http2.min_recv_ping_interval_without_data_ms", 10_000),
 )
-# For every channel and server of ours.
+# A channel whose peer refused it waits before dialling again, 1 s growing to 120 s by default:
+# a verifier restarted after a minute's outage would get no sequences for up to two more.
+# Capped, a restarted peer is found within about 2 s (a dial to a live host is cheap).
+RECONNECT_OPTIONS = (
+    ("grpc.initial_reconnect_backoff_ms", 500),
+    ("grpc.max_reconnect_backoff_ms", 2_000),
+)
+# For every channel and server of ours (servers ignore the reconnect options).
 CHANNEL_OPTIONS = (
     ("grpc.max_send_message_length", MESSAGE_LIMIT_BYTES),
     ("grpc.max_receive_message_length", MESSAGE_LIMIT_BYTES),
     *KEEPALIVE_OPTIONS,
+    *RECONNECT_OPTIONS,
 )
 
 # FinishReason values and the names the APIs report (OpenAI's `finish_reason`).

@@ -9,8 +9,8 @@ import ssl
 import subprocess
 import sys
 import time
+import urllib.request
 
-import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from drafter_service.config import DrafterConfig
@@ -83,21 +83,23 @@ class Stack:
             for name, process in self.processes.items():
                 if process.poll() is not None:
                     raise RuntimeError(f"{name} exited with {process.returncode}:\n{self.logs(name)}")
-            # Every verifier first: the gateway's /health needs only one, and a test that
-            # expects the gateway to pick between two needs it to have seen both serving.
-            if self._verifiers_serving() and http_ok(self.base_url.removesuffix("/v1") + "/health",
-                                                     context=self.http_context):
+            if http_ok(self.base_url.removesuffix("/v1") + "/health", context=self.http_context) and \
+                    self._gateway_sees_every_verifier():
                 return
             time.sleep(0.5)
         raise TimeoutError("the stack did not become ready:\n" + "\n".join(self.logs(n) for n in self.processes))
 
-    def _verifiers_serving(self) -> bool:
-        tls = TlsFiles(self.gateway.tls_cert, self.gateway.tls_key, self.gateway.tls_ca)
+    def _gateway_sees_every_verifier(self) -> bool:
+        """/health needs one verifier; a test that expects the gateway to pick
+        between several needs the gateway to have found them all serving."""
+        url = self.base_url.removesuffix("/v1") + "/metrics"
         try:
-            return all(grpc_health(v.address, tls) == health_pb2.HealthCheckResponse.SERVING
-                       for v in (self.verifier, *self.more_verifiers))
-        except grpc.RpcError:
+            with urllib.request.urlopen(url, timeout=2, context=self.http_context) as reply:
+                text = reply.read().decode()
+        except OSError:
             return False
+        count = 1 + len(self.more_verifiers)
+        return f'speclane:verifiers_serving{{model_name="{self.gateway.served_model_name}"}} {count}.0' in text
 
     def logs(self, name: str) -> str:
         return (self.log_dir / f"{name}.log").read_text(errors="replace")[-4000:]

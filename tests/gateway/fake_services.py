@@ -226,6 +226,7 @@ async def gateway(verifiers: Sequence[FakeVerifier], drafter: FakeDrafter | None
             client = DrafterClient(await stack.enter_async_context(serve(drafter.add_to)), timeout, retry_seconds)
             stack.push_async_callback(client.close)
         metrics = GatewayMetrics(MODEL_NAME)
+        pool.attach_metrics(metrics)  # as the server wires it
         orchestrator = Orchestrator(pool, client, metrics, policy)
         yield Gateway(list(verifiers), pool, client, metrics, orchestrator)
         # Drafter sessions still handing their last tokens over.

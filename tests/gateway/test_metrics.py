@@ -166,6 +166,7 @@ async def test_the_pool_polls_every_verifier_and_skips_one_that_is_down():
     assert value(metrics, "speclane:verifier_requests_running") == 5
     assert value(metrics, "vllm:kv_cache_usage_perc") == pytest.approx(0.25)
     assert value(metrics, "vllm:num_preemptions_total") == 5
+    assert value(metrics, "speclane:verifiers_serving", model_name="m") == 3  # until a health check says otherwise
     down = [entry for entry in logs if entry["event"] == "verifier_load_unavailable"]
     assert len(down) == 1 and down[0]["address"].startswith("127.0.0.1:")  # logged once per outage
 
@@ -173,7 +174,6 @@ async def test_the_pool_polls_every_verifier_and_skips_one_that_is_down():
 @pytest.mark.anyio
 async def test_generations_observe_their_phases_from_the_verifiers_answers():
     async with gateway([LoadedVerifier(1)], FakeDrafter(draft_len=3)) as gw:
-        gw.pool.attach_metrics(gw.metrics)
         deltas = await collect(gw, generation(max_tokens=10))
     steps = len(deltas) - 1  # the first delta is the prefill's token
     assert value(gw.metrics, "vllm:request_queue_time_seconds_sum", model_name=MODEL_NAME) == 0.125

@@ -212,6 +212,7 @@ async def test_a_verifier_gone_at_prefill_fails_over_to_the_next_and_is_left_out
         deltas = await collect(gw)
         assert tokens_of(deltas) == TARGET[:10]
         assert gw.pool._serving == [False, True] and gw.pool._in_flight == [0, 0]
+        assert f'speclane:verifiers_serving{{model_name="{MODEL_NAME}"}} 1.0' in gw.metrics.render().decode()
         await collect(gw)
     assert gone.outcomes == ["UNAVAILABLE"] and len(alive.outcomes) == 2
 
@@ -361,6 +362,27 @@ async def test_a_request_whose_drafts_keep_failing_gets_shorter_drafts_and_the_s
     assert [len(draft) for draft in verifier.drafts[:5]] == [8, 4, 2, 1, 1]
 
 
+# Drafts cut where they stop paying at the load (gateway/break_even.py)
+
+async def test_drafts_that_keep_failing_stop_being_sent_and_the_output_stays():
+    verifier = FakeVerifier(accept=0)  # every draft rejected at its first token
+    policy = LoopPolicy(draft_token_cost=0.2, break_even=True)
+    async with gateway([verifier], FakeDrafter(draft_len=4), policy=policy) as gw:
+        deltas = await collect(gw, generation(max_tokens=12))
+    assert tokens_of(deltas) == target_tokens(0, 12)
+    lengths = [len(draft) for draft in verifier.drafts]
+    assert lengths[0] == 4 and lengths[-4:] == [0, 0, 0, 0]
+
+
+async def test_drafts_that_land_are_kept_whole_under_load():
+    verifier = FakeVerifier(accept=8)
+    policy = LoopPolicy(draft_token_cost=0.2, break_even=True)
+    async with gateway([verifier], FakeDrafter(draft_len=3), policy=policy) as gw:
+        together = await asyncio.gather(*(collect(gw, generation(max_tokens=16)) for _ in range(4)))
+    assert all(tokens_of(deltas) == target_tokens(0, 16) for deltas in together)
+    assert all(len(draft) == 3 for draft in verifier.drafts[:12])
+
+
 # Predicted outputs
 
 async def test_a_prediction_drafts_instead_of_the_drafter_and_its_tokens_are_counted():
@@ -456,6 +478,8 @@ def test_next_round_drafts_are_on_unless_the_speculative_config_turns_them_off()
     assert not off.speculation_next_round and off.unused_speculation_keys == () and off.speculation.method == "ngram"
     with pytest.raises(ValueError, match="next_round_drafts must be true or false"):
         GatewayConfig(speculative_config='{"next_round_drafts": 1}')
+    assert GatewayConfig().speculation_break_even
+    assert not GatewayConfig(speculative_config='{"break_even_drafts": false}').speculation_break_even
     assert not GatewayConfig().speculation_adaptive_draft_length
     assert GatewayConfig(speculative_config='{"adaptive_draft_length": true}').speculation_adaptive_draft_length
     with pytest.raises(ValueError, match="adaptive_draft_length must be true or false"):
