@@ -2,7 +2,7 @@
 its chance of being accepted beats what its compute would commit as plain
 decoding at the verifier's current load. On a CPU verifier a busy batch is
 compute-bound, so at 32 sequences a chat draft whose tokens land one time in
-three costs more than it commits, while a code edit's long copies still pay;
+four costs more than it commits, while a code edit's long copies still pay;
 one fixed k, or a k by batch size alone, cannot tell the two apart.
 
 The chance comes from the request's own history of verify outcomes by draft
@@ -11,19 +11,26 @@ position, started from what all requests with the same method have seen."""
 from dataclasses import dataclass, field
 
 # Prior weight, in steps, of the method-wide estimate in a request's own.
-REQUEST_PRIOR_STEPS = 4.0
+REQUEST_PRIOR_STEPS = 2.0
+# A request whose drafts are all cut still verifies one draft token every this many
+# steps: without outcomes its estimate could never recover (a chat turn that starts
+# quoting code, or a method-wide prior learnt on other traffic).
+EXPLORE_EVERY = 4
 
 
-def break_even(token_cost: float, num_running: int) -> float:
-    """The acceptance probability a draft token needs to pay for itself in a
-    batch of `num_running` sequences. A verify pass costs (1 - c) + c * n in
-    units of a one-token pass, for n tokens in the batch (c: the verifier's
-    measured cost of one draft token; linear, as a compute-bound pass is).
-    A token adds c to the pass and commits p on average; it pays when p / c
-    beats the batch's rate of tokens per unit of time, which is at least
-    plain decoding's B / ((1 - c) + c * B)."""
+def break_even(token_costs: tuple[tuple[int, float], ...], num_running: int) -> float:
+    """The chance of acceptance a draft token needs to pay for itself with
+    `num_running` sequences in the verifier's batch: the verifier's measured
+    cost of a draft token at that batch size, relative to what plain steps
+    commit (draft_cost.py), interpolated between the measured sizes.
+    `token_costs`: (batch size, cost), by batch size; empty: drafts are free."""
+    if not token_costs:
+        return 0.0
     running = max(1, num_running)
-    return token_cost * running / ((1.0 - token_cost) + token_cost * running)
+    for (low, low_cost), (high, high_cost) in zip(token_costs, token_costs[1:]):
+        if low <= running <= high:
+            return low_cost + (high_cost - low_cost) * (running - low) / (high - low)
+    return token_costs[0][1] if running < token_costs[0][0] else token_costs[-1][1]
 
 
 @dataclass
@@ -69,6 +76,7 @@ class RequestAcceptance:
     def __init__(self, method: MethodAcceptance):
         self._method = method
         self._counts = PositionCounts()
+        self._cut_steps = 0  # steps in a row whose whole draft was cut
 
     def observe(self, num_draft_tokens: int, num_accepted: int) -> None:
         self._counts.observe(num_draft_tokens, num_accepted)
@@ -77,9 +85,14 @@ class RequestAcceptance:
     def worthwhile_length(self, threshold: float, limit: int) -> int:
         """The longest draft, `limit` at most, whose last token is still accepted
         with probability at least `threshold` (every token before it accepted too)."""
-        chance = 1.0
+        chance, length = 1.0, limit
         for position in range(limit):
             chance *= self._counts.rate(position, self._method.rate(position), REQUEST_PRIOR_STEPS)
             if chance < threshold:
-                return position
-        return limit
+                length = position
+                break
+        self._cut_steps = self._cut_steps + 1 if length == 0 and limit > 0 else 0
+        if self._cut_steps == EXPLORE_EVERY:
+            self._cut_steps = 0
+            return 1
+        return length

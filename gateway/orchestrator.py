@@ -33,6 +33,8 @@ class LoopPolicy:
     """The loop's server-wide choices: from --speculative-config and the verifiers' ModelInfo."""
 
     draft_token_cost: float = 0.0  # the verifiers' measure of a draft token's cost
+    # The same by batch size ((batch size, cost), by size): a drafter's draft stops where it no longer pays.
+    draft_token_costs: tuple[tuple[int, float], ...] = ()
     # (running sequences, at most this many draft tokens): from that many sequences on a
     # verifier, its steps verify shorter drafts, or none. Checked at every step rather than
     # once per request: a long generation speculates again when the load falls.
@@ -52,7 +54,7 @@ class LoopPolicy:
         """How much of a drafter's draft (not a head's: see generate) pays for its verification."""
         if acceptance is None:
             return limit
-        return acceptance.worthwhile_length(break_even(self.draft_token_cost, num_running), limit)
+        return acceptance.worthwhile_length(break_even(self.draft_token_costs, num_running), limit)
 
 
 class Orchestrator:
@@ -95,16 +97,24 @@ class Orchestrator:
             adaptive = AdaptiveDraftLength(k) if self._policy.adaptive_draft_length else None
             acceptance = (RequestAcceptance(self._acceptance[speculation.drafter_method])
                           if self._policy.break_even and proposer is not None else None)
+            withheld: list[int] = []  # committed tokens not yet sent to the drafter
             while result.finish_reason == common_pb2.FINISH_REASON_UNSPECIFIED:
-                # Drafted before the tokens go out: a drafter that refuses the request makes it a 400.
-                asked = time.perf_counter()
-                drafted = await _next_draft(proposer, result)
-                drafter_seconds = time.perf_counter() - asked
                 # Less than k while the verifier is busy: a big batch is compute-bound, so a
                 # draft token costs what another sequence's token does.
                 running = self._verifiers.num_in_flight(index)
                 limit = self._policy.max_draft_tokens(running, adaptive.limit if adaptive else k)
                 drafter_limit = self._policy.paying_draft_tokens(running, limit, acceptance)
+                withheld += result.token_ids
+                asked = time.perf_counter()
+                drafted = _NO_DRAFT
+                # A step with no drafter draft to verify does not ask for one: its tokens
+                # go with the next request for a draft (or the last), which spares the
+                # drafter's and the gateway's work per step where drafts do not pay.
+                # Drafted before the tokens go out: a drafter that refuses the request makes it a 400.
+                if drafter_limit > 0 or result.next_round_hit:
+                    drafted = await _next_draft(proposer, withheld, result.committed_len)
+                    withheld = []
+                drafter_seconds = time.perf_counter() - asked
                 predicted = _predicted_draft(prediction, result, limit)
                 ran_ahead = result.next_round_hit  # the verifier already verifies `continuation`
                 if ran_ahead:
@@ -129,8 +139,8 @@ class Orchestrator:
                             model.observe(result.num_draft_tokens, result.num_accepted_draft_tokens)
                 output += result.token_ids
                 self._record_step(result, source, drafter_seconds, time.perf_counter() - sent)
-            if drafter is not None:  # the tokens it has not been sent: the last step's, or all of them
-                unsent = list(result.token_ids) if proposer is not None else output
+            if drafter is not None:  # the tokens it has not been sent: the last steps', or all of them
+                unsent = withheld + list(result.token_ids) if proposer is not None else output
                 self._finish_in_background(drafter, unsent, result.committed_len)
                 drafter = None
             yield _delta(result, FINISH_REASON_NAMES[result.finish_reason], usage)
@@ -257,11 +267,12 @@ def _predicted_draft(prediction: PredictionDrafter | None, last, max_tokens: int
     return common_pb2.Draft(token_ids=tokens, source="prediction") if tokens else None
 
 
-async def _next_draft(drafter: DrafterSession | None, last) -> common_pb2.Draft:
-    """A draft continuing the committed tokens; the verifier cuts it to what can still be committed."""
+async def _next_draft(drafter: DrafterSession | None, new_tokens: list[int], committed_len: int) -> common_pb2.Draft:
+    """A draft continuing the committed tokens, `new_tokens` the drafter has not
+    seen yet; the verifier cuts it to what can still be committed."""
     if drafter is None or not drafter.alive:
         return _NO_DRAFT
-    draft = await drafter.propose(last.token_ids, last.committed_len)  # copied once, into the Step
+    draft = await drafter.propose(new_tokens, committed_len)
     return _NO_DRAFT if draft is None else draft
 
 

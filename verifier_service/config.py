@@ -158,16 +158,16 @@ def draft_settings(speculative_config: str) -> DraftSettings:
         if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in layers):
             raise ValueError("eagle_aux_hidden_state_layer_ids must be non-negative layer indices")
         return DraftSettings(capture_layers=tuple(layers), capture_dir=directory)
+    token_cost = values.get("draft_token_cost", "auto")
+    if token_cost != "auto" and (isinstance(token_cost, bool) or not isinstance(token_cost, int | float)
+                                 or not 0 <= token_cost <= MAX_TOKEN_COST):
+        raise ValueError(f"draft_token_cost must be \"auto\" or a number in [0, {MAX_TOKEN_COST}]")
+    token_cost = None if token_cost == "auto" else float(token_cost)
     if method not in HEAD_METHODS:
-        return DraftSettings()
+        return DraftSettings(draft_token_cost=token_cost)
     if values.get("draft_tensor_parallel_size", 1) != 1:
         raise ValueError("draft_tensor_parallel_size must be 1: the head runs on rank 0")
     model = values.get("model") or ""
     if not isinstance(model, str):
         raise ValueError("speculative_config.model must be a head directory")
-    token_cost = values.get("draft_token_cost", "auto")
-    if token_cost != "auto" and (isinstance(token_cost, bool) or not isinstance(token_cost, int | float)
-                                 or not 0 <= token_cost <= MAX_TOKEN_COST):
-        raise ValueError(f"draft_token_cost must be \"auto\" or a number in [0, {MAX_TOKEN_COST}]")
-    return DraftSettings(head_method=method, head_model=model,
-                         draft_token_cost=None if token_cost == "auto" else float(token_cost))
+    return DraftSettings(head_method=method, head_model=model, draft_token_cost=token_cost)

@@ -2,29 +2,62 @@
 It decides how long a draft is worth verifying: on an accelerator a pass of
 k+1 tokens costs about what a 1-token pass does (reading the weights
 dominates), on a CPU every token adds compute, so a draft that pays on one
-loses on the other. The gateway and the head both weigh drafts with it."""
+loses on the other. The gateway and the head both weigh drafts with it.
+
+The cost also depends on the batch: a CPU pass over one sequence is bound by
+reading the weights, over 32 by compute, where a draft token costs about what
+another sequence's token does. So it is measured at a few batch sizes."""
 
 import time
 
 from verifier_service.sequence import Draft, GenerationParams
 
+# Batch sizes measured at start-up, and how many times each (the fastest counts: the least noisy).
+# About 3 s on a 2-core CPU for SmolLM2, most of it the 32 sequences' steps.
+BATCH_SIZES = ((1, 5), (8, 2), (32, 2))
+MEASURED_CONTEXT = 16  # tokens per sequence: short, so the 32 prefills stay cheap
 
-def measure_token_cost(engine, num_draft_tokens: int = 4, repeats: int = 5, context: int = 64) -> float:
-    """(T(1 + n) - T(1)) / (n * T(1)): one sequence's verify steps with n draft
-    tokens against plain ones, the fastest of `repeats` each (the least noisy)."""
+
+def measure_token_cost(engine, num_sequences: int = 1, num_draft_tokens: int = 4, repeats: int = 5,
+                       context: int = 64) -> float:
+    """(T(1 + n) - T(1)) / (n * T(1)): verify steps of `num_sequences` sequences
+    with n draft tokens each against plain ones. It is also the chance of
+    acceptance a draft token needs to pay for itself in such a batch: it costs
+    (T(1 + n) - T(1)) / (n * B) and plain decoding commits B tokens per T(1)."""
     runner = engine.runner
     prompt = [(i * 7919) % runner.vocab_size for i in range(context)]
     steps = 2 * repeats * (num_draft_tokens + 1)
-    seq = engine.open("draft-cost", prompt, GenerationParams(max_new_tokens=steps + 1, ignore_eos=True))
+    params = GenerationParams(max_new_tokens=steps + 1, ignore_eos=True)
+    batch = [engine.open(f"draft-cost-{i}", prompt, params) for i in range(num_sequences)]
     try:
-        engine.prefill(seq)
+        _run_together(engine, [(seq, Draft()) for seq in batch])
         plain, drafted = [], []
         for _ in range(repeats):
             for times, draft in ((plain, Draft()), (drafted, Draft(token_ids=(prompt[0],) * num_draft_tokens))):
                 started = time.perf_counter()
-                engine.verify(seq, draft)
+                _run_together(engine, [(seq, draft) for seq in batch])
                 times.append(time.perf_counter() - started)
     finally:
-        engine.close(seq)
-        engine.step()  # hands the free to every rank
+        for seq in batch:
+            engine.close(seq)
+        engine.step()  # hands the frees to every rank
     return round(max(0.0, (min(drafted) - min(plain)) / (num_draft_tokens * min(plain))), 3)
+
+
+def measure_token_costs(engine) -> dict[int, float]:
+    """The cost at each of BATCH_SIZES: batch size -> cost."""
+    return {size: measure_token_cost(engine, size, repeats=repeats, context=MEASURED_CONTEXT)
+            for size, repeats in BATCH_SIZES}
+
+
+def _run_together(engine, steps) -> None:
+    """Submits every (sequence, draft) and steps until all are answered."""
+    answers: list = []
+    for seq, draft in steps:
+        engine.submit(seq, draft, answers.append)
+    while len(answers) < len(steps):
+        if not engine.step():
+            raise RuntimeError("the engine cannot make progress (KV budget full)")
+    failed = next((answer for answer in answers if isinstance(answer, Exception)), None)
+    if failed is not None:
+        raise failed

@@ -64,6 +64,7 @@ class Engine:
         self.head = head
         # A verify step's extra cost per draft token (draft_cost.py): where the head's drafts stop.
         self.draft_token_cost = 0.0
+        self.draft_token_costs: dict[int, float] = {}  # by batch size, for the gateway; [1] is draft_token_cost
         self.capture: HiddenStateCapture | None = None
         runner.feature_layers = head.head.feature_layers if head is not None else ()
         self._live: set[Sequence] = set()

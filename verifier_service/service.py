@@ -147,6 +147,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             tensor_parallel_size=runner.tp_size,
             draft_head=self.head_method,
             draft_token_cost=self.engine.engine.draft_token_cost,
+            draft_token_cost_by_batch_size=self.engine.engine.draft_token_costs,
             accepts_next_round=True,
         )
 

@@ -33,7 +33,7 @@ from verifier_service.distributed import (
     init_tensor_parallel,
     rank_device,
 )
-from verifier_service.draft_cost import measure_token_cost
+from verifier_service.draft_cost import measure_token_costs
 from verifier_service.engine import Engine
 from verifier_service.heads.capture import HiddenStateCapture
 from verifier_service.heads.loading import load_head
@@ -100,11 +100,12 @@ class Rank0:
         log.info("kv_pool_ready", max_kv_tokens=pool.max_tokens, block_size=pool.block_size,
                  bytes_per_token=per_token, prefix_caching=pool.prefix_caching)
         warm_up(engine)
-        if head is not None:
-            engine.draft_token_cost = (measure_token_cost(engine) if draft.draft_token_cost is None
-                                       else draft.draft_token_cost)
-            log.info("draft_token_cost", cost=engine.draft_token_cost,
-                     measured=draft.draft_token_cost is None)
+        # Measured with or without a head: the gateway weighs every draft with it.
+        engine.draft_token_costs = (measure_token_costs(engine) if draft.draft_token_cost is None
+                                    else {1: draft.draft_token_cost})
+        engine.draft_token_cost = engine.draft_token_costs[1]
+        log.info("draft_token_cost", cost_by_batch_size=engine.draft_token_costs,
+                 measured=draft.draft_token_cost is None)
         if draft.capture_dir:  # after the warm-up, whose prompt is no traffic
             engine.start_capture(HiddenStateCapture(draft.capture_dir, draft.capture_layers,
                                                     runner.model.config.get_text_config()))

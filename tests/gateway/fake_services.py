@@ -158,6 +158,7 @@ class FakeDrafter(drafter_pb2_grpc.DrafterServicer):
         self.sessions = 0
         self.info_calls = 0
         self.committed: list[list[int]] = []  # per session: every committed token it was sent
+        self.proposals = 0  # drafts asked for (Steps), all sessions
         self.outcomes: list[str] = []
 
     def add_to(self, server: grpc.aio.Server) -> None:
@@ -180,6 +181,7 @@ class FakeDrafter(drafter_pb2_grpc.DrafterServicer):
                     self.params.append(request.start.params)
                     continue
                 self.committed[-1] += request.step.committed_token_ids
+                self.proposals += 1
                 await asyncio.sleep(self.delay)
                 committed_len = request.step.committed_len
                 tokens = target_tokens(committed_len - prompt_len, self.draft_len)

@@ -2,17 +2,19 @@
 
 import pytest
 
-from gateway.break_even import MethodAcceptance, PositionCounts, RequestAcceptance, break_even
+from gateway.break_even import EXPLORE_EVERY, MethodAcceptance, PositionCounts, RequestAcceptance, break_even
+
+# As this CPU measured SmolLM2: cheap among 8 sequences (weight reads shared), dear among 32 (compute-bound).
+COSTS = ((1, 0.17), (8, 0.1), (32, 0.36))
 
 
-def test_a_draft_token_must_be_surer_the_busier_the_verifier():
-    assert break_even(0.0, 32) == 0.0  # free draft tokens (an accelerator's idle compute) always pay
-    assert break_even(0.17, 1) == pytest.approx(0.17)  # alone: its own relative cost
-    assert break_even(0.17, 0) == break_even(0.17, 1)
-    thresholds = [break_even(0.17, n) for n in (1, 4, 16, 32)]
-    assert thresholds == sorted(thresholds)
-    # At 32 sequences a CPU pass is compute-bound: a token must land 87% of the time.
-    assert break_even(0.17, 32) == pytest.approx(0.17 * 32 / (0.83 + 0.17 * 32))
+def test_the_break_even_chance_is_the_measured_cost_at_the_batch_size():
+    assert break_even((), 32) == 0.0  # nothing measured: drafts are free
+    assert break_even(COSTS, 1) == break_even(COSTS, 0) == pytest.approx(0.17)
+    assert break_even(COSTS, 8) == pytest.approx(0.1)
+    assert break_even(COSTS, 20) == pytest.approx(0.23)  # halfway between 8 and 32
+    assert break_even(COSTS, 64) == pytest.approx(0.36)  # beyond the largest measured: its cost
+    assert break_even(((1, 0.2),), 32) == pytest.approx(0.2)  # an older verifier: one cost for every batch
 
 
 def test_counts_are_conditional_on_every_earlier_token_accepted():
@@ -27,15 +29,23 @@ def test_counts_are_conditional_on_every_earlier_token_accepted():
 
 def test_a_request_whose_drafts_fail_gets_none_under_load_and_keeps_them_alone():
     request = RequestAcceptance(MethodAcceptance())
-    assert request.worthwhile_length(break_even(0.17, 32), limit=8) == 8  # nothing known: explore
+    assert request.worthwhile_length(0.36, limit=8) == 8  # nothing known: every position explored
     for _ in range(6):
         request.observe(num_draft_tokens=8, num_accepted=1)  # the first token lands, the second never
-    assert request.worthwhile_length(break_even(0.17, 1), limit=8) == 1
-    assert request.worthwhile_length(break_even(0.17, 32), limit=8) == 1  # 6 of 6 first tokens: still pays
-    for _ in range(6):
+    assert request.worthwhile_length(0.17, limit=8) == 1
+    assert request.worthwhile_length(0.36, limit=8) == 1  # 6 of 6 first tokens: still pays
+    for _ in range(10):
         request.observe(num_draft_tokens=1, num_accepted=0)
-    assert request.worthwhile_length(break_even(0.17, 1), limit=8) == 1  # half its first tokens land
-    assert request.worthwhile_length(break_even(0.17, 32), limit=8) == 0
+    assert request.worthwhile_length(0.17, limit=8) == 1  # 6 in 16 first tokens land
+    assert request.worthwhile_length(0.5, limit=8) == 0
+
+
+def test_a_request_with_every_draft_cut_still_tries_one_token_now_and_then():
+    request = RequestAcceptance(MethodAcceptance())
+    for _ in range(8):
+        request.observe(num_draft_tokens=4, num_accepted=0)
+    lengths = [request.worthwhile_length(0.5, limit=4) for _ in range(3 * EXPLORE_EVERY)]
+    assert lengths == ([0] * (EXPLORE_EVERY - 1) + [1]) * 3
 
 
 def test_a_new_request_starts_from_what_its_method_has_seen():
@@ -43,7 +53,7 @@ def test_a_new_request_starts_from_what_its_method_has_seen():
     for _ in range(20):
         RequestAcceptance(method).observe(num_draft_tokens=4, num_accepted=0)
     fresh = RequestAcceptance(method)
-    assert fresh.worthwhile_length(break_even(0.17, 16), limit=4) == 0
-    for _ in range(8):
+    assert fresh.worthwhile_length(0.3, limit=4) == 0
+    for _ in range(4):
         fresh.observe(num_draft_tokens=4, num_accepted=4)  # this one's drafts land: its own record wins
-    assert fresh.worthwhile_length(break_even(0.17, 16), limit=4) == 4
+    assert fresh.worthwhile_length(0.3, limit=4) == 4

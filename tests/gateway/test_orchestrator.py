@@ -366,17 +366,22 @@ async def test_a_request_whose_drafts_keep_failing_gets_shorter_drafts_and_the_s
 
 async def test_drafts_that_keep_failing_stop_being_sent_and_the_output_stays():
     verifier = FakeVerifier(accept=0)  # every draft rejected at its first token
-    policy = LoopPolicy(draft_token_cost=0.2, break_even=True)
-    async with gateway([verifier], FakeDrafter(draft_len=4), policy=policy) as gw:
+    drafter = FakeDrafter(draft_len=4)
+    policy = LoopPolicy(draft_token_costs=((1, 0.2),), break_even=True)
+    async with gateway([verifier], drafter, policy=policy) as gw:
         deltas = await collect(gw, generation(max_tokens=12))
     assert tokens_of(deltas) == target_tokens(0, 12)
     lengths = [len(draft) for draft in verifier.drafts]
-    assert lengths[0] == 4 and lengths[-4:] == [0, 0, 0, 0]
+    # Whole drafts until the misses add up; then none, but a token now and then to keep learning.
+    assert lengths[0] == 4 and max(lengths[3:]) == 1 and lengths.count(0) >= 6
+    # A step without a drafter draft asks for none; the drafter still learns every token, in order.
+    assert drafter.proposals == len(lengths) - lengths.count(0) + 1  # and the last tokens, handed over
+    assert drafter.committed == [target_tokens(0, 12)]
 
 
 async def test_drafts_that_land_are_kept_whole_under_load():
     verifier = FakeVerifier(accept=8)
-    policy = LoopPolicy(draft_token_cost=0.2, break_even=True)
+    policy = LoopPolicy(draft_token_costs=((1, 0.2), (4, 0.6)), break_even=True)
     async with gateway([verifier], FakeDrafter(draft_len=3), policy=policy) as gw:
         together = await asyncio.gather(*(collect(gw, generation(max_tokens=16)) for _ in range(4)))
     assert all(tokens_of(deltas) == target_tokens(0, 16) for deltas in together)
@@ -478,8 +483,8 @@ def test_next_round_drafts_are_on_unless_the_speculative_config_turns_them_off()
     assert not off.speculation_next_round and off.unused_speculation_keys == () and off.speculation.method == "ngram"
     with pytest.raises(ValueError, match="next_round_drafts must be true or false"):
         GatewayConfig(speculative_config='{"next_round_drafts": 1}')
-    assert GatewayConfig().speculation_break_even
-    assert not GatewayConfig(speculative_config='{"break_even_drafts": false}').speculation_break_even
+    assert not GatewayConfig().speculation_break_even
+    assert GatewayConfig(speculative_config='{"break_even_drafts": true}').speculation_break_even
     assert not GatewayConfig().speculation_adaptive_draft_length
     assert GatewayConfig(speculative_config='{"adaptive_draft_length": true}').speculation_adaptive_draft_length
     with pytest.raises(ValueError, match="adaptive_draft_length must be true or false"):

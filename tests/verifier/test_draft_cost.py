@@ -8,18 +8,21 @@ from tests.verifier.conftest import make_engine
 from verifier_service.draft_cost import measure_token_cost
 
 
-def test_the_token_cost_is_the_extra_step_time_per_draft_token(runner, monkeypatch):
-    """A verify step made to take 20 ms plus 10 ms per draft token: each token costs about half a plain step."""
+def test_the_token_cost_is_the_extra_step_time_per_draft_token_at_each_batch_size(runner, monkeypatch):
+    """Verify passes made to take 10 ms plus 5 ms per token fed, as a compute-bound pass does: alone, a
+    draft token costs a third of a plain step; among 8 sequences, 0.8 of what plain steps commit."""
     engine = make_engine(runner)
-    forward = engine.verify
+    execute = engine.runner.execute
 
-    def slowed(seq, draft):
-        time.sleep(0.02 + 0.01 * len(draft.token_ids))
-        return forward(seq, draft)
+    def slowed(plan):
+        if plan.segments and all(segment.num_pending == 1 for segment in plan.segments):  # not a prefill
+            time.sleep(0.01 + 0.005 * plan.num_tokens)
+        return execute(plan)
 
-    monkeypatch.setattr(engine, "verify", slowed)
-    assert measure_token_cost(engine) == pytest.approx(0.5, abs=0.1)
-    assert engine.num_live == 0 and engine.pool.used_blocks == 0  # its sequence is gone
+    monkeypatch.setattr(engine.runner, "execute", slowed)
+    assert measure_token_cost(engine) == pytest.approx(20 / (4 * 15), abs=0.08)
+    assert measure_token_cost(engine, num_sequences=8, repeats=2) == pytest.approx(160 / (4 * 50), abs=0.08)
+    assert engine.num_live == 0 and engine.pool.used_blocks == 0  # its sequences are gone
 
 
 def test_the_verifier_reads_the_token_cost_of_a_speculative_config():
@@ -27,6 +30,9 @@ def test_the_verifier_reads_the_token_cost_of_a_speculative_config():
 
     assert draft_settings('{"method": "eagle3", "model": "/h"}').draft_token_cost is None  # measured
     assert draft_settings('{"method": "eagle3", "model": "/h", "draft_token_cost": 0}').draft_token_cost == 0.0
+    # Without a head too: the gateway cuts the drafter's drafts with it.
+    assert draft_settings('{"method": "suffix", "draft_token_cost": 0.25}').draft_token_cost == 0.25
+    assert draft_settings("").draft_token_cost is None
     for wrong in ('"cheap"', "-0.1", "true", "11"):
         with pytest.raises(ValueError, match="draft_token_cost must be"):
             draft_settings(f'{{"method": "mtp", "draft_token_cost": {wrong}}}')
