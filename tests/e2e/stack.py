@@ -92,6 +92,8 @@ class Stack:
     def _gateway_sees_every_verifier(self) -> bool:
         """/health needs one verifier; a test that expects the gateway to pick
         between several needs the gateway to have found them all serving."""
+        if not self.more_verifiers:
+            return True
         url = self.base_url.removesuffix("/v1") + "/metrics"
         try:
             with urllib.request.urlopen(url, timeout=2, context=self.http_context) as reply:
