@@ -32,8 +32,7 @@ PREDICTION, DRAFTER, HEAD, NONE = "prediction", "drafter", "head", "none"
 class LoopPolicy:
     """The loop's server-wide choices: from --speculative-config and the verifiers' ModelInfo."""
 
-    draft_token_cost: float = 0.0  # the verifiers' measure of a draft token's cost
-    # The same by batch size ((batch size, cost), by size): a drafter's draft stops where it no longer pays.
+    # The verifiers' measure of a draft token's cost by batch size ((batch size, cost), by size).
     draft_token_costs: tuple[tuple[int, float], ...] = ()
     # (running sequences, at most this many draft tokens): from that many sequences on a
     # verifier, its steps verify shorter drafts, or none. Checked at every step rather than
@@ -45,6 +44,11 @@ class LoopPolicy:
     adaptive_draft_length: bool = False
     # Cut a drafter's draft where its tokens' chance of acceptance no longer pays at the load (gateway/break_even.py).
     break_even: bool = False
+
+    @property
+    def draft_token_cost(self) -> float:
+        """The cost with one sequence in a step."""
+        return break_even(self.draft_token_costs, 1)
 
     def max_draft_tokens(self, num_running: int, k: int) -> int:
         """A step's draft length limit, k at most, with `num_running` sequences on its verifier."""

@@ -81,10 +81,9 @@ async def run(config: GatewayConfig) -> None:
     log.info("authentication", api_keys=len(config.keyring), tenant_from="api_key" if config.keyring
              else "x-tenant-id header (trusted network)", protect_metrics=config.protect_metrics)
     verifiers.attach_metrics(metrics)
-    policy = LoopPolicy(draft_token_cost=info.draft_token_cost,
-                        # An older verifier reports only the cost at one sequence.
-                        draft_token_costs=tuple(sorted(info.draft_token_cost_by_batch_size.items()))
-                        or ((1, info.draft_token_cost),),
+    # An older verifier reports only the cost at one sequence.
+    token_costs = tuple(sorted(info.draft_token_cost_by_batch_size.items())) or ((1, info.draft_token_cost),)
+    policy = LoopPolicy(draft_token_costs=token_costs,
                         draft_tokens_by_load=config.speculation_draft_tokens_by_load,
                         next_round=config.speculation_next_round and info.accepts_next_round,
                         adaptive_draft_length=config.speculation_adaptive_draft_length,

@@ -23,7 +23,7 @@ VERIFIER_KEYS = ("model", "draft_tensor_parallel_size", "draft_model_config", "s
                  "draft_token_cost")
 # --speculative-config keys the gateway applies server-wide: vLLM's load cut-off, and ours:
 # draft lengths by load, whether the gateway offers verifiers next-round drafts (default on), and
-# whether drafts stop where their tokens no longer pay at the verifier's load (default on).
+# whether drafts stop where their tokens no longer pay at the verifier's load (default off).
 GATEWAY_KEYS = ("speculative_disable_by_batch_size", "num_speculative_tokens_by_batch_size", "next_round_drafts",
                 "adaptive_draft_length", "break_even_drafts")
 # vLLM's method that only captures hidden states in the verifier: the sequences themselves are not speculated.

@@ -62,12 +62,16 @@ class Engine:
         self.grammars = GrammarCompiler(runner.model_dir, runner.vocab_size)
         self.on_step = on_step
         self.head = head
-        # A verify step's extra cost per draft token (draft_cost.py): where the head's drafts stop.
-        self.draft_token_cost = 0.0
-        self.draft_token_costs: dict[int, float] = {}  # by batch size, for the gateway; [1] is draft_token_cost
+        # A verify step's extra cost per draft token by batch size (draft_cost.py), for the gateway.
+        self.draft_token_costs: dict[int, float] = {}
         self.capture: HiddenStateCapture | None = None
         runner.feature_layers = head.head.feature_layers if head is not None else ()
         self._live: set[Sequence] = set()
+
+    @property
+    def draft_token_cost(self) -> float:
+        """The cost with one sequence in a step: where the head's drafts stop."""
+        return self.draft_token_costs.get(1, 0.0)
 
     def start_capture(self, capture: HiddenStateCapture) -> None:
         """vLLM's extract_hidden_states from now on: every prompt's hidden states to a file, 1 token out."""

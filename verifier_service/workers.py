@@ -103,7 +103,6 @@ class Rank0:
         # Measured with or without a head: the gateway weighs every draft with it.
         engine.draft_token_costs = (measure_token_costs(engine) if draft.draft_token_cost is None
                                     else {1: draft.draft_token_cost})
-        engine.draft_token_cost = engine.draft_token_costs[1]
         log.info("draft_token_cost", cost_by_batch_size=engine.draft_token_costs,
                  measured=draft.draft_token_cost is None)
         if draft.capture_dir:  # after the warm-up, whose prompt is no traffic

@@ -77,7 +77,7 @@ def acceptance(runner, drafter, prompts: list[list[int]], ks: list[int], max_tok
     rows = []
     for k in [0, *ks]:
         engine = _engine(runner, drafter if k else None, 16384)
-        engine.draft_token_cost = token_cost
+        engine.draft_token_costs = {1: token_cost}
         steps = tokens = 0
         started = time.perf_counter()
         for prompt in prompts:

@@ -299,7 +299,7 @@ def test_the_verifier_reads_its_part_of_a_speculative_config():
 
 def test_a_draft_token_cost_cuts_drafts_where_the_head_is_unsure(head_engine, monkeypatch):
     full, _ = generate(head_engine, 4, use_head=True)
-    monkeypatch.setattr(head_engine, "draft_token_cost", 0.05)
+    monkeypatch.setattr(head_engine, "draft_token_costs", {1: 0.05})
     cut, _ = generate(head_engine, 4, use_head=True)
     assert cut.tokens == full.tokens
     assert 0 < cut.num_draft_tokens < full.num_draft_tokens
