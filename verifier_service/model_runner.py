@@ -10,7 +10,7 @@ from transformers import AutoModelForCausalLM
 
 from verifier_service.attention import register as register_attention
 from verifier_service.batch import StepPlan, prepare
-from verifier_service.cpu_linear import gains_from_transposed_linears, transpose_linears
+from verifier_service.cpu_linear import add_transposed_weights, gains_from_transposed_weights
 from verifier_service.distributed import TensorParallel
 from verifier_service.kv_store import KVStore
 
@@ -45,9 +45,9 @@ class ModelRunner:
             kwargs["tp_plan"] = "auto"
         model = AutoModelForCausalLM.from_pretrained(model_dir, **kwargs)
         self.model = (model if tp is not None else model.to(self.device)).eval()
-        # A draft's few rows multiply faster by transposed weights on a CPU (cpu_linear.py).
-        transposed = (transpose_linears(self.model)
-                      if gains_from_transposed_linears(self.device, dtype, tp is not None) else 0)
+        # A draft's rows multiply faster by transposed weights on a CPU (cpu_linear.py).
+        transposed_bytes = (add_transposed_weights(self.model)
+                            if gains_from_transposed_weights(self.device, dtype, tp is not None) else 0)
         text_config = self.model.config.get_text_config()
         self.tp_size = tp.world_size if tp is not None else 1
         layers, kv_heads, head_dim = kv_geometry(text_config, self.tp_size)
@@ -64,7 +64,7 @@ class ModelRunner:
         log.info("model_loaded", model=os.path.basename(os.path.normpath(model_dir)), device=str(self.device),
                  dtype=str(dtype).removeprefix("torch."), vocab_size=self.vocab_size,
                  max_context_len=self.max_context_len, eos_token_ids=list(self.eos_token_ids),
-                 tensor_parallel_size=self.tp_size, rank=tp.rank if tp else 0, transposed_linear_layers=transposed)
+                 tensor_parallel_size=self.tp_size, rank=tp.rank if tp else 0, transposed_weight_bytes=transposed_bytes)
 
     def execute(self, plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Runs a plan (on every rank); returns fp32 logits [rows, vocab] in
