@@ -47,6 +47,8 @@ def add_transposed_weights(model: nn.Module) -> int:
 
 
 def gains_from_transposed_weights(device: torch.device, dtype: torch.dtype, tensor_parallel: bool) -> bool:
-    """Only fp32 on a CPU gains; accelerators' GEMMs handle either layout, and
-    tensor parallelism shards nn.Linear modules by their type."""
-    return device.type == "cpu" and dtype == torch.float32 and not tensor_parallel
+    """Only fp32 on a CPU whose PyTorch multiplies with MKL (x86) gains, as
+    measured; an ARM build's BLAS is another library, accelerators' GEMMs handle
+    either layout, and tensor parallelism shards nn.Linear modules by their type."""
+    return (device.type == "cpu" and dtype == torch.float32 and not tensor_parallel
+            and torch.backends.mkl.is_available())

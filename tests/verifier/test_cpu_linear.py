@@ -41,12 +41,15 @@ def test_every_linear_of_a_tied_model_is_replaced_and_the_logits_stay():
         torch.testing.assert_close(model(ids).logits, expected)
 
 
-def test_only_fp32_on_a_cpu_without_tensor_parallelism_uses_them():
+def test_only_fp32_on_an_mkl_cpu_without_tensor_parallelism_uses_them(monkeypatch):
     cpu = torch.device("cpu")
+    monkeypatch.setattr(torch.backends.mkl, "is_available", lambda: True)
     assert gains_from_transposed_weights(cpu, torch.float32, tensor_parallel=False)
     assert not gains_from_transposed_weights(cpu, torch.bfloat16, tensor_parallel=False)
     assert not gains_from_transposed_weights(cpu, torch.float32, tensor_parallel=True)
     assert not gains_from_transposed_weights(torch.device("cuda"), torch.float32, tensor_parallel=False)
+    monkeypatch.setattr(torch.backends.mkl, "is_available", lambda: False)  # e.g. an ARM build
+    assert not gains_from_transposed_weights(cpu, torch.float32, tensor_parallel=False)
 
 
 def test_the_runner_serves_fp32_on_a_cpu_with_both_layouts(runner):
