@@ -17,7 +17,7 @@ def test_a_two_layout_linear_computes_what_the_linear_did_at_any_number_of_rows(
     torch.testing.assert_close(two_layouts(x), expected)
 
 
-def test_many_rows_use_the_transposed_weight_and_few_the_original(monkeypatch):
+def test_many_rows_use_the_transposed_weight_and_few_the_original():
     linear = TwoLayoutLinear(nn.Linear(8, 5, bias=False))
     with torch.no_grad():
         linear.weight_t.zero_()  # now only the original layout gives a non-zero output
