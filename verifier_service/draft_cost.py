@@ -30,12 +30,12 @@ def measure_token_cost(engine, num_sequences: int = 1, num_draft_tokens: int = 4
     params = GenerationParams(max_new_tokens=steps + 1, ignore_eos=True)
     batch = [engine.open(f"draft-cost-{i}", prompt, params) for i in range(num_sequences)]
     try:
-        _run_together(engine, [(seq, Draft()) for seq in batch])
+        engine.run_together([(seq, Draft()) for seq in batch])
         plain, drafted = [], []
         for _ in range(repeats):
             for times, draft in ((plain, Draft()), (drafted, Draft(token_ids=(prompt[0],) * num_draft_tokens))):
                 started = time.perf_counter()
-                _run_together(engine, [(seq, draft) for seq in batch])
+                engine.run_together([(seq, draft) for seq in batch])
                 times.append(time.perf_counter() - started)
     finally:
         for seq in batch:
@@ -49,15 +49,3 @@ def measure_token_costs(engine) -> dict[int, float]:
     return {size: measure_token_cost(engine, size, repeats=repeats, context=MEASURED_CONTEXT)
             for size, repeats in BATCH_SIZES}
 
-
-def _run_together(engine, steps) -> None:
-    """Submits every (sequence, draft) and steps until all are answered."""
-    answers: list = []
-    for seq, draft in steps:
-        engine.submit(seq, draft, answers.append)
-    while len(answers) < len(steps):
-        if not engine.step():
-            raise RuntimeError("the engine cannot make progress (KV budget full)")
-    failed = next((answer for answer in answers if isinstance(answer, Exception)), None)
-    if failed is not None:
-        raise failed

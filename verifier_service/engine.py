@@ -181,16 +181,22 @@ class Engine:
             self.on_step(self._stats(picked, plan, forward_seconds))
         return True
 
-    # Synchronous conveniences (tests, benchmarks): submit, then step until answered.
-    def run(self, seq: Sequence, draft: Draft = Draft()) -> StepResult:
-        box: list = []
-        self.submit(seq, draft, box.append)
-        while not box:
-            if not self.step() and not box:
+    # Synchronous conveniences (tests, benchmarks, start-up measures): submit, then step until answered.
+    def run_together(self, steps: list[tuple[Sequence, Draft]]) -> list[StepResult]:
+        """Each (sequence, draft)'s step, batched as the scheduler allows; results in order."""
+        answers: dict[int, object] = {}
+        for i, (seq, draft) in enumerate(steps):
+            self.submit(seq, draft, lambda answer, i=i: answers.__setitem__(i, answer))
+        while len(answers) < len(steps):
+            if not self.step() and len(answers) < len(steps):
                 raise RuntimeError("the engine cannot make progress (KV budget full)")
-        if isinstance(box[0], Exception):
-            raise box[0]
-        return box[0]
+        failed = next((answer for answer in answers.values() if isinstance(answer, Exception)), None)
+        if failed is not None:
+            raise failed
+        return [answers[i] for i in range(len(steps))]
+
+    def run(self, seq: Sequence, draft: Draft = Draft()) -> StepResult:
+        return self.run_together([(seq, draft)])[0]
 
     def prefill(self, seq: Sequence) -> StepResult:
         return self.run(seq)
