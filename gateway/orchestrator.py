@@ -54,11 +54,16 @@ class LoopPolicy:
         """A step's draft length limit, k at most, with `num_running` sequences on its verifier."""
         return min([k, *(limit for at_least, limit in self.draft_tokens_by_load if num_running >= at_least)])
 
-    def paying_draft_tokens(self, num_running: int, limit: int, acceptance: RequestAcceptance | None) -> int:
-        """How much of a drafter's draft (not a head's: see generate) pays for its verification."""
+    def paying_draft_tokens(self, num_running: int, limit: int, acceptance: RequestAcceptance | None,
+                            drafted: common_pb2.Draft | None = None) -> int:
+        """How much of a drafter's draft (not a head's: see generate) pays for its
+        verification: before the drafter is asked, then of the draft it gave."""
         if acceptance is None:
             return limit
-        return acceptance.worthwhile_length(break_even(self.draft_token_costs, num_running), limit)
+        threshold = break_even(self.draft_token_costs, num_running)
+        if drafted is None:
+            return acceptance.length_before_drafting(threshold, limit)
+        return acceptance.worthwhile_length(threshold, min(limit, len(drafted.token_ids)), drafted.confidences)
 
 
 class Orchestrator:
@@ -118,6 +123,8 @@ class Orchestrator:
                 if drafter_limit > 0 or result.next_round_hit:
                     drafted = await _next_draft(proposer, withheld, result.committed_len)
                     withheld = []
+                    if drafted.confidences and not drafted.parents:
+                        drafter_limit = self._policy.paying_draft_tokens(running, drafter_limit, acceptance, drafted)
                 drafter_seconds = time.perf_counter() - asked
                 predicted = _predicted_draft(prediction, result, limit)
                 ran_ahead = result.next_round_hit  # the verifier already verifies `continuation`
@@ -138,9 +145,11 @@ class Orchestrator:
                 result = await _checked(verifier.answer())
                 usage += _step_usage(result, source, ran_ahead)
                 if source == DRAFTER:
-                    for model in (adaptive, acceptance):
-                        if model is not None:
-                            model.observe(result.num_draft_tokens, result.num_accepted_draft_tokens)
+                    if adaptive is not None:
+                        adaptive.observe(result.num_draft_tokens, result.num_accepted_draft_tokens)
+                    if acceptance is not None:
+                        acceptance.observe(result.num_draft_tokens, result.num_accepted_draft_tokens,
+                                           draft.confidences)
                 output += result.token_ids
                 self._record_step(result, source, drafter_seconds, time.perf_counter() - sent)
             if drafter is not None:  # the tokens it has not been sent: the last steps', or all of them

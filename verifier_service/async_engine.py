@@ -20,6 +20,16 @@ log = structlog.get_logger()
 _STOP = object()
 # While sequences wait for KV space, wake up this often to admit or refuse them.
 _WAITING_POLL_SECONDS = 0.05
+# A pass waits for running sequences' next steps up to this share of the last pass's time, when
+# that is longer than the configured batch window: a step that misses a pass of T seconds loses T,
+# and under load the ones left out form passes of their own, each paying the weights' read again.
+_BATCH_WAIT_SHARE = 0.1
+
+
+def batch_window(batch_wait_seconds: float, last_pass_seconds: float) -> float:
+    """How long a pass waits for running sequences' next steps: the configured
+    window, or a share of the last pass where that is longer; 0 never waits."""
+    return max(batch_wait_seconds, _BATCH_WAIT_SHARE * last_pass_seconds) if batch_wait_seconds else 0.0
 
 
 def _resolve(future: asyncio.Future, outcome) -> None:
@@ -38,6 +48,7 @@ class AsyncEngine:
                  batch_wait_seconds: float = 0.0):
         self._load = load
         self._batch_wait = batch_wait_seconds
+        self._last_pass_seconds = 0.0
         self._threads = threads
         self._on_stop = on_stop
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -114,7 +125,10 @@ class AsyncEngine:
                 if not self._drain(engine, timeout) or not self._gather(engine):
                     return
                 try:
+                    started = time.monotonic()
                     progressed = engine.step()
+                    if progressed:
+                        self._last_pass_seconds = time.monotonic() - started
                 except Exception:  # noqa: BLE001 - a bug in one pass must not stop the model thread
                     log.exception("engine_step_failed")
                     progressed = False
@@ -126,7 +140,7 @@ class AsyncEngine:
         """Waits up to the batch window for running sequences whose next step is
         on its way (their clients answer a pass one by one), so the next pass
         takes them all instead of starting with the first; False on stop."""
-        deadline = time.monotonic() + self._batch_wait
+        deadline = time.monotonic() + batch_window(self._batch_wait, self._last_pass_seconds)
         while engine.scheduler.ready and engine.num_between_steps:
             left = deadline - time.monotonic()
             if left <= 0:

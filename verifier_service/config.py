@@ -51,7 +51,8 @@ class VerifierConfig:
                                    "max_position_embeddings")
     trust_remote_code: bool = option(False, "let transformers run the model repository's own code")
     batch_wait_ms: float = option(10.0, "how long a pass waits for running sequences whose next step is on its "
-                                        "way, to batch them together; 0 starts each pass at once")
+                                        "way, to batch them together (a tenth of the last pass where that is "
+                                        "longer); 0 starts each pass at once")
     max_queue_wait: float = option(30.0, "seconds a new sequence may wait for KV space before "
                                          "RESOURCE_EXHAUSTED; 0 refuses at once")
     metrics_port: int = option(0, "port of the Prometheus /metrics endpoint (per-pass metrics); 0 disables it")

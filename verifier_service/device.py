@@ -69,8 +69,10 @@ def resolve_device(
 
 
 def resolve_dtype(requested: str, device: str, *, cuda=torch.cuda) -> torch.dtype:
-    """"auto" is fp32 on CPU (bf16 is no faster there and shifts logits), bf16 on
-    NPU, bf16 on CUDA when supported else fp16; otherwise the named dtype."""
+    """"auto" is fp32 on CPU (bf16 is faster on CPUs with AVX512-BF16, but its
+    multi-token passes round differently from one-token steps, so speculation
+    would change greedy outputs: docs/bench/bf16), bf16 on NPU, bf16 on CUDA
+    when supported else fp16; otherwise the named dtype."""
     if requested != "auto":
         if requested not in DTYPES:
             raise ValueError(f"unknown dtype {requested!r}; use auto, {', '.join(DTYPES)}")

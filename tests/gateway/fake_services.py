@@ -153,6 +153,7 @@ class FakeDrafter(drafter_pb2_grpc.DrafterServicer):
         self.draft_len = draft_len
         self.delay = 0.0  # seconds before each answer
         self.wrong_bonus = False  # a lookahead draft (2k + 1 tokens) guesses the bonus token, k, wrong
+        self.confidences: list[float] = []  # of each draft's first tokens, as suffix decoding reports them
         self.params: list[drafter_pb2.ProposerParams] = []  # per session, as started
         self.fail: tuple[grpc.StatusCode, int] | None = None  # abort with this code at this step
         self.sessions = 0
@@ -187,7 +188,8 @@ class FakeDrafter(drafter_pb2_grpc.DrafterServicer):
                 tokens = target_tokens(committed_len - prompt_len, self.draft_len)
                 if self.wrong_bonus:
                     tokens[self.params[-1].num_speculative_tokens // 2] = 999
-                yield drafter_pb2.SessionResponse(draft=common_pb2.Draft(token_ids=tokens, committed_len=committed_len))
+                yield drafter_pb2.SessionResponse(draft=common_pb2.Draft(
+                    token_ids=tokens, confidences=self.confidences[:len(tokens)], committed_len=committed_len))
 
 
 @contextlib.asynccontextmanager

@@ -379,6 +379,20 @@ async def test_drafts_that_keep_failing_stop_being_sent_and_the_output_stays():
     assert drafter.committed == [target_tokens(0, 12)]
 
 
+async def test_a_draft_with_confidences_is_judged_once_drafted():
+    verifier = FakeVerifier(accept=0)  # every draft rejected at its first token
+    drafter = FakeDrafter(draft_len=2)
+    drafter.confidences = [0.9, 0.9]  # though the drafter is sure of it
+    policy = LoopPolicy(draft_token_costs=((1, 0.2),), break_even=True)
+    async with gateway([verifier], drafter, policy=policy) as gw:
+        deltas = await collect(gw, generation(max_tokens=12))
+    assert tokens_of(deltas) == target_tokens(0, 12)
+    lengths = [len(draft) for draft in verifier.drafts]
+    assert lengths[0] == 2 and max(lengths[2:]) == 1 and lengths.count(0) >= 6
+    # Its confidences are what is judged, so the drafter is asked at every step, and its draft cut after.
+    assert drafter.proposals == len(lengths) + 1
+
+
 async def test_drafts_that_land_are_kept_whole_under_load():
     verifier = FakeVerifier(accept=8)
     policy = LoopPolicy(draft_token_costs=((1, 0.2), (4, 0.6)), break_even=True)

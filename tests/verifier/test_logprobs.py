@@ -86,7 +86,9 @@ def test_logprobs_are_cut_with_the_tokens_at_a_stop(engine, hf_model):
     assert output == ref[: ref.index(stop) + 1]  # the step accepted drafts past the stop
     expected = raw_logprobs(hf_model, output)
     got = all_logprobs(steps)
-    assert [entry.logprob for entry in got] == pytest.approx(expected.gather(1, torch.tensor(output)[:, None])[:, 0])
+    # Another computation of the same rows (HF's own forward): equal up to fp32 rounding, as above.
+    assert [entry.logprob for entry in got] == pytest.approx(expected.gather(1, torch.tensor(output)[:, None])[:, 0],
+                                                             abs=1e-4)
 
 
 def test_logprobs_only_when_asked_and_zero_means_no_alternatives(engine):
