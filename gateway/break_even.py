@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 # Drafter confidences are counted in buckets this wide.
 CONFIDENCE_BUCKET = 0.1
+_NUM_BUCKETS = round(1 / CONFIDENCE_BUCKET)
 # Prior weight, in steps, of the method-wide estimate in a request's own.
 REQUEST_PRIOR_STEPS = 2.0
 # A request whose drafts are all cut still verifies one draft token every this many
@@ -87,9 +88,6 @@ class ConfidenceCounts:
         return (self.accepted[bucket] + prior * prior_steps) / (self.verified[bucket] + prior_steps)
 
 
-_NUM_BUCKETS = round(1 / CONFIDENCE_BUCKET)
-
-
 def _bucket(confidence: float) -> int:
     return min(_NUM_BUCKETS - 1, max(0, int(confidence / CONFIDENCE_BUCKET)))
 
@@ -112,7 +110,8 @@ class MethodAcceptance:
 
 
 class RequestAcceptance:
-    """One request's chance of acceptance by draft position, learned from its verify steps."""
+    """One request's chance of acceptance by draft position and by the drafter's
+    confidence, learned from its verify steps."""
 
     def __init__(self, method: MethodAcceptance):
         self._method = method

@@ -154,9 +154,11 @@ def test_a_next_round_offer_that_matches_runs_without_a_verify_and_a_miss_waits_
             await call.write(prefill())
             await call.read()
             # Two outcomes offered; the step accepts its 3 tokens and the target's next is expected[4].
-            await call.write(verify(expected[1:4], committed_len=start))
+            # Offered before its Verify (named by the length the step starts from): sent after it, a
+            # busy machine can finish the step before the offer is read, and the offer would miss.
             await call.write(next_round(start, (wrong(expected[4]), [1, 2], start + 4),
                                         (expected[4], expected[5:7], start + 4)))
+            await call.write(verify(expected[1:4], committed_len=start))
             step = await call.read()
             assert list(step.token_ids) == expected[1:5] and step.next_round_hit
             ran_ahead = await call.read()  # no Verify sent
