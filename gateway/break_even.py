@@ -136,11 +136,12 @@ class RequestAcceptance:
     def worthwhile_length(self, threshold: float, limit: int, confidences=()) -> int:
         """The longest draft, `limit` at most, whose last token is still accepted
         with probability at least `threshold` (every token before it accepted too):
-        by the drafter's `confidences` where the draft has them, else by position."""
+        by the drafter's `confidences` (one per token up to `limit`) where the draft
+        has them, else by position."""
         chance, length = 1.0, limit
         for position in range(limit):
             if confidences:
-                confidence = confidences[position] if position < len(confidences) else 0.0
+                confidence = confidences[position]
                 chance = min(chance, self._confidences.rate(
                     confidence, self._method.confidence_rate(confidence), REQUEST_PRIOR_STEPS))
             else:

@@ -57,13 +57,14 @@ class LoopPolicy:
     def paying_draft_tokens(self, num_running: int, limit: int, acceptance: RequestAcceptance | None,
                             drafted: common_pb2.Draft | None = None) -> int:
         """How much of a drafter's draft (not a head's: see generate) pays for its
-        verification: before the drafter is asked, then of the draft it gave."""
-        if acceptance is None:
+        verification: before the drafter is asked, then of the draft it gave
+        (judged again only by its confidences, where it is a chain that has them)."""
+        if acceptance is None or (drafted is not None and (drafted.parents or not drafted.confidences)):
             return limit
         threshold = break_even(self.draft_token_costs, num_running)
         if drafted is None:
             return acceptance.length_before_drafting(threshold, limit)
-        return acceptance.worthwhile_length(threshold, min(limit, len(drafted.token_ids)), drafted.confidences)
+        return acceptance.worthwhile_length(threshold, min(limit, len(drafted.confidences)), drafted.confidences)
 
 
 class Orchestrator:
@@ -123,8 +124,7 @@ class Orchestrator:
                 if drafter_limit > 0 or result.next_round_hit:
                     drafted = await _next_draft(proposer, withheld, result.committed_len)
                     withheld = []
-                    if drafted.confidences and not drafted.parents:
-                        drafter_limit = self._policy.paying_draft_tokens(running, drafter_limit, acceptance, drafted)
+                    drafter_limit = self._policy.paying_draft_tokens(running, drafter_limit, acceptance, drafted)
                 drafter_seconds = time.perf_counter() - asked
                 predicted = _predicted_draft(prediction, result, limit)
                 ran_ahead = result.next_round_hit  # the verifier already verifies `continuation`

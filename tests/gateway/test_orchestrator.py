@@ -364,14 +364,20 @@ async def test_a_request_whose_drafts_keep_failing_gets_shorter_drafts_and_the_s
 
 # Drafts cut where they stop paying at the load (gateway/break_even.py)
 
-async def test_drafts_that_keep_failing_stop_being_sent_and_the_output_stays():
-    verifier = FakeVerifier(accept=0)  # every draft rejected at its first token
-    drafter = FakeDrafter(draft_len=4)
+async def _draft_lengths_with_every_draft_rejected(drafter: FakeDrafter) -> list[int]:
+    """Twelve tokens with the break-even cut on, every draft rejected at its first
+    token; the length of each draft verified. The output must stay the target's."""
+    verifier = FakeVerifier(accept=0)
     policy = LoopPolicy(draft_token_costs=((1, 0.2),), break_even=True)
     async with gateway([verifier], drafter, policy=policy) as gw:
         deltas = await collect(gw, generation(max_tokens=12))
     assert tokens_of(deltas) == target_tokens(0, 12)
-    lengths = [len(draft) for draft in verifier.drafts]
+    return [len(draft) for draft in verifier.drafts]
+
+
+async def test_drafts_that_keep_failing_stop_being_sent_and_the_output_stays():
+    drafter = FakeDrafter(draft_len=4)
+    lengths = await _draft_lengths_with_every_draft_rejected(drafter)
     # Whole drafts until the misses add up; then none, but a token now and then to keep learning.
     assert lengths[0] == 4 and max(lengths[3:]) == 1 and lengths.count(0) >= 6
     # A step without a drafter draft asks for none; the drafter still learns every token, in order.
@@ -380,14 +386,9 @@ async def test_drafts_that_keep_failing_stop_being_sent_and_the_output_stays():
 
 
 async def test_a_draft_with_confidences_is_judged_once_drafted():
-    verifier = FakeVerifier(accept=0)  # every draft rejected at its first token
     drafter = FakeDrafter(draft_len=2)
-    drafter.confidences = [0.9, 0.9]  # though the drafter is sure of it
-    policy = LoopPolicy(draft_token_costs=((1, 0.2),), break_even=True)
-    async with gateway([verifier], drafter, policy=policy) as gw:
-        deltas = await collect(gw, generation(max_tokens=12))
-    assert tokens_of(deltas) == target_tokens(0, 12)
-    lengths = [len(draft) for draft in verifier.drafts]
+    drafter.confidences = [0.9, 0.9]  # though the drafter is sure of its rejected tokens
+    lengths = await _draft_lengths_with_every_draft_rejected(drafter)
     assert lengths[0] == 2 and max(lengths[2:]) == 1 and lengths.count(0) >= 6
     # Its confidences are what is judged, so the drafter is asked at every step, and its draft cut after.
     assert drafter.proposals == len(lengths) + 1
