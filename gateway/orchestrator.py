@@ -13,6 +13,7 @@ from gateway.break_even import MethodAcceptance, RequestAcceptance, break_even
 from gateway.draft_length import AdaptiveDraftLength
 from gateway.drafter_client import DrafterClient, DrafterSession
 from gateway.errors import InvalidRequest, Overloaded, Unavailable
+from gateway.hybrid import REQUEST_WEIGHT, SERVER_WEIGHT, HeadWorth, HybridChoice
 from gateway.metrics import GatewayMetrics, StepTimes
 from gateway.prediction import PredictionDrafter
 from gateway.types import GenerationRequest, SpeculationUsage, TokenDelta, TokenLogprob
@@ -78,6 +79,8 @@ class Orchestrator:
         self._finishing: set[asyncio.Task] = set()
         # Each drafter method's acceptance by draft position, over all requests: a new request's prior.
         self._acceptance = {method: MethodAcceptance() for method in DRAFTER_METHODS}
+        # What the head's steps have been worth, any method's: a hybrid request's prior.
+        self._head_worth = HeadWorth(SERVER_WEIGHT)
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[TokenDelta]:
         """Yields each step's committed tokens; closing the generator aborts the sequence.
@@ -107,6 +110,8 @@ class Orchestrator:
             adaptive = AdaptiveDraftLength(k) if self._policy.adaptive_draft_length else None
             acceptance = (RequestAcceptance(self._acceptance[speculation.drafter_method])
                           if self._policy.break_even and proposer is not None else None)
+            hybrid = (HybridChoice(self._policy.draft_token_cost, HeadWorth(REQUEST_WEIGHT, self._head_worth.worth))
+                      if speculation.method == "hybrid" else None)
             withheld: list[int] = []  # committed tokens not yet sent to the drafter
             while result.finish_reason == common_pb2.FINISH_REASON_UNSPECIFIED:
                 # Less than k while the verifier is busy: a big batch is compute-bound, so a
@@ -134,16 +139,21 @@ class Orchestrator:
                     source, draft = NONE, _NO_DRAFT
                 else:
                     source, draft = _pick_draft(speculation.method, predicted, _cut(drafted, 0, drafter_limit),
-                                                result.head_draft, self._policy.draft_token_cost)
+                                                hybrid)
                 continuation = (_continuation_after(draft, drafted, drafter_limit) if lookahead and source == DRAFTER
                                 and limit > 0 else None)
                 sent = time.perf_counter()
-                await _checked(_send_step(verifier, speculation.method, result, source, draft, ran_ahead,
-                                          continuation))
+                await _checked(_send_step(verifier, result, source, draft, ran_ahead, continuation))
                 # The last step's tokens go out (detokenized, streamed) while the verifier runs this one.
                 yield _delta(result, speculation=usage)
                 result = await _checked(verifier.answer())
                 usage += _step_usage(result, source, ran_ahead)
+                if source == HEAD:
+                    worth = draft_value(result.num_accepted_draft_tokens, result.num_draft_tokens,
+                                        self._policy.draft_token_cost)
+                    self._head_worth.observe(worth)
+                    if hybrid is not None:
+                        hybrid.head.observe(worth)
                 if source == DRAFTER:
                     if adaptive is not None:
                         adaptive.observe(result.num_draft_tokens, result.num_accepted_draft_tokens)
@@ -206,7 +216,7 @@ def _delta(result, finish_reason: str | None = None, speculation: SpeculationUsa
     return TokenDelta(list(result.token_ids), finish_reason, speculation, logprobs)
 
 
-def _send_step(verifier, method: str, last, source: str, draft: common_pb2.Draft | None, ran_ahead: bool,
+def _send_step(verifier, last, source: str, draft: common_pb2.Draft | None, ran_ahead: bool,
                continuation: verifier_pb2.Continuation | None):
     """Sends a step's draft, or nothing when the verifier already runs it
     (`ran_ahead`), with `continuation` offered for the step after."""
@@ -214,10 +224,7 @@ def _send_step(verifier, method: str, last, source: str, draft: common_pb2.Draft
                   if continuation else None)
     if ran_ahead:
         return verifier.send_offer(next_round)
-    # Hybrid: a drafter run that keeps being accepted will likely win the next step too.
-    on_a_run = method == "hybrid" and source == DRAFTER and len(draft.token_ids) > 0
-    return verifier.send_verify(draft, use_head_draft=source == HEAD, skip_head_draft_if_all_accepted=on_a_run,
-                                next_round=next_round)
+    return verifier.send_verify(draft, use_head_draft=source == HEAD, next_round=next_round)
 
 
 def _step_usage(result, source: str, ran_ahead: bool) -> SpeculationUsage:
@@ -252,20 +259,18 @@ def _continuation_after(step: common_pb2.Draft, drafted: common_pb2.Draft,
 
 
 def _pick_draft(method: str, predicted: common_pb2.Draft | None, drafted: common_pb2.Draft,
-                head_draft: common_pb2.Draft, token_cost: float) -> tuple[str, common_pb2.Draft | None]:
+                hybrid: HybridChoice | None) -> tuple[str, common_pb2.Draft | None]:
     """Which draft this step verifies, and its source. A predicted output wins
     while it lasts. Hybrid takes the draft expected to commit more tokens per
-    unit of verify time: both scores estimate accepted tokens (suffix from its
-    tree's counts, the head from its own token probabilities), and each draft
-    token costs the verifier `token_cost` of a plain step. Arctic's rule
-    compares the suffix score with the head draft's length, as if every head
-    token were accepted and verification were free; on a CPU verifier neither
-    holds, so that rule sends steps to long, unsure head drafts."""
+    unit of verify time, the drafter's judged by its score, the head's by what
+    its drafts have committed in this request. Arctic's rule compares the
+    suffix score with the head draft's length, as if every head token were
+    accepted and verification were free; on a CPU verifier neither holds, so
+    that rule sends steps to long, unsure head drafts, and it needs the head's
+    draft made at every step to know its length."""
     if predicted is not None:
         return PREDICTION, predicted
-    if method in HEAD_METHODS or (method == "hybrid" and head_draft.token_ids and not (
-            drafted.token_ids and draft_value(drafted.score, len(drafted.token_ids), token_cost)
-            >= draft_value(head_draft.score, len(head_draft.token_ids), token_cost))):
+    if method in HEAD_METHODS or (hybrid is not None and hybrid.prefers_head(drafted)):
         return HEAD, None
     return (DRAFTER, drafted) if drafted.token_ids else (NONE, drafted)
 

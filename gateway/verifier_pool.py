@@ -76,6 +76,8 @@ class VerifierSession:
         prefill = verifier_pb2.Prefill(
             sequence_id=request.request_id, prompt_token_ids=request.prompt_token_ids, sampling=sampling,
             num_head_draft_tokens=speculation.num_speculative_tokens if speculation.uses_head else 0,
+            # Hybrid picks its source before the head would have drafted (gateway/hybrid.py).
+            head_draft_on_demand=speculation.method == "hybrid",
         )
         await self._send(verifier_pb2.SessionRequest(prefill=prefill))
         response = await self._read()
@@ -85,12 +87,10 @@ class VerifierSession:
         return response
 
     async def send_verify(self, draft: common_pb2.Draft | None, use_head_draft: bool = False,
-                          skip_head_draft_if_all_accepted: bool = False,
                           next_round: verifier_pb2.NextRound | None = None) -> None:
-        """Sends a step: `draft`, or with `use_head_draft` the verifier head's own
-        last draft; offers `next_round` for the step after it. answer() reads its answer."""
-        verify = verifier_pb2.Verify(draft=draft, use_head_draft=use_head_draft,
-                                     skip_head_draft_if_all_accepted=skip_head_draft_if_all_accepted)
+        """Sends a step: `draft`, or with `use_head_draft` the verifier head's own;
+        offers `next_round` for the step after it. answer() reads its answer."""
+        verify = verifier_pb2.Verify(draft=draft, use_head_draft=use_head_draft)
         await self._send(verifier_pb2.SessionRequest(verify=verify), *_offer(next_round))
 
     async def send_offer(self, next_round: verifier_pb2.NextRound | None) -> None:

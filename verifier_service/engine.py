@@ -127,6 +127,8 @@ class Engine:
         try:
             if seq.finished:
                 raise SequenceFinished(f"sequence already finished ({seq.finish_reason.value})")
+            if draft.from_head:
+                draft = self._head_draft(seq)
             draft.check(self.runner.vocab_size)
             if draft.committed_len and draft.committed_len != len(seq.tokens):
                 raise StaleDraft(f"draft continues length {draft.committed_len} "
@@ -228,9 +230,10 @@ class Engine:
             self.capture.write(seq)
         extra = {"forward_seconds": forward_seconds}
         if seq.head is not None:
-            all_accepted = verdict.num_accepted == len(draft.token_ids) > 0
-            self._draft_with_head(seq, segment, features, verdict, result.token_ids,
-                                  draft.skip_head_draft_if_all_accepted and all_accepted)
+            self._feed_head(seq, segment, features, verdict, result.token_ids)
+            seq.head_draft = None
+            if not (seq.finished or seq.params.head_draft_on_demand):
+                self._draft_head(seq)
             if seq.head_draft is not None:
                 extra.update(head_draft=seq.head_draft.token_ids, head_draft_score=seq.head_draft.score)
         result = dataclasses.replace(result, **extra)
@@ -240,19 +243,28 @@ class Engine:
             self.scheduler.release(seq)
         entry.work.done(result)
 
-    def _draft_with_head(self, seq: Sequence, segment, features: torch.Tensor, verdict: Verdict,
-                         committed: list[int], skip: bool) -> None:
-        """Feeds the head this pass's (feature, next token) pairs, then drafts
-        the next step unless told to `skip` it. Pending prompt tokens pair with
-        the token after them; the rows that judged the committed tokens pair
-        with those tokens."""
+    @staticmethod
+    def _feed_head(seq: Sequence, segment, features: torch.Tensor, verdict: Verdict, committed: list[int]) -> None:
+        """Gives the head this pass's (feature, next token) pairs: pending prompt
+        tokens pair with the token after them, the rows that judged the
+        committed tokens with those tokens. They go through the head at its next draft."""
         start, pending = seq.num_cached, segment.num_pending
         seq.head.add(start, features[: pending - 1], seq.tokens[start + 1: start + pending])
         judged = [pending - 1 + row for row in verdict.rows[: len(committed)]]
         seq.head.add(start + pending - 1, features[judged], committed)
+
+    def _draft_head(self, seq: Sequence) -> None:
         k = min(seq.params.num_head_draft_tokens, seq.max_draft_depth())
-        seq.head_draft = None if seq.finished or skip else self.head.draft(
-            seq.head, k, seq.params.sampling.temperature, seq.generator, self.draft_token_cost)
+        seq.head_draft = self.head.draft(seq.head, k, seq.params.sampling.temperature, seq.generator,
+                                         self.draft_token_cost)
+
+    def _head_draft(self, seq: Sequence) -> Draft:
+        """The head's draft for the step now submitted: made after the last step,
+        or, where the sequence drafts on demand, now (the pairs fed since its
+        last draft go through the head first, in one pass)."""
+        if seq.head is not None and seq.params.head_draft_on_demand:
+            self._draft_head(seq)
+        return seq.own_draft()
 
     def _judge(self, seq: Sequence, draft: Draft, rows: torch.Tensor) -> Verdict:
         """Accepts against the request's distribution: `rows` are raw logits, and

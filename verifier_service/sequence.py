@@ -37,6 +37,7 @@ class GenerationParams:
     logprobs: int | None = None  # None: not reported; else how many most likely alternatives with each token
     grammar: str | None = None  # structured output, llguidance's Lark syntax
     num_head_draft_tokens: int = 0  # > 0: the verifier's head drafts this many tokens after each step
+    head_draft_on_demand: bool = False  # the head drafts only for a step that verifies its draft, at its start
 
     def __post_init__(self):
         if self.max_new_tokens < 1:
@@ -65,7 +66,7 @@ class Draft:
     parents: tuple[int, ...] = ()  # empty: a chain; else a tree (see tree.py)
     proposals: tuple[Proposal, ...] = ()  # empty: deterministic draft
     committed_len: int = 0  # 0: not tagged
-    skip_head_draft_if_all_accepted: bool = False  # a step option (Verify's), carried with its draft
+    from_head: bool = False  # verify the verifier head's own draft instead (Verify.use_head_draft)
     # Dense q rows [k, vocab] of a draft sampled inside the verifier (a head's): never crosses the wire.
     proposal_probs: torch.Tensor | None = field(default=None, compare=False)
 

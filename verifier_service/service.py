@@ -34,7 +34,8 @@ def _optional(message, name: str, default=None):
     return getattr(message, name) if message.HasField(name) else default
 
 
-def params_from_proto(sampling: verifier_pb2.SamplingParams, num_head_draft_tokens: int = 0) -> GenerationParams:
+def params_from_proto(prefill: verifier_pb2.Prefill) -> GenerationParams:
+    sampling = prefill.sampling
     return GenerationParams(
         sampling=SamplingParams(
             temperature=_optional(sampling, "temperature"),
@@ -53,11 +54,12 @@ def params_from_proto(sampling: verifier_pb2.SamplingParams, num_head_draft_toke
         ignore_eos=sampling.ignore_eos,
         logprobs=_optional(sampling, "logprobs"),
         grammar=_optional(sampling, "grammar"),
-        num_head_draft_tokens=num_head_draft_tokens,
+        num_head_draft_tokens=prefill.num_head_draft_tokens,
+        head_draft_on_demand=prefill.head_draft_on_demand,
     )
 
 
-def draft_from_proto(draft: common_pb2.Draft, max_tokens: int, skip_head_draft_if_all_accepted: bool = False) -> Draft:
+def draft_from_proto(draft: common_pb2.Draft, max_tokens: int) -> Draft:
     # Counted on the message, before any of it is copied or checked on the model thread.
     nodes = max(len(draft.token_ids), len(draft.parents), len(draft.proposals))
     if nodes > max_tokens:
@@ -67,7 +69,6 @@ def draft_from_proto(draft: common_pb2.Draft, max_tokens: int, skip_head_draft_i
         parents=tuple(draft.parents),
         proposals=tuple(Proposal(tuple(q.token_ids), tuple(q.probs)) for q in draft.proposals),
         committed_len=draft.committed_len,
-        skip_head_draft_if_all_accepted=skip_head_draft_if_all_accepted,
     )
 
 
@@ -171,7 +172,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
                 if seq is None:
                     if kind != "prefill":
                         raise InvalidRequest("the first message of a session must be prefill")
-                    params = params_from_proto(request.prefill.sampling, request.prefill.num_head_draft_tokens)
+                    params = params_from_proto(request.prefill)
                     # Opened before the await, so `finally` frees it even if the prefill is cancelled.
                     seq = self.engine.open(request.prefill.sequence_id, list(request.prefill.prompt_token_ids), params)
                     result, timing = await self._prefill(seq)
@@ -179,9 +180,8 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
                     continue
                 if kind != "verify":
                     raise InvalidRequest("after prefill, every message must be verify or next_round")
-                draft = (seq.own_draft() if request.verify.use_head_draft
-                         else draft_from_proto(request.verify.draft, self.max_draft_tokens,
-                                               request.verify.skip_head_draft_if_all_accepted))
+                draft = (Draft(from_head=True) if request.verify.use_head_draft
+                         else draft_from_proto(request.verify.draft, self.max_draft_tokens))
                 step = self._step(seq, draft)
                 while step is not None:
                     started_at = result.committed_len  # the answer before this step

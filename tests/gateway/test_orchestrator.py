@@ -431,30 +431,21 @@ async def test_a_prediction_the_output_leaves_falls_back_to_the_drafter():
 
 
 def test_each_step_verifies_the_draft_its_method_picks():
+    from gateway.hybrid import HeadWorth, HybridChoice
     from gateway.orchestrator import DRAFTER, HEAD, NONE, PREDICTION, _pick_draft
 
     def draft(tokens, score=0.0):
         return common_pb2.Draft(token_ids=tokens, score=score)
 
-    suffix, head = draft([1, 2, 3], score=2.5), draft([4, 5, 6, 7], score=1.2)
-
-    def pick(method, predicted, drafted, head_draft, token_cost=0.0):
-        return _pick_draft(method, predicted, drafted, head_draft, token_cost)
-
-    assert pick("hybrid", None, suffix, head) == (DRAFTER, suffix)  # expects more accepted tokens
-    assert pick("hybrid", None, draft([1], score=0.4), head) == (HEAD, None)
-    assert pick("hybrid", None, draft([]), head) == (HEAD, None)
-    assert pick("hybrid", None, suffix, draft([])) == (DRAFTER, suffix)
-    assert pick("eagle3", None, suffix, head) == (HEAD, None)
-    assert pick("suffix", None, suffix, head) == (DRAFTER, suffix)
-    assert pick("suffix", None, draft([]), head)[0] == NONE
-    # Where draft tokens cost verify time, a long draft must expect more: 8 tokens for 1.6
-    # lose to 2 tokens for 1.2 at 0.2 of a plain step each, and win where tokens are free.
-    long_suffix, short_head = draft(list(range(8)), score=1.6), draft([4, 5], score=1.2)
-    assert pick("hybrid", None, long_suffix, short_head, token_cost=0.0) == (DRAFTER, long_suffix)
-    assert pick("hybrid", None, long_suffix, short_head, token_cost=0.2) == (HEAD, None)
+    suffix, nothing = draft([1, 2, 3], score=2.5), draft([])
+    hybrid = HybridChoice(token_cost=0.1, head=HeadWorth(weight=0.25))
+    assert _pick_draft("hybrid", None, suffix, hybrid) == (DRAFTER, suffix)
+    assert _pick_draft("hybrid", None, nothing, hybrid) == (HEAD, None)
+    assert _pick_draft("eagle3", None, suffix, None) == (HEAD, None)
+    assert _pick_draft("suffix", None, suffix, None) == (DRAFTER, suffix)
+    assert _pick_draft("suffix", None, nothing, None)[0] == NONE
     predicted = draft([9, 9])
-    assert pick("hybrid", predicted, suffix, head) == (PREDICTION, predicted)
+    assert _pick_draft("hybrid", predicted, suffix, hybrid) == (PREDICTION, predicted)
 
 
 def test_the_gateway_reads_draft_lengths_by_load_from_the_speculative_config():

@@ -171,23 +171,31 @@ def test_the_head_cache_holds_exactly_the_committed_pairs(head_engine, hf_model)
     assert_head_cache_is_the_committed_pairs(head_engine, hf_model, seq)
 
 
-def test_a_client_draft_accepted_in_full_can_skip_the_heads_next_draft(head_engine, hf_model):
-    """The head skips the draft after a client's run, then catches up on the skipped pairs."""
+def test_a_head_drafting_on_demand_drafts_for_the_steps_that_verify_its_draft_alone(head_engine, hf_model):
+    """Beside a sequence whose head drafts after every step: a client's draft
+    step makes no head draft, and each step that asks for the head's draft
+    verifies the one the head would have made after the step before (the
+    pairs it skipped go through the head first)."""
     plain, _ = generate(head_engine, 0, use_head=False)
-    seq = head_engine.open("s", PROMPT, GenerationParams(max_new_tokens=30, ignore_eos=True,
-                                                         num_head_draft_tokens=2))
-    head_engine.prefill(seq)
+    after_every_step, on_demand = (
+        head_engine.open("s", PROMPT, GenerationParams(max_new_tokens=30, ignore_eos=True, num_head_draft_tokens=2,
+                                                       head_draft_on_demand=demand)) for demand in (False, True))
+    for seq in (after_every_step, on_demand):
+        head_engine.prefill(seq)
     run = tuple(plain.tokens[len(PROMPT) + 1: len(PROMPT) + 4])
-    skipped = head_engine.verify(seq, Draft(run, skip_head_draft_if_all_accepted=True))
-    assert skipped.num_accepted == 3 and skipped.head_draft == ()
-    wrong = (plain.tokens[len(seq.tokens)] + 1) % VOCAB
-    missed = head_engine.verify(seq, Draft((wrong,), skip_head_draft_if_all_accepted=True))
-    assert missed.num_accepted == 0 and len(missed.head_draft) == 2  # a miss: the head drafts again
-    while not seq.finished:
-        head_engine.verify(seq, seq.own_draft())
-    head_engine.close(seq)
-    assert seq.tokens == plain.tokens
-    assert_head_cache_is_the_committed_pairs(head_engine, hf_model, seq)
+    assert head_engine.verify(after_every_step, Draft(run)).head_draft
+    assert head_engine.verify(on_demand, Draft(run)).head_draft == ()
+    head_steps = 0
+    while not on_demand.finished:
+        expected = head_engine.verify(after_every_step, Draft(from_head=True))
+        result = head_engine.verify(on_demand, Draft(from_head=True))
+        assert (result.token_ids, result.num_draft_tokens) == (expected.token_ids, expected.num_draft_tokens)
+        assert result.head_draft == ()
+        head_steps += result.num_draft_tokens > 0
+    for seq in (after_every_step, on_demand):
+        head_engine.close(seq)
+    assert on_demand.tokens == plain.tokens and head_steps > 5
+    assert_head_cache_is_the_committed_pairs(head_engine, hf_model, on_demand)
 
 
 def test_a_head_method_on_a_verifier_without_a_head_is_invalid(engine):

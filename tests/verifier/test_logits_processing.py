@@ -253,10 +253,13 @@ def test_controls_the_engine_checks_are_refused(engine):
 
 
 def test_proto_controls_map_to_the_domain_and_absent_ones_are_off():
-    assert params_from_proto(verifier_pb2.SamplingParams(max_new_tokens=4)).sampling == SamplingParams()
-    params = params_from_proto(verifier_pb2.SamplingParams(
-        max_new_tokens=4, presence_penalty=0.5, frequency_penalty=-0.25, repetition_penalty=1.5, min_p=0.125,
-        logit_bias={7: -3.5}, min_tokens=2, logprobs=3))
+    def from_proto(**sampling):
+        return params_from_proto(verifier_pb2.Prefill(sampling=verifier_pb2.SamplingParams(max_new_tokens=4,
+                                                                                            **sampling)))
+
+    assert from_proto().sampling == SamplingParams()
+    params = from_proto(presence_penalty=0.5, frequency_penalty=-0.25, repetition_penalty=1.5, min_p=0.125,
+                        logit_bias={7: -3.5}, min_tokens=2, logprobs=3)
     assert params.sampling == SamplingParams(presence_penalty=0.5, frequency_penalty=-0.25, repetition_penalty=1.5,
                                              min_p=0.125, logit_bias={7: -3.5}, min_tokens=2)
     assert params.logprobs == 3

@@ -110,7 +110,7 @@ def test_logprobs_over_grpc(tiny_model_dir, engine, hf_model):
     sampling = verifier_pb2.SamplingParams(max_new_tokens=8, ignore_eos=True, logprobs=2)
     ref = reference(hf_model, PROMPT, 3)
     draft = (ref[1], wrong(ref[2]))  # one accepted token, then the correction
-    seq = engine.open("ref", PROMPT, params_from_proto(sampling))
+    seq = engine.open("ref", PROMPT, params_from_proto(verifier_pb2.Prefill(sampling=sampling)))
     expected = [engine.prefill(seq).logprobs, engine.verify(seq, Draft(draft)).logprobs]
 
     def same(answer, want) -> None:

@@ -96,7 +96,7 @@ async def session_error(channel, *requests) -> grpc.aio.AioRpcError:
 
 
 def test_round_trip_matches_the_engine(tiny_model_dir, engine):
-    seq = engine.open("ref", PROMPT, params_from_proto(OK_SAMPLING))
+    seq = engine.open("ref", PROMPT, params_from_proto(verifier_pb2.Prefill(sampling=OK_SAMPLING)))
     expected = engine.prefill(seq).token_ids
     while not seq.finished:
         expected += engine.verify(seq, Draft()).token_ids
@@ -141,7 +141,7 @@ def next_round(step_committed_len: int, *continuations: tuple[int, list[int], in
 
 
 def test_a_next_round_offer_that_matches_runs_without_a_verify_and_a_miss_waits_for_one(tiny_model_dir, engine):
-    seq = engine.open("ref", PROMPT, params_from_proto(OK_SAMPLING))
+    seq = engine.open("ref", PROMPT, params_from_proto(verifier_pb2.Prefill(sampling=OK_SAMPLING)))
     expected = engine.prefill(seq).token_ids
     while not seq.finished:
         expected += engine.verify(seq, Draft()).token_ids

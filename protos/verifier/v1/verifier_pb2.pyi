@@ -49,26 +49,26 @@ class SamplingParams(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., min_p: _Optional[float] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., min_tokens: _Optional[int] = ..., logprobs: _Optional[int] = ..., grammar: _Optional[str] = ...) -> None: ...
 
 class Prefill(_message.Message):
-    __slots__ = ("sequence_id", "prompt_token_ids", "sampling", "num_head_draft_tokens")
+    __slots__ = ("sequence_id", "prompt_token_ids", "sampling", "num_head_draft_tokens", "head_draft_on_demand")
     SEQUENCE_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     NUM_HEAD_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    HEAD_DRAFT_ON_DEMAND_FIELD_NUMBER: _ClassVar[int]
     sequence_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: SamplingParams
     num_head_draft_tokens: int
-    def __init__(self, sequence_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., num_head_draft_tokens: _Optional[int] = ...) -> None: ...
+    head_draft_on_demand: bool
+    def __init__(self, sequence_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., num_head_draft_tokens: _Optional[int] = ..., head_draft_on_demand: _Optional[bool] = ...) -> None: ...
 
 class Verify(_message.Message):
-    __slots__ = ("draft", "use_head_draft", "skip_head_draft_if_all_accepted")
+    __slots__ = ("draft", "use_head_draft")
     DRAFT_FIELD_NUMBER: _ClassVar[int]
     USE_HEAD_DRAFT_FIELD_NUMBER: _ClassVar[int]
-    SKIP_HEAD_DRAFT_IF_ALL_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     draft: _common_pb2.Draft
     use_head_draft: bool
-    skip_head_draft_if_all_accepted: bool
-    def __init__(self, draft: _Optional[_Union[_common_pb2.Draft, _Mapping]] = ..., use_head_draft: _Optional[bool] = ..., skip_head_draft_if_all_accepted: _Optional[bool] = ...) -> None: ...
+    def __init__(self, draft: _Optional[_Union[_common_pb2.Draft, _Mapping]] = ..., use_head_draft: _Optional[bool] = ...) -> None: ...
 
 class NextRound(_message.Message):
     __slots__ = ("step_committed_len", "continuations")

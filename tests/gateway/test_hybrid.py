@@ -1,0 +1,32 @@
+"""Hybrid's choice between the drafter's draft and the head's, made before the head drafts."""
+
+import pytest
+
+from gateway.hybrid import HeadWorth, HybridChoice
+from protos.common.v1 import common_pb2
+from speclane.speculation import draft_value
+
+
+def draft(length: int, score: float) -> common_pb2.Draft:
+    return common_pb2.Draft(token_ids=list(range(length)), score=score)
+
+
+def test_until_the_head_has_drafted_a_drafter_draft_that_pays_for_its_verification_is_taken():
+    choice = HybridChoice(token_cost=0.2, head=HeadWorth(weight=0.25))
+    assert not choice.prefers_head(draft(1, score=0.3))  # (1 + 0.3) / 1.2 > a plain step
+    assert choice.prefers_head(draft(1, score=0.1))  # (1 + 0.1) / 1.2 < a plain step
+    assert choice.prefers_head(draft(0, score=0.0))
+
+
+def test_the_heads_worth_follows_what_its_drafts_commit():
+    head = HeadWorth(weight=0.25)
+    choice = HybridChoice(token_cost=0.2, head=head)
+    drafted = draft(4, score=1.2)  # worth (1 + 1.2) / 1.8 = 1.22
+    assert not choice.prefers_head(drafted)
+    for _ in range(8):  # 2 of 2 head tokens accepted a step
+        head.observe(draft_value(2, 2, 0.2))
+    assert head.worth == pytest.approx(3 / 1.4, abs=0.25)
+    assert choice.prefers_head(drafted)
+    for _ in range(8):  # none accepted
+        head.observe(draft_value(0, 2, 0.2))
+    assert not choice.prefers_head(drafted)
