@@ -128,7 +128,7 @@ class Engine:
             if seq.finished:
                 raise SequenceFinished(f"sequence already finished ({seq.finish_reason.value})")
             if draft.from_head:
-                draft = self._head_draft(seq)
+                draft = self._head_draft_for(seq)
             draft.check(self.runner.vocab_size)
             if draft.committed_len and draft.committed_len != len(seq.tokens):
                 raise StaleDraft(f"draft continues length {draft.committed_len} "
@@ -258,7 +258,7 @@ class Engine:
         seq.head_draft = self.head.draft(seq.head, k, seq.params.sampling.temperature, seq.generator,
                                          self.draft_token_cost)
 
-    def _head_draft(self, seq: Sequence) -> Draft:
+    def _head_draft_for(self, seq: Sequence) -> Draft:
         """The head's draft for the step now submitted: made after the last step,
         or, where the sequence drafts on demand, now (the pairs fed since its
         last draft go through the head first, in one pass)."""

@@ -203,23 +203,24 @@ def test_a_head_method_on_a_verifier_without_a_head_is_invalid(engine):
         engine.open("s", PROMPT, GenerationParams(num_head_draft_tokens=2))
 
 
-def head_second_tokens(engine) -> tuple[list[int], int]:
+def head_second_tokens(engine, on_demand: bool = False) -> tuple[list[int], int]:
     tokens, accepted = [], 0
     for seed in range(SAMPLING_TRIALS):
         params = GenerationParams(SamplingParams(temperature=1.0, seed=seed), max_new_tokens=8, ignore_eos=True,
-                                  num_head_draft_tokens=2)
+                                  num_head_draft_tokens=2, head_draft_on_demand=on_demand)
         seq = engine.open("s", SAMPLING_PROMPT, params)
         engine.prefill(seq)
-        result = engine.verify(seq, seq.own_draft())
+        result = engine.verify(seq, Draft(from_head=True))
         tokens.append(result.token_ids[0])
         accepted += result.num_accepted > 0
         engine.close(seq)
     return tokens, accepted
 
 
-def test_sampling_with_head_proposals_keeps_the_target_distribution(head_engine, hf_model):
+@pytest.mark.parametrize("on_demand", [False, True], ids=["after-each-step", "on-demand"])
+def test_sampling_with_head_proposals_keeps_the_target_distribution(head_engine, hf_model, on_demand):
     plain, _ = exact_second_token(hf_model, SAMPLING_PROMPT)
-    tokens, accepted = head_second_tokens(head_engine)
+    tokens, accepted = head_second_tokens(head_engine, on_demand)
     assert 0.02 < accepted / SAMPLING_TRIALS < 0.98  # both the accept and the residual paths ran
     assert p_value(tokens, plain) > 0.001
 
