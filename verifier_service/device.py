@@ -84,6 +84,28 @@ def resolve_dtype(requested: str, device: str, *, cuda=torch.cuda) -> torch.dtyp
     return torch.bfloat16 if cuda.is_bf16_supported() else torch.float16
 
 
+def cpu_has_native_bf16(cpuinfo_path: str = "/proc/cpuinfo") -> bool:
+    """Whether the CPU multiplies bf16 natively (AVX512-BF16 or AMX); without it
+    torch widens bf16 to fp32 first, and bf16 weights save no time."""
+    try:
+        with open(cpuinfo_path, encoding="utf-8") as f:
+            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def resolve_head_dtype(requested: str, device: str, target_dtype: torch.dtype, *,
+                       native_bf16: Callable[[], bool] = cpu_has_native_bf16) -> torch.dtype:
+    """The draft head's dtype. "auto": bf16 on a CPU that multiplies bf16
+    natively, else the target's. A head's steps are one row each, bound by
+    reading its weights, and bf16 halves them; the head only proposes, and the
+    target verifies in its own dtype, so this never changes the output."""
+    if requested != "auto":
+        return resolve_dtype(requested, device)
+    return torch.bfloat16 if device == "cpu" and native_bf16() else target_dtype
+
+
 def resolve_threads(threads: int) -> int:
     """0 means auto: one intra-op thread, since decode is memory-bound and a
     second OpenMP thread makes step latency explode on a busy small host."""

@@ -22,6 +22,7 @@ from verifier_service.device import (
     kv_budget_tokens,
     resolve_device,
     resolve_dtype,
+    resolve_head_dtype,
     set_threads,
     total_memory_bytes,
     weights_bytes,
@@ -95,7 +96,9 @@ class Rank0:
         limits = BatchLimits(config.max_batch_tokens, config.max_batch_sequences, config.max_queue_wait)
         # The head runs on rank 0 only (draft_tensor_parallel_size 1, as in vLLM).
         draft = config.draft
-        head = load_head(draft.head_method, draft.head_model, runner) if draft.head_method else None
+        head = (load_head(draft.head_method, draft.head_model, runner,
+                          resolve_head_dtype(config.head_dtype, runner.device.type, runner.dtype))
+                if draft.head_method else None)
         engine = Engine(runner, pool, limits, on_step=self.on_step, head=head)
         log.info("kv_pool_ready", max_kv_tokens=pool.max_tokens, block_size=pool.block_size,
                  bytes_per_token=per_token, prefix_caching=pool.prefix_caching)

@@ -29,6 +29,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--max-tokens", type=int, default=96)
     parser.add_argument("--token-cost", default="0", help="the verifier's draft_token_cost: a number, or auto to "
                         "measure it here (0: every draft is k long)")
+    parser.add_argument("--head-dtype", default="auto", help="the head's dtype, as the verifier's --head-dtype")
     parser.add_argument("--json", default="", help="also write the results to this file")
 
 
@@ -99,6 +100,7 @@ def run(args) -> int:
     from transformers import AutoTokenizer
 
     from speclane_cli.bench.workloads import sharegpt
+    from verifier_service.device import resolve_head_dtype
     from verifier_service.draft_cost import measure_token_cost
     from verifier_service.heads.loading import load_head
     from verifier_service.model_runner import ModelRunner
@@ -106,7 +108,7 @@ def run(args) -> int:
     torch.set_num_threads(1)
     model_dir = str(resolve_model(args.model))
     runner = ModelRunner(model_dir, "cpu", torch.float32)
-    drafter = load_head(args.method, args.head, runner)
+    drafter = load_head(args.method, args.head, runner, resolve_head_dtype(args.head_dtype, "cpu", torch.float32))
     token_cost = (measure_token_cost(_engine(runner, None, 4096)) if args.token_cost == "auto"
                   else float(args.token_cost))
     ks = [int(k) for k in args.k.split(",")]
@@ -115,6 +117,7 @@ def run(args) -> int:
                                              tokenize=True, return_dict=True)["input_ids"]
                for c in sharegpt(args.num_prompts, 0, 1)]
     results = {"method": args.method, "head": args.head or "default", "token_cost": token_cost,
+               "head_dtype": str(drafter.head.embed_weight.dtype).removeprefix("torch."),
                "cost": [draft_cost(runner, drafter, args.context, k, args.repeats) for k in ks],
                "acceptance": acceptance(runner, drafter, prompts, ks, args.max_tokens, token_cost)}
     print("| k | head draft (ms) | verify step (ms) | draft / step |\n|---|---|---|---|")

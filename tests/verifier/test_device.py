@@ -6,7 +6,14 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from verifier_service.device import DeviceError, resolve_device, resolve_dtype, resolve_threads
+from verifier_service.device import (
+    DeviceError,
+    cpu_has_native_bf16,
+    resolve_device,
+    resolve_dtype,
+    resolve_head_dtype,
+    resolve_threads,
+)
 
 
 def fake_backend(available: bool, count: int = 1, bf16: bool = True):
@@ -88,3 +95,19 @@ def test_dtype_defaults_per_device():
 def test_auto_threads_is_one():
     assert resolve_threads(0) == 1
     assert resolve_threads(3) == 3
+
+
+def test_a_head_is_bf16_by_default_only_on_a_cpu_that_multiplies_bf16_natively():
+    assert resolve_head_dtype("auto", "cpu", torch.float32, native_bf16=lambda: True) is torch.bfloat16
+    assert resolve_head_dtype("auto", "cpu", torch.float32, native_bf16=lambda: False) is torch.float32
+    assert resolve_head_dtype("auto", "cuda:0", torch.float16, native_bf16=lambda: True) is torch.float16
+    assert resolve_head_dtype("float32", "cpu", torch.float32, native_bf16=lambda: True) is torch.float32
+
+
+def test_native_bf16_is_read_from_the_cpus_flags(tmp_path):
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text("processor\t: 0\nflags\t\t: fpu avx2 avx512f avx512_bf16\n")
+    assert cpu_has_native_bf16(str(cpuinfo))
+    cpuinfo.write_text("processor\t: 0\nflags\t\t: fpu avx2 avx512f\n")
+    assert not cpu_has_native_bf16(str(cpuinfo))
+    assert not cpu_has_native_bf16(str(tmp_path / "absent"))

@@ -166,6 +166,22 @@ def assert_head_cache_is_the_committed_pairs(head_engine, hf_model, seq):
     assert torch.allclose(kv.keys[:, :cached], seq.head.kv.keys, atol=1e-4)
 
 
+def test_a_bf16_head_beside_an_fp32_target_keeps_greedy_output(runner, tmp_path):
+    """A head's dtype is its own: it only proposes, the target verifies in fp32."""
+    import pathlib
+    directory = write_random_head("eagle3", pathlib.Path(runner.model_dir), tmp_path / "h", seed=4)
+    engine = make_engine(runner)
+    engine.head = load_head("eagle3", str(directory), runner, torch.bfloat16)
+    assert engine.head.head.fc.weight.dtype is torch.bfloat16
+    runner.feature_layers = engine.head.head.feature_layers
+    try:
+        plain, _ = generate(engine, 0, use_head=False)
+        drafted, _ = generate(engine, 3, use_head=True)
+    finally:
+        runner.feature_layers = ()
+    assert drafted.tokens == plain.tokens and drafted.num_draft_tokens > 0
+
+
 def test_the_head_cache_holds_exactly_the_committed_pairs(head_engine, hf_model):
     seq, _ = generate(head_engine, 3, use_head=True)  # accepted and rejected drafts
     assert_head_cache_is_the_committed_pairs(head_engine, hf_model, seq)

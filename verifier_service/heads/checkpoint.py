@@ -176,8 +176,8 @@ def build_head(checkpoint: HeadCheckpoint, embed_weight: torch.Tensor, lm_head_w
     if missing or unexpected:
         raise CheckpointError(f"{checkpoint.layout} checkpoint does not match its head: "
                               f"missing {missing or 'none'}, unexpected {unexpected or 'none'}")
-    head.load_state_dict({k: v.to(embed_weight.dtype) if v.is_floating_point() else v for k, v in tensors.items()})
-    return head.to(embed_weight.device).eval()
+    head.load_state_dict(tensors)  # copied into the module's fp32 parameters, then cast with them
+    return head.to(embed_weight.device, embed_weight.dtype).eval()
 
 
 def save_head(head: Head, directory: str | pathlib.Path, target_config: dict, dtype: torch.dtype = torch.bfloat16,

@@ -44,16 +44,17 @@ def _target_weights(model, model_dir: str, sharded: bool) -> tuple[torch.Tensor,
     return embed, found.get("lm_head", embed)  # tied embeddings have no lm_head tensor
 
 
-def load_head(method: str, head_model: str, runner) -> HeadDrafter:
-    """The head on the runner's device and dtype, checked against the target."""
+def load_head(method: str, head_model: str, runner, dtype: torch.dtype | None = None) -> HeadDrafter:
+    """The head on the runner's device, in `dtype` (the runner's when None), checked against the target."""
     directory = head_directory(method, head_model, runner.model_dir)
     target_config = runner.model.config.get_text_config().to_dict()
     embed, lm_head = _target_weights(runner.model, runner.model_dir, runner.tp is not None)
     checkpoint = read_head(directory, method, target_config)
-    head = build_head(checkpoint, embed.to(runner.device, runner.dtype), lm_head.to(runner.device, runner.dtype))
+    dtype = dtype or runner.dtype
+    head = build_head(checkpoint, embed.to(runner.device, dtype), lm_head.to(runner.device, dtype))
     if checkpoint.shape.hidden_size != target_config["hidden_size"] and checkpoint.kind != "eagle3":
         raise CheckpointError(f"the head's hidden size {checkpoint.shape.hidden_size} is not the target's "
                               f"{target_config['hidden_size']}")
-    log.info("draft_head_loaded", method=method, layout=checkpoint.layout, directory=str(directory),
+    log.info("draft_head_loaded", method=method, layout=checkpoint.layout, directory=str(directory), dtype=str(dtype),
              parameters=sum(p.numel() for p in head.parameters()), feature_layers=list(head.feature_layers))
     return HeadDrafter(head)
