@@ -3,26 +3,45 @@ import torch
 from torch import nn
 from transformers import AutoModelForCausalLM, LlamaConfig
 
-from verifier_service.cpu_linear import FEW_ROWS, TwoLayoutLinear, add_transposed_weights, gains_from_transposed_weights
+from verifier_service.cpu_linear import (
+    MEASURED_ROWS,
+    TwoLayoutLinear,
+    add_transposed_weights,
+    gains_from_transposed_weights,
+    transposed_wins,
+)
+
+ALTERNATING = tuple(i % 2 == 1 for i in range(len(MEASURED_ROWS)))  # F.linear at 1 row, W_t at 2, ...
 
 
-@pytest.mark.parametrize("rows", [1, FEW_ROWS, FEW_ROWS + 1, 13])
+@pytest.mark.parametrize("rows", [1, 3, 4, 13, 100])
 def test_a_two_layout_linear_computes_what_the_linear_did_at_any_number_of_rows(rows):
     torch.manual_seed(0)
     linear = nn.Linear(8, 5)
     x = torch.randn(1, rows, 8)
     expected = linear(x)
-    two_layouts = TwoLayoutLinear(linear)
+    two_layouts = TwoLayoutLinear(linear, ALTERNATING)
     assert two_layouts.weight_t.is_contiguous() and two_layouts.weight_t.shape == (8, 5)
     torch.testing.assert_close(two_layouts(x), expected)
 
 
-def test_many_rows_use_the_transposed_weight_and_few_the_original():
-    linear = TwoLayoutLinear(nn.Linear(8, 5, bias=False))
+def test_each_row_count_takes_the_layout_measured_for_it_or_the_largest_count_below():
+    linear = TwoLayoutLinear(nn.Linear(8, 5, bias=False), ALTERNATING)
     with torch.no_grad():
         linear.weight_t.zero_()  # now only the original layout gives a non-zero output
-    assert linear(torch.ones(1, FEW_ROWS, 8)).abs().sum() > 0
-    assert linear(torch.ones(1, FEW_ROWS + 1, 8)).abs().sum() == 0
+
+    def used_transposed(rows):
+        return linear(torch.ones(1, rows, 8)).abs().sum() == 0
+
+    assert [used_transposed(rows) for rows in MEASURED_ROWS] == list(ALTERNATING)
+    assert used_transposed(5) == used_transposed(4)  # between 4 and 6
+    assert used_transposed(1000) == ALTERNATING[-1]
+
+
+def test_the_layouts_are_timed_at_every_measured_row_count():
+    weight = torch.randn(16, 8)
+    wins = transposed_wins(weight, weight.t().contiguous(), torch.zeros(1024), repeats=1)
+    assert len(wins) == len(MEASURED_ROWS)
 
 
 def test_every_linear_of_a_tied_model_is_replaced_and_the_logits_stay():
