@@ -81,9 +81,10 @@ def add_transposed_weights(model: nn.Module) -> int:
     scratch = torch.zeros(_SCRATCH_BYTES // 4)
     for parent, name, child in targets:
         shape = tuple(child.weight.shape)
-        if shape not in wins:
-            wins[shape] = transposed_wins(child.weight.detach(), child.weight.detach().t().contiguous(), scratch)
-        setattr(parent, name, TwoLayoutLinear(child, wins[shape]))
+        layer = TwoLayoutLinear(child, wins.get(shape, ()))
+        if shape not in wins:  # timed on the layer's own transposed copy
+            wins[shape] = layer.wins = transposed_wins(layer.weight.detach(), layer.weight_t.detach(), scratch)
+        setattr(parent, name, layer)
     return sum(child.weight.nbytes for _, _, child in targets)
 
 

@@ -51,7 +51,10 @@ def load_head(method: str, head_model: str, runner, dtype: torch.dtype | None = 
     embed, lm_head = _target_weights(runner.model, runner.model_dir, runner.tp is not None)
     checkpoint = read_head(directory, method, target_config)
     dtype = dtype or runner.dtype
-    head = build_head(checkpoint, embed.to(runner.device, dtype), lm_head.to(runner.device, dtype))
+    head_embed = embed.to(runner.device, dtype)
+    # Tied embeddings (SmolLM2's): one converted copy serves as both, not two.
+    head_lm_head = head_embed if lm_head is embed else lm_head.to(runner.device, dtype)
+    head = build_head(checkpoint, head_embed, head_lm_head)
     if checkpoint.shape.hidden_size != target_config["hidden_size"] and checkpoint.kind != "eagle3":
         raise CheckpointError(f"the head's hidden size {checkpoint.shape.hidden_size} is not the target's "
                               f"{target_config['hidden_size']}")
