@@ -20,7 +20,7 @@ METHOD_ALIASES = {"deepseek_mtp": "mtp"}  # vLLM's older name
 # --speculative-config keys that configure the verifier's head (where it is loaded) or its
 # hidden-state capture, not a sequence.
 VERIFIER_KEYS = ("model", "draft_tensor_parallel_size", "draft_model_config", "shared_storage_path",
-                 "draft_token_cost")
+                 "draft_token_cost", "eagle_topk", "num_draft_tokens")
 # --speculative-config keys the gateway applies server-wide: vLLM's load cut-off, and ours:
 # draft lengths by load, whether the gateway offers verifiers next-round drafts (default on), and
 # whether drafts stop where their tokens no longer pay at the verifier's load (default off).

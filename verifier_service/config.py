@@ -9,7 +9,12 @@ from dataclasses import dataclass
 from speclane.config import option
 from speclane.log import check_log_level
 from speclane.models import PACKAGED_MODELS, hub_model, is_model_dir, served_name
-from speclane.speculation import CAPTURE_METHOD, MAX_SPECULATIVE_TOKENS, speculative_config_values
+from speclane.speculation import (
+    CAPTURE_METHOD,
+    DEFAULT_SPECULATIVE_TOKENS,
+    MAX_SPECULATIVE_TOKENS,
+    speculative_config_values,
+)
 from speclane.tls import TlsFiles, server_tls
 from verifier_service.heads.shipped import shipped_head, shipped_heads
 
@@ -133,6 +138,19 @@ class VerifierConfig:
 
 HEAD_METHODS = ("eagle", "eagle3", "mtp", "deepseek_mtp")
 MAX_TOKEN_COST = 10.0  # a draft token costing ten plain steps is no speculation worth doing
+MAX_TREE_TOPK = 16  # children per node of a head's draft tree (EAGLE-2 used 10)
+
+
+@dataclass(frozen=True)
+class TreeShape:
+    topk: int  # children expanded per node, and nodes expanded per depth
+    max_nodes: int  # draft tokens a step verifies at most
+
+    def __post_init__(self):
+        if self.topk < 2:
+            raise ValueError(f"a draft tree needs topk >= 2 (1 is a chain), got {self.topk}")
+        if self.max_nodes < 1:
+            raise ValueError(f"a draft tree needs max_nodes >= 1, got {self.max_nodes}")
 
 
 @dataclass(frozen=True)
@@ -144,6 +162,7 @@ class DraftSettings:
     # ours: a verify step's extra cost per draft token, relative to a plain step (see draft_cost.py);
     # None: measured at start-up. 0 makes every head draft num_speculative_tokens long.
     draft_token_cost: float | None = None
+    tree: TreeShape | None = None  # the head drafts EAGLE-2 dynamic trees of this shape; None: chains
     # extract_hidden_states: hidden_states indices written per request into capture_dir
     capture_layers: tuple[int, ...] = ()
     capture_dir: str = ""
@@ -169,10 +188,26 @@ def draft_settings(speculative_config: str) -> DraftSettings:
         raise ValueError(f"draft_token_cost must be \"auto\" or a number in [0, {MAX_TOKEN_COST}]")
     token_cost = None if token_cost == "auto" else float(token_cost)
     if method not in HEAD_METHODS:
+        if values.get("eagle_topk", 1) != 1:
+            raise ValueError("eagle_topk needs a head method (eagle, eagle3 or mtp): it shapes the head's drafts")
         return DraftSettings(draft_token_cost=token_cost)
     if values.get("draft_tensor_parallel_size", 1) != 1:
         raise ValueError("draft_tensor_parallel_size must be 1: the head runs on rank 0")
     model = values.get("model") or ""
     if not isinstance(model, str):
         raise ValueError("speculative_config.model must be a head directory")
-    return DraftSettings(head_method=method, head_model=model, draft_token_cost=token_cost)
+    return DraftSettings(head_method=method, head_model=model, draft_token_cost=token_cost, tree=_tree_shape(values))
+
+
+def _tree_shape(values: dict) -> TreeShape | None:
+    """SGLang's EAGLE tree knobs under vLLM's config: `eagle_topk` (children per
+    node; 1, the default, drafts chains) and `num_draft_tokens` (tree nodes a
+    step verifies at most; default topk x num_speculative_tokens)."""
+    topk = values.get("eagle_topk", 1)
+    if isinstance(topk, bool) or not isinstance(topk, int) or not 1 <= topk <= MAX_TREE_TOPK:
+        raise ValueError(f"eagle_topk must be an integer in [1, {MAX_TREE_TOPK}], got {topk!r}")
+    depth = values.get("num_speculative_tokens") or DEFAULT_SPECULATIVE_TOKENS
+    nodes = values.get("num_draft_tokens", min(topk * depth, MAX_SPECULATIVE_TOKENS))
+    if isinstance(nodes, bool) or not isinstance(nodes, int) or not 1 <= nodes <= MAX_SPECULATIVE_TOKENS:
+        raise ValueError(f"num_draft_tokens must be an integer in [1, {MAX_SPECULATIVE_TOKENS}], got {nodes!r}")
+    return TreeShape(topk, nodes) if topk > 1 else None

@@ -235,7 +235,8 @@ class Engine:
             if not (seq.finished or seq.params.head_draft_on_demand):
                 self._draft_head(seq)
             if seq.head_draft is not None:
-                extra.update(head_draft=seq.head_draft.token_ids, head_draft_score=seq.head_draft.score)
+                extra.update(head_draft=seq.head_draft.token_ids, head_draft_parents=seq.head_draft.parents,
+                             head_draft_score=seq.head_draft.score)
         result = dataclasses.replace(result, **extra)
         seq.num_cached = min(len(seq.tokens) - 1, base + len(verdict.path))
         self.scheduler.ready.remove(entry.work)

@@ -137,6 +137,7 @@ class StepResult:
     num_draft_tokens: int = 0  # draft tokens verified in this step
     logprobs: list[TokenLogprob] = field(default_factory=list)  # one per token_ids entry, when requested
     head_draft: tuple[int, ...] = ()  # the head's draft for the next step (kept in the sequence with its q)
+    head_draft_parents: tuple[int, ...] = ()  # empty: a chain
     head_draft_score: float = 0.0
     forward_seconds: float = 0.0  # the pass that produced it (shared with its batch)
 
@@ -190,7 +191,8 @@ class Sequence:
         draft = self.head_draft
         if draft is None:
             return Draft()
-        return Draft(token_ids=draft.token_ids, proposal_probs=draft.proposals, committed_len=len(self.tokens))
+        return Draft(token_ids=draft.token_ids, parents=draft.parents, proposal_probs=draft.proposals,
+                     committed_len=len(self.tokens))
 
     def commit(self, token_ids: list[int], num_accepted: int, num_draft_tokens: int = 0,
                logprobs: list[TokenLogprob] | None = None) -> StepResult:

@@ -81,7 +81,8 @@ def continuations_from_proto(message: verifier_pb2.NextRound, max_tokens: int) -
 
 
 def response_from(result: StepResult, head_method: str = "") -> verifier_pb2.SessionResponse:
-    head_draft = (common_pb2.Draft(token_ids=result.head_draft, score=result.head_draft_score, source=head_method)
+    head_draft = (common_pb2.Draft(token_ids=result.head_draft, parents=result.head_draft_parents,
+                                   score=result.head_draft_score, source=head_method)
                   if result.head_draft else None)
     return verifier_pb2.SessionResponse(
         head_draft=head_draft,

@@ -60,20 +60,25 @@ def assert_lossless(address, prompts, methods, k):
     return totals
 
 
-@pytest.mark.parametrize("method,k", [("eagle", 3), ("mtp", 2)])
-def test_eagle_and_mtp_heads_keep_greedy_output(tiny_target, tmp_path, prompts, method, k):
+@pytest.mark.parametrize("method,k,tree", [("eagle", 3, {}), ("mtp", 2, {}),
+                                           ("mtp", 3, {"eagle_topk": 3, "num_draft_tokens": 8})],
+                         ids=["eagle", "mtp", "mtp-tree"])
+def test_eagle_and_mtp_heads_keep_greedy_output(tiny_target, tmp_path, prompts, method, k, tree):
     extra = {"model": str(write_random_head("eagle", tiny_target, tmp_path / "eagle"))} if method == "eagle" else {}
     # vLLM's older name for MTP: the target's own MTP layer, no model key. A random head is
-    # unsure of every token: with draft tokens free, its drafts stay k long and get verified.
+    # unsure of every token: with draft tokens free, its drafts stay k long (trees: 8 nodes) and get verified.
     stack = start(tiny_target, tmp_path, {"method": "eagle" if method == "eagle" else "deepseek_mtp",
-                                          "draft_token_cost": 0, **extra})
+                                          "draft_token_cost": 0, **extra, **tree})
     try:
         totals = assert_lossless(stack.gateway.grpc_address, prompts, [method, "hybrid"], k)
     finally:
         stack.stop()
     head_steps = sum(usage.head_steps for usage in totals[method])
     assert head_steps == sum(usage.verify_steps for usage in totals[method]) > 0
-    assert sum(usage.draft_tokens for usage in totals[method]) > 0
+    draft_tokens = sum(usage.draft_tokens for usage in totals[method])
+    assert draft_tokens > 0
+    if tree:  # wider than a chain of k can be
+        assert draft_tokens > k * head_steps
 
 
 @pytest.fixture(scope="module")

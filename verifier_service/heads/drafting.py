@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 import torch
 
 from speclane.speculation import draft_value
+from verifier_service.config import TreeShape
+from verifier_service.heads.dynamic_tree import draft_tree
 from verifier_service.heads.head import Head
 from verifier_service.heads.layer import HeadKV
 
@@ -18,9 +20,10 @@ from verifier_service.heads.layer import HeadKV
 class HeadDraft:
     token_ids: tuple[int, ...]
     # q of each draft token over the target vocabulary [k, vocab] when the
-    # tokens were sampled; None for a greedy (deterministic) draft.
+    # tokens were sampled; None for a deterministic draft (greedy, or a tree).
     proposals: torch.Tensor | None
     score: float  # expected accepted tokens: sum over i of the head's confidence in draft tokens 1..i
+    parents: tuple[int, ...] = ()  # empty: a chain; else a tree (tree.py)
 
 
 @dataclass
@@ -44,14 +47,38 @@ class HeadState:
 
 
 class HeadDrafter:
-    def __init__(self, head: Head):
+    """Drafts chains, or with a `tree` shape EAGLE-2's dynamic trees (dynamic_tree.py)."""
+
+    def __init__(self, head: Head, tree: TreeShape | None = None):
         self.head = head
+        self.tree = tree
 
     @torch.inference_mode()
     def draft(self, state: HeadState, k: int, temperature: float | None,
               generator: torch.Generator | None = None, token_cost: float = 0.0) -> HeadDraft:
-        """Up to k tokens after the last committed one: greedy, or sampled from
-        q = softmax(logits / temperature) (then the proposals are returned).
+        """Up to k tokens (a tree: k levels) after the last committed one. The
+        pairs fed since the last draft go through the head first, in one pass;
+        the draft steps' KV entries are rolled back after."""
+        head = self.head
+        if not state.tokens or k < 1:  # nothing new was committed: no draft
+            return HeadDraft((), None, 0.0)
+        device, dtype = head.embed_weight.device, head.embed_weight.dtype
+        hidden = head(torch.tensor(state.tokens, device=device), torch.stack(state.features).to(dtype),
+                      torch.tensor(state.positions, device=device), state.kv)[-1:]
+        committed, position = len(state.kv), state.positions[-1]
+        state.tokens, state.features, state.positions = [], [], []
+        try:
+            if self.tree is not None:
+                tree = draft_tree(head, hidden, state.kv, position, k, self.tree, temperature, token_cost)
+                return HeadDraft(tree.token_ids, None, tree.score, tree.parents)
+            return self._chain(hidden, state.kv, position, k, temperature, generator, token_cost)
+        finally:
+            state.kv.truncate(committed)
+
+    def _chain(self, hidden: torch.Tensor, kv: HeadKV, position: int, k: int, temperature: float | None,
+               generator: torch.Generator | None, token_cost: float) -> HeadDraft:
+        """Greedy, or sampled from q = softmax(logits / temperature) (then the
+        proposals are returned).
 
         EAGLE-2's observation: the head's confidence tracks acceptance. The draft
         stops before a token whose chance of joining an accepted run, at most
@@ -61,15 +88,7 @@ class HeadDrafter:
         token is drawn: a cut that looked at the drawn token would change which
         tokens a sampled draft proposes, and min(1, p/q) would no longer be exact."""
         head = self.head
-        device = head.embed_weight.device
-        if not state.tokens or k < 1:  # nothing new was committed: no draft
-            return HeadDraft((), None, 0.0)
-        ids = torch.tensor(state.tokens, device=device)
-        positions = torch.tensor(state.positions, device=device)
-        hidden = head(ids, torch.stack(state.features).to(head.embed_weight.dtype), positions, state.kv)[-1:]
-        committed = len(state.kv)
-        position = state.positions[-1]
-        state.tokens, state.features, state.positions = [], [], []
+        device = hidden.device
         vocab_map = head.draft_token_ids
         tokens: list[int] = []
         proposals: list[torch.Tensor] = []
@@ -91,9 +110,7 @@ class HeadDrafter:
             tokens.append(token)
             if step + 1 < k:
                 position += 1
-                hidden = head(torch.tensor([token], device=device), hidden, torch.tensor([position], device=device),
-                              state.kv)
-        state.kv.truncate(committed)
+                hidden = head(torch.tensor([token], device=device), hidden, torch.tensor([position], device=device), kv)
         return HeadDraft(tuple(tokens), torch.stack(proposals) if proposals else None, score)
 
 

@@ -19,9 +19,9 @@ class EagleHead(Head):
         self.layer = DecoderLayer(shape, input_norm=False)
         self.lm_head_weight = lm_head_weight.detach()
 
-    def forward(self, token_ids, features, positions, kv: HeadKV):
+    def forward(self, token_ids, features, positions, kv: HeadKV, mask=None):
         x = self.fc(torch.cat([self.embed(token_ids), features], dim=-1))
-        return self.layer(x, positions, kv)
+        return self.layer(x, positions, kv, mask=mask)
 
     def logits(self, hidden):
         return hidden @ self.lm_head_weight.T

@@ -31,11 +31,11 @@ class Eagle3Head(Head):
         self.register_buffer("d2t", torch.zeros(draft_vocab_size, dtype=torch.long))
         self.register_buffer("t2d", torch.zeros(target_vocab_size, dtype=torch.bool))
 
-    def forward(self, token_ids, features, positions, kv: HeadKV):
+    def forward(self, token_ids, features, positions, kv: HeadKV, mask=None):
         if features.shape[-1] != self.shape.hidden_size:  # the target's aux states, not the head's own output
             features = self.fc(features)
         attention_input = torch.cat([self.input_layernorm(self.embed(token_ids)), self.hidden_norm(features)], -1)
-        return self.midlayer(features, positions, kv, attention_input=attention_input)
+        return self.midlayer(features, positions, kv, attention_input=attention_input, mask=mask)
 
     def logits(self, hidden):
         return self.lm_head(self.norm(hidden))

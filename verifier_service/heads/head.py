@@ -27,8 +27,9 @@ class Head(nn.Module):
         return F.embedding(token_ids, self.embed_weight)
 
     def forward(self, token_ids: torch.Tensor, features: torch.Tensor, positions: torch.Tensor,
-                kv: HeadKV) -> torch.Tensor:
-        """token_ids [n], features [n, F] (F may be the head's hidden size: its own output), -> hidden [n, H]."""
+                kv: HeadKV, mask: torch.Tensor | None = None) -> torch.Tensor:
+        """token_ids [n], features [n, F] (F may be the head's hidden size: its own output), -> hidden [n, H].
+        `mask` as the layer's attention takes it (a draft tree's rows see their ancestors only)."""
         raise NotImplementedError
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

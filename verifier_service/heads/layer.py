@@ -88,7 +88,9 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(s.head_dim, s.rms_norm_eps, s.norm_plus_one)
             self.k_norm = RMSNorm(s.head_dim, s.rms_norm_eps, s.norm_plus_one)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, kv: HeadKV) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, kv: HeadKV,
+                mask: torch.Tensor | None = None) -> torch.Tensor:
+        """`mask` [n, cached + n]: which entries each new one sees; None: all earlier ones and itself."""
         s, n = self.shape, x.shape[0]
         q = self.q_proj(x).view(n, s.num_heads, s.head_dim).transpose(0, 1)
         k = self.k_proj(x).view(n, s.num_kv_heads, s.head_dim).transpose(0, 1)
@@ -99,7 +101,8 @@ class Attention(nn.Module):
         # The cache and the attention over it stay fp32 under a bf16 head: CPU attention over a bf16
         # cache took 3x as long, and the cache is small next to the weights bf16 halves.
         keys, values = kv.append(k.float(), v.float())
-        mask = kv.attention_mask(n, x.device)
+        if mask is None:
+            mask = kv.attention_mask(n, x.device)
         out = F.scaled_dot_product_attention(q.float()[None], keys[None], values[None], attn_mask=mask,
                                              enable_gqa=s.num_kv_heads != s.num_heads)
         return self.o_proj(out[0].transpose(0, 1).reshape(n, -1).to(x.dtype))
@@ -130,8 +133,8 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(shape.hidden_size, shape.intermediate_size)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, kv: HeadKV,
-                attention_input: torch.Tensor | None = None) -> torch.Tensor:
+                attention_input: torch.Tensor | None = None, mask: torch.Tensor | None = None) -> torch.Tensor:
         if attention_input is None:
             attention_input = self.input_layernorm(x) if hasattr(self, "input_layernorm") else x
-        x = x + self.self_attn(attention_input, positions, kv)
+        x = x + self.self_attn(attention_input, positions, kv, mask)
         return x + self.mlp(self.post_attention_layernorm(x))

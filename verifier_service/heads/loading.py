@@ -7,6 +7,7 @@ import structlog
 import torch
 from safetensors import safe_open
 
+from verifier_service.config import TreeShape
 from verifier_service.heads.checkpoint import CheckpointError, build_head, read_head
 from verifier_service.heads.drafting import HeadDrafter
 from verifier_service.heads.shipped import METHOD_KINDS, shipped_head, shipped_heads
@@ -44,8 +45,10 @@ def _target_weights(model, model_dir: str, sharded: bool) -> tuple[torch.Tensor,
     return embed, found.get("lm_head", embed)  # tied embeddings have no lm_head tensor
 
 
-def load_head(method: str, head_model: str, runner, dtype: torch.dtype | None = None) -> HeadDrafter:
-    """The head on the runner's device, in `dtype` (the runner's when None), checked against the target."""
+def load_head(method: str, head_model: str, runner, dtype: torch.dtype | None = None,
+              tree: TreeShape | None = None) -> HeadDrafter:
+    """The head on the runner's device, in `dtype` (the runner's when None), checked against the target;
+    drafting chains, or `tree`-shaped dynamic trees."""
     directory = head_directory(method, head_model, runner.model_dir)
     target_config = runner.model.config.get_text_config().to_dict()
     embed, lm_head = _target_weights(runner.model, runner.model_dir, runner.tp is not None)
@@ -60,4 +63,4 @@ def load_head(method: str, head_model: str, runner, dtype: torch.dtype | None = 
                               f"{target_config['hidden_size']}")
     log.info("draft_head_loaded", method=method, layout=checkpoint.layout, directory=str(directory), dtype=str(dtype),
              parameters=sum(p.numel() for p in head.parameters()), feature_layers=list(head.feature_layers))
-    return HeadDrafter(head)
+    return HeadDrafter(head, tree)

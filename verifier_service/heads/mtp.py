@@ -28,10 +28,10 @@ class MtpHead(Head):
         else:
             self.lm_head_weight = lm_head_weight.detach()
 
-    def forward(self, token_ids, features, positions, kv: HeadKV):
+    def forward(self, token_ids, features, positions, kv: HeadKV, mask=None):
         parts = [self.enorm(self.embed(token_ids)), self.hnorm(features)]
         x = self.eh_proj(torch.cat(parts[::-1] if self.hidden_first else parts, dim=-1))
-        return self.layer(x, positions, kv)
+        return self.layer(x, positions, kv, mask=mask)
 
     def logits(self, hidden):
         normed = self.final_norm(hidden)
