@@ -7,6 +7,8 @@ it buys, in-process on one thread, medians of interleaved repeats:
 - acceptance: greedy generations on held-out ShareGPT prompts (the bench's
   pool; heads we ship are trained on other conversations), tokens per verify
   step and time per token against plain decoding, for each k.
+
+Each is measured for chains and, with --eagle-topk, EAGLE-2 trees of k levels.
 """
 
 import json
@@ -22,7 +24,11 @@ def add_arguments(parser) -> None:
     parser.add_argument("--model", default=DEFAULT_MODEL, help="target model name or directory")
     parser.add_argument("--method", default="eagle3", choices=["eagle", "eagle3", "mtp"])
     parser.add_argument("--head", default="", help="head directory (default: the shipped head, or the target's MTP)")
-    parser.add_argument("--k", default="1,2,3,4", help="comma-separated draft lengths")
+    parser.add_argument("--k", default="1,2,3,4", help="comma-separated draft lengths (a tree's: its levels)")
+    parser.add_argument("--eagle-topk", default="1", help="comma-separated tree widths, as the speculative config's "
+                        "eagle_topk (1: chains)")
+    parser.add_argument("--num-draft-tokens", type=int, default=0,
+                        help="a tree's nodes at most, as the speculative config's num_draft_tokens (0: topk x k)")
     parser.add_argument("--context", type=int, default=512, help="context of the cost measurement")
     parser.add_argument("--repeats", type=int, default=30)
     parser.add_argument("--num-prompts", type=int, default=8)
@@ -67,16 +73,18 @@ def draft_cost(runner, drafter, context: int, k: int, repeats: int) -> dict:
     finally:
         del drafter.draft
     draft, verify = statistics.median(draft_times), statistics.median(verify_times)
-    return {"k": k, "draft_ms": round(draft * 1e3, 2), "verify_step_ms": round(verify * 1e3, 2),
+    return {**_shape(k, drafter.tree), "draft_ms": round(draft * 1e3, 2), "verify_step_ms": round(verify * 1e3, 2),
             "draft_share": round(draft / verify, 3)}
 
 
-def acceptance(runner, drafter, prompts: list[list[int]], ks: list[int], max_tokens: int,
+def acceptance(runner, drafter, prompts: list[list[int]], shapes: list[tuple[int, object]], max_tokens: int,
                token_cost: float) -> list[dict]:
+    """Plain decoding, then each (k, tree shape or None for a chain)."""
     from verifier_service.sequence import Draft, GenerationParams
 
     rows = []
-    for k in [0, *ks]:
+    for k, tree in [(0, None), *shapes]:
+        drafter.tree = tree
         engine = _engine(runner, drafter if k else None, 16384)
         engine.draft_token_costs = {1: token_cost}
         steps = tokens = 0
@@ -88,11 +96,30 @@ def acceptance(runner, drafter, prompts: list[list[int]], ks: list[int], max_tok
                 tokens += len(engine.verify(seq, seq.own_draft() if k else Draft()).token_ids)
                 steps += 1
             engine.close(seq)
-        rows.append({"k": k, "tokens_per_step": round(tokens / steps, 3),
+        rows.append({**_shape(k, tree), "tokens_per_step": round(tokens / steps, 3),
                      "ms_per_token": round((time.perf_counter() - started) / tokens * 1e3, 2)})
     plain = rows[0]["ms_per_token"]
     for row in rows:
         row["speedup"] = round(plain / row["ms_per_token"], 3)
+    return rows
+
+
+def _shape(k: int, tree) -> dict:
+    return {"k": k, "topk": tree.topk if tree else 1, "max_nodes": tree.max_nodes if tree else k}
+
+
+def _tree_shapes(args) -> list[tuple[int, object]]:
+    from verifier_service.config import TreeShape
+
+    return [(k, TreeShape(topk, args.num_draft_tokens or topk * k) if topk > 1 else None)
+            for topk in (int(t) for t in args.eagle_topk.split(",")) for k in (int(k) for k in args.k.split(","))]
+
+
+def _measured_costs(runner, drafter, shapes, args) -> list[dict]:
+    rows = []
+    for k, tree in shapes:
+        drafter.tree = tree
+        rows.append(draft_cost(runner, drafter, args.context, k, args.repeats))
     return rows
 
 
@@ -111,21 +138,23 @@ def run(args) -> int:
     drafter = load_head(args.method, args.head, runner, resolve_head_dtype(args.head_dtype, "cpu", torch.float32))
     token_cost = (measure_token_cost(_engine(runner, None, 4096)) if args.token_cost == "auto"
                   else float(args.token_cost))
-    ks = [int(k) for k in args.k.split(",")]
+    shapes = _tree_shapes(args)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     prompts = [tokenizer.apply_chat_template([{"role": "user", "content": c.turns[0]}], add_generation_prompt=True,
                                              tokenize=True, return_dict=True)["input_ids"]
                for c in sharegpt(args.num_prompts, 0, 1)]
     results = {"method": args.method, "head": args.head or "default", "token_cost": token_cost,
                "head_dtype": str(drafter.head.embed_weight.dtype).removeprefix("torch."),
-               "cost": [draft_cost(runner, drafter, args.context, k, args.repeats) for k in ks],
-               "acceptance": acceptance(runner, drafter, prompts, ks, args.max_tokens, token_cost)}
-    print("| k | head draft (ms) | verify step (ms) | draft / step |\n|---|---|---|---|")
+               "cost": _measured_costs(runner, drafter, shapes, args),
+               "acceptance": acceptance(runner, drafter, prompts, shapes, args.max_tokens, token_cost)}
+    print("| k | topk | nodes | head draft (ms) | verify step (ms) | draft / step |\n|---|---|---|---|---|---|")
     for row in results["cost"]:
-        print(f"| {row['k']} | {row['draft_ms']} | {row['verify_step_ms']} | {row['draft_share']:.1%} |")
-    print("\n| k | tokens per verify step | ms per token | speed-up vs k=0 |\n|---|---|---|---|")
+        print(f"| {row['k']} | {row['topk']} | {row['max_nodes']} | {row['draft_ms']} | {row['verify_step_ms']} "
+              f"| {row['draft_share']:.1%} |")
+    print("\n| k | topk | nodes | tokens per verify step | ms per token | speed-up vs k=0 |\n|---|---|---|---|---|---|")
     for row in results["acceptance"]:
-        print(f"| {row['k']} | {row['tokens_per_step']} | {row['ms_per_token']} | {row['speedup']:.2f}x |")
+        print(f"| {row['k']} | {row['topk']} | {row['max_nodes']} | {row['tokens_per_step']} | {row['ms_per_token']} "
+              f"| {row['speedup']:.2f}x |")
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump(results, f, indent=2)

@@ -11,11 +11,13 @@ import grpc
 import pytest
 
 from protos.common.v1 import common_pb2
+from protos.conventions import chain_parents
 from protos.verifier.v1 import verifier_pb2, verifier_pb2_grpc
 from speclane.net import free_port
 from verifier_service.device import free_memory_bytes, kv_budget_tokens
 from verifier_service.distributed import backend_for, check_shardable, rank_device
 from verifier_service.sequence import Draft, GenerationParams
+from verifier_service.tree import depths, is_chain
 
 from .test_engine import GREEDY, PROMPT
 
@@ -96,8 +98,8 @@ def test_two_ranks_give_the_same_greedy_tokens_as_one(tiny_model_dir, engine):
     assert tokens == expected
 
 
-async def _generate_with_head(port: int, prompt: list[int], k: int) -> tuple[int, list[int], int]:
-    """Greedy generation verifying the verifier head's own drafts: (TP size, tokens, accepted)."""
+async def _generate_with_head(port: int, prompt: list[int], k: int) -> tuple[int, list[int], int, int]:
+    """Greedy generation verifying the verifier head's own drafts: (TP size, tokens, accepted, tree drafts)."""
     async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
         stub = verifier_pb2_grpc.VerifierStub(channel)
         info = await _model_info_when_loaded(stub)
@@ -106,20 +108,27 @@ async def _generate_with_head(port: int, prompt: list[int], k: int) -> tuple[int
         await call.write(verifier_pb2.SessionRequest(prefill=verifier_pb2.Prefill(
             sequence_id="tp-head", prompt_token_ids=prompt, sampling=sampling, num_head_draft_tokens=k)))
         reply = await call.read()
-        tokens, accepted = list(reply.token_ids), 0
+        tokens, accepted, trees = list(reply.token_ids), 0, 0
         while not reply.finish_reason:
-            assert len(reply.head_draft.token_ids) == min(k, 24 - len(tokens) - 1)
+            draft = reply.head_draft
+            depth = max(depths(draft.parents or chain_parents(len(draft.token_ids))), default=0)
+            deepest = min(k, 24 - len(tokens) - 1)  # a tree keeps its likeliest nodes, maybe not the deepest
+            assert depth == deepest if is_chain(draft.parents) else 0 < depth <= deepest
+            trees += not is_chain(draft.parents)
             await call.write(verifier_pb2.SessionRequest(verify=verifier_pb2.Verify(use_head_draft=True)))
             reply = await call.read()
             tokens += reply.token_ids
             accepted += reply.num_accepted_draft_tokens
         assert info.draft_head == "eagle3"
-        return info.tensor_parallel_size, tokens, accepted
+        return info.tensor_parallel_size, tokens, accepted, trees
 
 
-def test_three_ranks_with_an_eagle3_head_on_rank_0_give_the_plain_greedy_tokens(tmp_path):
+@pytest.mark.parametrize("tree", [{}, {"eagle_topk": 3, "num_draft_tokens": 6}], ids=["chains", "trees"])
+def test_three_ranks_with_an_eagle3_head_on_rank_0_give_the_plain_greedy_tokens(tmp_path, tree):
     """The head runs on rank 0 from the replicated hidden states; the whole
     embedding and lm_head come from the checkpoint, not the rank's shards."""
+    import json
+
     import torch
     from transformers import AutoModelForCausalLM, LlamaConfig
 
@@ -140,12 +149,13 @@ def test_three_ranks_with_an_eagle3_head_on_rank_0_give_the_plain_greedy_tokens(
     server = subprocess.Popen([sys.executable, "-m", "verifier_service", "--model", str(tmp_path / "target"),
                                "--device", "cpu", "--address", f"127.0.0.1:{port}", "--threads", "1",
                                "--tensor-parallel-size", "3", "--max-kv-tokens", "4096", "--log-level", "warning",
-                               "--speculative-config",
-                               f'{{"method": "eagle3", "model": "{head_dir}", "draft_token_cost": 0}}'])
+                               "--speculative-config", json.dumps({"method": "eagle3", "model": str(head_dir),
+                                                                   "draft_token_cost": 0, **tree})])
     try:
-        tp_size, tokens, _ = asyncio.run(asyncio.wait_for(_generate_with_head(port, prompt, 3), 120))
+        tp_size, tokens, _, trees = asyncio.run(asyncio.wait_for(_generate_with_head(port, prompt, 3), 120))
     finally:
         server.terminate()
         assert server.wait(60) == 0
     assert tp_size == 3
     assert tokens == expected
+    assert (trees > 0) == bool(tree)
