@@ -30,6 +30,7 @@ from tests.deploy.settings import (
     build_config,
     unknown_variables,
 )
+from verifier_service.config import TreeShape, draft_settings
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 COMPOSE_DIR = ROOT / "compose"
@@ -505,6 +506,8 @@ def test_env_example_as_env_file_reaches_the_services(compose_dir, tmp_path):
     assert services["drafter"]["environment"]["SPECLANE_DRAFTER_ADDRESS"] == "0.0.0.0:50061"
     config = build_config("gateway", {k: v for k, v in gateway_env.items() if k.startswith("SPECLANE_GATEWAY_")})
     assert config.speculation.num_speculative_tokens == 8
+    head = draft_settings(services["verifier"]["environment"]["SPECLANE_VERIFIER_SPECULATIVE_CONFIG"])
+    assert (head.head_method, head.tree) == ("eagle3", TreeShape(topk=8, max_nodes=48))
 
 
 # --- Dockerfiles -----------------------------------------------------------------------------
