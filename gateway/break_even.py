@@ -27,21 +27,6 @@ REQUEST_PRIOR_STEPS = 2.0
 EXPLORE_EVERY = 4
 
 
-def break_even(token_costs: tuple[tuple[int, float], ...], num_running: int) -> float:
-    """The chance of acceptance a draft token needs to pay for itself with
-    `num_running` sequences in the verifier's batch: the verifier's measured
-    cost of a draft token at that batch size, relative to what plain steps
-    commit (draft_cost.py), interpolated between the measured sizes.
-    `token_costs`: (batch size, cost), by batch size; empty: drafts are free."""
-    if not token_costs:
-        return 0.0
-    running = max(1, num_running)
-    for (low, low_cost), (high, high_cost) in zip(token_costs, token_costs[1:]):
-        if low <= running <= high:
-            return low_cost + (high_cost - low_cost) * (running - low) / (high - low)
-    return token_costs[0][1] if running < token_costs[0][0] else token_costs[-1][1]
-
-
 @dataclass
 class PositionCounts:
     """Per draft position: verify steps that reached it (every token before it

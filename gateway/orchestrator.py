@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import grpc
 import structlog
 
-from gateway.break_even import MethodAcceptance, RequestAcceptance, break_even
+from gateway.break_even import MethodAcceptance, RequestAcceptance
 from gateway.draft_length import AdaptiveDraftLength
 from gateway.drafter_client import DrafterClient, DrafterSession
 from gateway.errors import InvalidRequest, Overloaded, Unavailable
@@ -21,7 +21,7 @@ from gateway.verifier_pool import VerifierPool
 from protos.common.v1 import common_pb2
 from protos.conventions import FINISH_REASON_NAMES
 from protos.verifier.v1 import verifier_pb2
-from speclane.speculation import DRAFTER_METHODS, HEAD_METHODS, draft_value
+from speclane.speculation import DRAFTER_METHODS, HEAD_METHODS, draft_value, token_cost_at
 
 log = structlog.get_logger()
 _NO_DRAFT = common_pb2.Draft()
@@ -49,7 +49,7 @@ class LoopPolicy:
     @property
     def draft_token_cost(self) -> float:
         """The cost with one sequence in a step."""
-        return break_even(self.draft_token_costs, 1)
+        return token_cost_at(self.draft_token_costs, 1)
 
     def max_draft_tokens(self, num_running: int, k: int) -> int:
         """A step's draft length limit, k at most, with `num_running` sequences on its verifier."""
@@ -62,7 +62,7 @@ class LoopPolicy:
         (judged again only by its confidences, where it is a chain that has them)."""
         if acceptance is None or (drafted is not None and (drafted.parents or not drafted.confidences)):
             return limit
-        threshold = break_even(self.draft_token_costs, num_running)
+        threshold = token_cost_at(self.draft_token_costs, num_running)
         if drafted is None:
             return acceptance.length_before_drafting(threshold, limit)
         return acceptance.worthwhile_length(threshold, min(limit, len(drafted.confidences)), drafted.confidences)

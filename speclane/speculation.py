@@ -157,6 +157,21 @@ def draft_value(score: float, num_tokens: int, token_cost: float) -> float:
     return (1.0 + score) / (1.0 + token_cost * num_tokens)
 
 
+def token_cost_at(token_costs: tuple[tuple[int, float], ...], num_running: int) -> float:
+    """What a draft token adds to a verify step with `num_running` sequences in
+    the verifier's batch, as a fraction of a plain step: the verifier's measure
+    (verifier_service/draft_cost.py), interpolated between the measured batch
+    sizes. It is also the chance of acceptance a draft token needs to pay.
+    `token_costs`: (batch size, cost), by batch size; empty: drafts are free."""
+    if not token_costs:
+        return 0.0
+    running = max(1, num_running)
+    for (low, low_cost), (high, high_cost) in zip(token_costs, token_costs[1:]):
+        if low <= running <= high:
+            return low_cost + (high_cost - low_cost) * (running - low) / (high - low)
+    return token_costs[0][1] if running < token_costs[0][0] else token_costs[-1][1]
+
+
 def _value_type(field: dataclasses.Field) -> type:
     """What a key's value must be: the field's type, int for `int | None`."""
     return next((kind for kind in typing.get_args(field.type) if kind is not type(None)), field.type)

@@ -14,6 +14,7 @@ from speclane.speculation import (
     parse_speculative_config,
     settings_from_proto,
     settings_to_proto,
+    token_cost_at,
 )
 
 LIMITS = DrafterLimits(max_tree_depth=24, max_cached_requests=100, max_speculative_tokens=16)
@@ -130,3 +131,16 @@ def test_deepseek_mtp_is_mtp_and_hybrid_uses_both_sources():
     hybrid = SpeculationSettings(method="hybrid")
     assert hybrid.uses_head and hybrid.uses_drafter and hybrid.drafter_method == "suffix"
     assert settings_to_proto(hybrid).method == settings_to_proto(SpeculationSettings(method="suffix")).method
+
+
+# As this CPU measured SmolLM2: cheap among 8 sequences (weight reads shared), dear among 32 (compute-bound).
+COSTS = ((1, 0.17), (8, 0.1), (32, 0.36))
+
+
+def test_a_draft_tokens_cost_is_the_measured_one_at_the_batch_size():
+    assert token_cost_at((), 32) == 0.0  # nothing measured: drafts are free
+    assert token_cost_at(COSTS, 1) == token_cost_at(COSTS, 0) == pytest.approx(0.17)
+    assert token_cost_at(COSTS, 8) == pytest.approx(0.1)
+    assert token_cost_at(COSTS, 20) == pytest.approx(0.23)  # halfway between 8 and 32
+    assert token_cost_at(COSTS, 64) == pytest.approx(0.36)  # beyond the largest measured: its cost
+    assert token_cost_at(((1, 0.2),), 32) == pytest.approx(0.2)  # an older verifier: one cost for every batch

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import structlog
 import torch
 
+from speclane.speculation import token_cost_at
 from verifier_service.batch import StepPlan
 from verifier_service.errors import InvalidRequest, SequenceFinished, StaleDraft
 from verifier_service.grammar import GrammarCompiler
@@ -70,7 +71,7 @@ class Engine:
 
     @property
     def draft_token_cost(self) -> float:
-        """The cost with one sequence in a step: where the head's drafts stop."""
+        """The cost with one sequence in a step (ModelInfo.draft_token_cost)."""
         return self.draft_token_costs.get(1, 0.0)
 
     def start_capture(self, capture: HiddenStateCapture) -> None:
@@ -255,9 +256,12 @@ class Engine:
         seq.head.add(start + pending - 1, features[judged], committed)
 
     def _draft_head(self, seq: Sequence) -> None:
+        """The head's draft stops where its next token (or tree node) would not pay at the
+        current load: a big batch is compute-bound, so there a draft token costs what
+        another sequence's token does (the costs measured by batch size, draft_cost.py)."""
         k = min(seq.params.num_head_draft_tokens, seq.max_draft_depth())
-        seq.head_draft = self.head.draft(seq.head, k, seq.params.sampling.temperature, seq.generator,
-                                         self.draft_token_cost)
+        token_cost = token_cost_at(tuple(sorted(self.draft_token_costs.items())), self.num_live)
+        seq.head_draft = self.head.draft(seq.head, k, seq.params.sampling.temperature, seq.generator, token_cost)
 
     def _head_draft_for(self, seq: Sequence) -> Draft:
         """The head's draft for the step now submitted: made after the last step,

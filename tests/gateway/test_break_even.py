@@ -8,20 +8,7 @@ from gateway.break_even import (
     MethodAcceptance,
     PositionCounts,
     RequestAcceptance,
-    break_even,
 )
-
-# As this CPU measured SmolLM2: cheap among 8 sequences (weight reads shared), dear among 32 (compute-bound).
-COSTS = ((1, 0.17), (8, 0.1), (32, 0.36))
-
-
-def test_the_break_even_chance_is_the_measured_cost_at_the_batch_size():
-    assert break_even((), 32) == 0.0  # nothing measured: drafts are free
-    assert break_even(COSTS, 1) == break_even(COSTS, 0) == pytest.approx(0.17)
-    assert break_even(COSTS, 8) == pytest.approx(0.1)
-    assert break_even(COSTS, 20) == pytest.approx(0.23)  # halfway between 8 and 32
-    assert break_even(COSTS, 64) == pytest.approx(0.36)  # beyond the largest measured: its cost
-    assert break_even(((1, 0.2),), 32) == pytest.approx(0.2)  # an older verifier: one cost for every batch
 
 
 def test_counts_are_conditional_on_every_earlier_token_accepted():

@@ -365,3 +365,19 @@ def test_a_head_method_without_a_head_to_load_is_a_config_error(tiny_model_dir):
     with pytest.raises(ValueError, match="no eagle3 head ships for .*give one with the speculative config's"):
         VerifierConfig(model=tiny_model_dir, speculative_config='{"method": "eagle3"}')
     VerifierConfig(model=tiny_model_dir, speculative_config='{"method": "mtp"}')  # the target's own layers
+
+
+def test_a_head_drafts_less_when_more_sequences_share_the_verify_pass(head_engine, monkeypatch):
+    """The cost by batch size (here free alone, ten plain steps a token among 8): the head's
+    drafts stop where they would not pay at the load of the pass they join."""
+    monkeypatch.setattr(head_engine, "draft_token_costs", {1: 0.0, 8: 10.0})
+    params = GenerationParams(max_new_tokens=8, ignore_eos=True, num_head_draft_tokens=3)
+    others = [head_engine.open(f"o{i}", PROMPT, params) for i in range(7)]
+    for seq in others:
+        head_engine.prefill(seq)
+    seq = head_engine.open("s", PROMPT, params)
+    assert head_engine.prefill(seq).head_draft == ()  # 8 running
+    for other in others:
+        head_engine.close(other)
+    assert len(head_engine.verify(seq, Draft()).head_draft) == 3  # alone
+    head_engine.close(seq)
