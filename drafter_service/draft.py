@@ -15,8 +15,8 @@ class Draft:
     `parents[i]` is the index in `token_ids` of token i's parent, -1 for a child
     of the last committed token. `probs` are the drafter's per-token path
     probabilities (empty when it makes no estimate, as n-gram lookup), `score`
-    the expected number of accepted tokens, `match_len` how many context tokens
-    the drafter matched to produce it.
+    the expected number of accepted tokens (of the step's draft), `match_len`
+    how many context tokens the drafter matched to produce it.
     """
 
     token_ids: tuple[int, ...] = ()
@@ -25,6 +25,7 @@ class Draft:
     score: float = 0.0
     match_len: int = 0
     source: str = ""
+    step_len: int = 0  # tokens of this step's draft where it goes on past them (lookahead); 0: all
 
     def __post_init__(self):
         if len(self.parents) != len(self.token_ids):

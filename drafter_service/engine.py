@@ -15,8 +15,8 @@ _CORE_METHODS = {"suffix": _core.METHOD_SUFFIX, "ngram": _core.METHOD_NGRAM}
 
 
 def draft_from_core(result: tuple) -> Draft:
-    token_ids, parents, probs, score, match_len, source = result
-    return Draft(tuple(token_ids), tuple(parents), tuple(probs), score, match_len, _SOURCES.get(source, ""))
+    token_ids, parents, probs, score, match_len, source, step_len = result
+    return Draft(tuple(token_ids), tuple(parents), tuple(probs), score, match_len, _SOURCES.get(source, ""), step_len)
 
 
 class DraftEngine:
@@ -32,7 +32,9 @@ class DraftEngine:
         self.core.restore(data)
         self._ids = itertools.count(max(self.core.cached_requests(), default=-1) + 1)
 
-    def start(self, prompt_token_ids: Sequence[int], settings: SpeculationSettings, tenant: str) -> int:
+    def start(self, prompt_token_ids: Sequence[int], settings: SpeculationSettings, tenant: str,
+              lookahead: int = 0) -> int:
+        """A session; each draft goes on `lookahead` tokens past its step where it can (Draft.step_len)."""
         seq_id = next(self._ids)
         self.core.start_request(
             seq_id, list(prompt_token_ids), "" if self._share_tenants else tenant,
@@ -41,7 +43,8 @@ class DraftEngine:
             max_spec_offset=settings.suffix_decoding_max_spec_offset,
             min_token_prob=settings.suffix_decoding_min_token_prob,
             use_tree_spec=settings.suffix_decoding_use_tree_spec,
-            prompt_lookup_min=settings.prompt_lookup_min, prompt_lookup_max=settings.prompt_lookup_max)
+            prompt_lookup_min=settings.prompt_lookup_min, prompt_lookup_max=settings.prompt_lookup_max,
+            lookahead=lookahead)
         return seq_id
 
     async def step(self, seq_id: int, token_ids: Sequence[int]) -> Draft:

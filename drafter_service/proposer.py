@@ -15,16 +15,17 @@ class CommittedLengthMismatch(ValueError):
 class SequenceProposer:
     """Drafting state of one sequence on the engine (drafter_service.engine.DraftEngine)."""
 
-    def __init__(self, engine, settings: SpeculationSettings, tenant: str = ""):
+    def __init__(self, engine, settings: SpeculationSettings, tenant: str = "", lookahead: int = 0):
         self._engine = engine
         self.settings = settings
         self.tenant = tenant
+        self.lookahead = lookahead  # draft tokens past each step's, for the client's next-round offers
         self.committed_len = 0  # prompt + committed output
         self._seq_id: int | None = None
         self._uncommitted: list[int] = []  # committed here, not yet handed to the engine
 
     def start(self, prompt_token_ids: Sequence[int]) -> None:
-        self._seq_id = self._engine.start(prompt_token_ids, self.settings, self.tenant)
+        self._seq_id = self._engine.start(prompt_token_ids, self.settings, self.tenant, self.lookahead)
         self.committed_len = len(prompt_token_ids)
 
     def commit(self, token_ids: Sequence[int], committed_len: int) -> None:

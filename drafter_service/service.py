@@ -32,6 +32,7 @@ def draft_to_proto(draft: Draft, committed_len: int) -> common_pb2.Draft:
         score=draft.score,
         committed_len=committed_len,
         source=draft.source,
+        step_len=draft.step_len,
     )
 
 
@@ -88,12 +89,15 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
             settings = settings_from_proto(start.params, self._limits)
         except ValueError as exc:
             await self._refuse(context, requests, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        if start.num_lookahead_tokens > self._limits.max_speculative_tokens:
+            await self._refuse(context, requests, grpc.StatusCode.INVALID_ARGUMENT,
+                               f"start.num_lookahead_tokens must be at most {self._limits.max_speculative_tokens}")
         if _has_negative(start.prompt_token_ids):
             await self._refuse(context, requests, grpc.StatusCode.INVALID_ARGUMENT,
                                "start.prompt_token_ids must not be negative")
         tenant = start.tenant or metadata_value(context.invocation_metadata(), TENANT_METADATA_KEY) or ""
         await self._admit(context, requests, start)
-        proposer = SequenceProposer(self._engine, settings, tenant)
+        proposer = SequenceProposer(self._engine, settings, tenant, start.num_lookahead_tokens)
         proposer.start(start.prompt_token_ids)
         log.info("session_start", sequence_id=start.sequence_id, tenant=tenant, method=settings.method,
                  prompt_tokens=len(start.prompt_token_ids), num_speculative_tokens=settings.num_speculative_tokens)

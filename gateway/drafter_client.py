@@ -3,7 +3,6 @@ sequence, and a client that rests a failing drafter so that its outage costs
 speculation, never a request."""
 
 import asyncio
-import dataclasses
 import time
 from collections.abc import Sequence
 
@@ -31,11 +30,11 @@ class DrafterSession:
         self._on_failure = on_failure
         self.alive = True
 
-    async def start(self, request: GenerationRequest, num_speculative_tokens: int) -> None:
-        settings = dataclasses.replace(request.speculation, num_speculative_tokens=num_speculative_tokens)
+    async def start(self, request: GenerationRequest, num_lookahead_tokens: int = 0) -> None:
         start = drafter_pb2.Start(
             sequence_id=request.request_id, prompt_token_ids=request.prompt_token_ids,
-            params=settings_to_proto(settings), tenant=request.tenant,
+            params=settings_to_proto(request.speculation), tenant=request.tenant,
+            num_lookahead_tokens=num_lookahead_tokens,
         )
         await self._guard(self._call.write(drafter_pb2.SessionRequest(start=start)))
 
@@ -125,8 +124,8 @@ class DrafterClient:
 
     async def open(self, request: GenerationRequest, lookahead: bool = False) -> DrafterSession | None:
         """A session drafting for `request`; with `lookahead`, each draft goes on
-        past the request's k: the likely next token, then the next step's draft
-        (for next-round drafts), as far as the drafter's limit allows."""
+        past its step where the drafter sees further (Draft.step_len): the likely
+        next token, then the next step's draft (for next-round drafts)."""
         if time.monotonic() < self._down_until:
             return None
         if self.limits is None and await self.refresh_limits() is None:
@@ -134,7 +133,7 @@ class DrafterClient:
         k = request.speculation.num_speculative_tokens
         call = self._stub.Session(metadata=request_metadata(request.request_id, request.tenant))
         session = DrafterSession(call, self._timeout, self._mark_down)
-        await session.start(request, min(2 * k + 1, self.limits.max_speculative_tokens) if lookahead else k)
+        await session.start(request, min(k + 1, self.limits.max_speculative_tokens) if lookahead else 0)
         return session if session.alive else None
 
     def _mark_down(self, exc: Exception) -> None:

@@ -129,7 +129,8 @@ class Orchestrator:
                 if drafter_limit > 0 or result.next_round_hit:
                     drafted = await _next_draft(proposer, withheld, result.committed_len)
                     withheld = []
-                    drafter_limit = self._policy.paying_draft_tokens(running, drafter_limit, acceptance, drafted)
+                    drafter_limit = self._policy.paying_draft_tokens(running, drafter_limit, acceptance,
+                                                                     _step_part(drafted))
                 drafter_seconds = time.perf_counter() - asked
                 predicted = _predicted_draft(prediction, result, limit)
                 ran_ahead = result.next_round_hit  # the verifier already verifies `continuation`
@@ -138,8 +139,8 @@ class Orchestrator:
                 elif limit == 0:  # a head's draft is not shortened here: only switched off
                     source, draft = NONE, _NO_DRAFT
                 else:
-                    source, draft = _pick_draft(speculation.method, predicted, _cut(drafted, 0, drafter_limit),
-                                                hybrid)
+                    source, draft = _pick_draft(speculation.method, predicted,
+                                                _cut(_step_part(drafted), 0, drafter_limit), hybrid)
                 continuation = (_continuation_after(draft, drafted, drafter_limit) if lookahead and source == DRAFTER
                                 and limit > 0 else None)
                 sent = time.perf_counter()
@@ -234,10 +235,15 @@ def _step_usage(result, source: str, ran_ahead: bool) -> SpeculationUsage:
                             next_round_steps=int(ran_ahead))
 
 
+def _step_part(draft: common_pb2.Draft) -> common_pb2.Draft:
+    """The step's own draft, of one that goes on past it (Draft.step_len: next-round drafts)."""
+    return _cut(draft, 0, draft.step_len) if draft.step_len else draft
+
+
 def _cut(draft: common_pb2.Draft, start: int, stop: int) -> common_pb2.Draft:
-    """Tokens start..stop of a draft: anywhere in a chain (the drafter drafts further
-    ahead than a step verifies when next-round drafts are on), from the start of a
-    tree (its nodes come parents first, so its first nodes are a tree too)."""
+    """Tokens start..stop of a draft: anywhere in a chain (the drafter drafts past
+    the step when next-round drafts are on), from the start of a tree (its nodes
+    come parents first, so its first nodes are a tree too)."""
     if start == 0 and len(draft.token_ids) <= stop:
         return draft
     confidences = draft.confidences[start:stop]

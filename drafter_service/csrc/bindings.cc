@@ -1,6 +1,6 @@
 // Python bindings of the compiled drafter core: `drafter_service._core`.
 // Arguments are converted with the GIL held; the work itself runs without it.
-// Drafts come back as tuples (token_ids, parents, probs, score, match_len, source).
+// Drafts come back as tuples (token_ids, parents, probs, score, match_len, source, step_len).
 #include <cstdint>
 #include <tuple>
 
@@ -14,15 +14,17 @@ using namespace speclane;
 
 namespace {
 
-using DraftTuple = std::tuple<Tokens, Tokens, std::vector<double>, double, int, int>;
+using DraftTuple = std::tuple<Tokens, Tokens, std::vector<double>, double, int, int, int>;
 using Released = py::call_guard<py::gil_scoped_release>;
 
 DraftTuple as_tuple(Draft draft) {
   return {std::move(draft.token_ids), std::move(draft.parents), std::move(draft.probs), draft.score, draft.match_len,
-          draft.source};
+          draft.source, draft.step_len};
 }
 
-SpecParams spec(int k, double factor, double offset, double min_token_prob, bool use_tree, bool reanchor) {
+SpecParams spec(int k, double factor, double offset, double min_token_prob, bool use_tree, bool reanchor,
+                int lookahead) {
+  if (lookahead < 0) throw std::invalid_argument("lookahead must be >= 0");
   SpecParams params;
   params.max_spec_tokens = k;
   params.max_spec_factor = factor;
@@ -30,6 +32,7 @@ SpecParams spec(int k, double factor, double offset, double min_token_prob, bool
   params.min_token_prob = min_token_prob;
   params.use_tree = use_tree;
   params.reanchor = reanchor;
+  params.lookahead = lookahead;
   return params;
 }
 
@@ -61,13 +64,13 @@ PYBIND11_MODULE(_core, m) {
            Released())
       .def("speculate",
            [](const SuffixTree& tree, const Tokens& context, int k, double factor, double offset, double min_token_prob,
-              bool use_tree, bool reanchor) {
+              bool use_tree, bool reanchor, int lookahead) {
              return as_tuple(tree.speculate(context.data(), context.size(),
-                                            spec(k, factor, offset, min_token_prob, use_tree, reanchor)));
+                                            spec(k, factor, offset, min_token_prob, use_tree, reanchor, lookahead)));
            },
            py::arg("context"), py::arg("max_spec_tokens"), py::arg("max_spec_factor") = 1.0,
            py::arg("max_spec_offset") = 0.0, py::arg("min_token_prob") = 0.1, py::arg("use_tree") = false,
-           py::arg("reanchor") = true, Released())
+           py::arg("reanchor") = true, py::arg("lookahead") = 0, Released())
       .def_property_readonly("num_nodes", &SuffixTree::num_nodes)
       .def("memory_bytes", &SuffixTree::memory_bytes, Released());
 
@@ -88,10 +91,10 @@ PYBIND11_MODULE(_core, m) {
       .def("start_request",
            [](Cache& cache, int64_t id, const Tokens& prompt, const std::string& tenant, int method, int k,
               double factor, double offset, double min_token_prob, bool use_tree, bool reanchor, int local_depth,
-              int ngram_min, int ngram_max, bool ngram_latest) {
+              int ngram_min, int ngram_max, bool ngram_latest, int lookahead) {
              SessionParams params;
              params.method = method;
-             params.spec = spec(k, factor, offset, min_token_prob, use_tree, reanchor);
+             params.spec = spec(k, factor, offset, min_token_prob, use_tree, reanchor, lookahead);
              params.local_depth = local_depth;
              params.ngram_min = ngram_min;
              params.ngram_max = ngram_max;
@@ -102,7 +105,7 @@ PYBIND11_MODULE(_core, m) {
            py::arg("max_spec_tokens") = 16, py::arg("max_spec_factor") = 1.0, py::arg("max_spec_offset") = 0.0,
            py::arg("min_token_prob") = 0.1, py::arg("use_tree_spec") = false, py::arg("reanchor") = true,
            py::arg("max_tree_depth") = 0, py::arg("prompt_lookup_min") = 5, py::arg("prompt_lookup_max") = 5,
-           py::arg("ngram_latest") = false, Released())
+           py::arg("ngram_latest") = false, py::arg("lookahead") = 0, Released())
       .def("add_active_response",
            [](Cache& cache, int64_t id, const Tokens& tokens) { cache.add_active_response(id, tokens.data(), tokens.size()); },
            Released())
@@ -110,13 +113,13 @@ PYBIND11_MODULE(_core, m) {
       .def("evict_cached_response", &Cache::evict_cached_response, Released())
       .def("speculate",
            [](Cache& cache, int64_t id, const Tokens& context, int k, double factor, double offset,
-              double min_token_prob, bool use_tree, bool reanchor) {
+              double min_token_prob, bool use_tree, bool reanchor, int lookahead) {
              return as_tuple(cache.speculate(id, context.data(), context.size(),
-                                             spec(k, factor, offset, min_token_prob, use_tree, reanchor)));
+                                             spec(k, factor, offset, min_token_prob, use_tree, reanchor, lookahead)));
            },
            py::arg("req_id"), py::arg("context"), py::arg("max_spec_tokens"), py::arg("max_spec_factor") = 1.0,
            py::arg("max_spec_offset") = 0.0, py::arg("min_token_prob") = 0.1, py::arg("use_tree_spec") = false,
-           py::arg("reanchor") = true, Released())
+           py::arg("reanchor") = true, py::arg("lookahead") = 0, Released())
       .def("step",
            [](Cache& cache, const std::vector<int64_t>& ids, const std::vector<Tokens>& tokens) {
              std::vector<Draft> drafts;
@@ -128,8 +131,9 @@ PYBIND11_MODULE(_core, m) {
              py::list out(drafts.size());
              for (size_t i = 0; i < drafts.size(); ++i) {
                const Draft& draft = drafts[i];
-               PyObject* item = Py_BuildValue("(NNNdii)", int_list(draft.token_ids), int_list(draft.parents),
-                                              float_list(draft.probs), draft.score, draft.match_len, draft.source);
+               PyObject* item = Py_BuildValue("(NNNdiii)", int_list(draft.token_ids), int_list(draft.parents),
+                                              float_list(draft.probs), draft.score, draft.match_len, draft.source,
+                                              draft.step_len);
                if (item == nullptr) throw py::error_already_set();
                PyList_SET_ITEM(out.ptr(), static_cast<Py_ssize_t>(i), item);
              }

@@ -185,8 +185,11 @@ std::vector<Draft> Cache::step(const std::vector<int64_t>& ids, const std::vecto
   for (size_t i = 0; i < ids.size(); ++i) {
     Active& request = active_.find(ids[i])->second;
     append(request, tokens[i].data(), tokens[i].size());
-    if (request.ngram) {
-      drafts.push_back(request.ngram->propose(request.params.spec.max_spec_tokens));
+    if (request.ngram) {  // a lookup's draft simply goes on past k: its continuation is its next tokens
+      const int k = request.params.spec.max_spec_tokens;
+      Draft draft = request.ngram->propose(k + request.params.spec.lookahead);
+      if (static_cast<int>(draft.token_ids.size()) > k) draft.step_len = k;
+      drafts.push_back(std::move(draft));
     } else {
       const std::vector<int32_t>& context = request.local->sequence_tokens(kLocalSequence);
       drafts.push_back(propose(request, context.data(), context.size(), request.params.spec));

@@ -16,6 +16,8 @@ struct Draft {
   double score = 0.0;
   int match_len = 0;
   int source = kSourceNone;
+  // Tokens of this step's draft where it goes on past them (SpecParams.lookahead); 0: all of it.
+  int step_len = 0;
 };
 
 }  // namespace speclane

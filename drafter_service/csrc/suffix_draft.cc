@@ -44,11 +44,16 @@ Draft SuffixTree::speculate(const int32_t* context, size_t n, const SpecParams& 
     once = along->frontier.size();
     while (once < along->suffixes() && nodes_[along->node_of(once)].length != kOpen) ++once;  // joined since
   }
+  auto budget_at = [&params](size_t match_len) {
+    double limit = std::floor(params.max_spec_factor * static_cast<double>(match_len) + params.max_spec_offset);
+    return limit < params.max_spec_tokens ? static_cast<int>(std::max(limit, -1.0)) : params.max_spec_tokens;
+  };
   Draft best;
+  Position best_at;
+  int best_budget = 0;
   int32_t drafted_count = 0;
   for (size_t match_len = longest; match_len > 0; --match_len) {
-    double limit = std::floor(params.max_spec_factor * static_cast<double>(match_len) + params.max_spec_offset);
-    int budget = limit < params.max_spec_tokens ? static_cast<int>(std::max(limit, -1.0)) : params.max_spec_tokens;
+    const int budget = budget_at(match_len);
     // A score never exceeds its budget, which only shrinks from here: at best a tie.
     if (match_len < longest && budget <= best.score) break;
     if (match_len == longest) {
@@ -68,7 +73,23 @@ Draft SuffixTree::speculate(const int32_t* context, size_t n, const SpecParams& 
     Draft draft = params.use_tree ? draft_tree(at, budget, params.min_token_prob)
                                   : draft_path(at, budget, params, context + n - match_len, match_len);
     draft.match_len = static_cast<int>(match_len);
-    if (match_len == longest || draft.score > best.score) best = std::move(draft);
+    if (match_len == longest || draft.score > best.score) {
+      best = std::move(draft);
+      best_at = at;
+      best_budget = budget;
+    }
+  }
+  const int drafted = static_cast<int>(best.token_ids.size());
+  if (params.lookahead > 0 && !params.use_tree && drafted > 0 && drafted == best_budget) {
+    // Cut by its budget, not by the path: the step after, should this one be accepted whole and the
+    // target's next token be the path's, matches drafted + 1 tokens more, so its budget is larger.
+    const size_t m = static_cast<size_t>(best.match_len);
+    const int more = std::min(params.lookahead, 1 + std::max(0, budget_at(m + static_cast<size_t>(drafted) + 1)));
+    Draft longer = draft_path(best_at, drafted + more, params, context + n - m, m);
+    longer.match_len = best.match_len;
+    longer.score = best.score;  // the step's draft's
+    longer.step_len = drafted;
+    best = std::move(longer);
   }
   return best;
 }

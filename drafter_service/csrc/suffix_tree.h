@@ -55,6 +55,9 @@ struct SpecParams {
   double min_token_prob = 0.1;
   bool use_tree = false;
   bool reanchor = true;  // path drafts go on past max_depth by re-matching the last max_depth/2 tokens
+  // A path draft that stops at its budget goes on along the same path for up to this many tokens: the
+  // likely next token, then the next step's draft within its own budget (Draft.step_len marks the cut).
+  int lookahead = 0;
 };
 
 class SuffixTree {

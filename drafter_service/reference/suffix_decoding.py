@@ -119,11 +119,13 @@ class SuffixDecodingCache:
         min_token_prob: float = 0.1,
         use_tree_spec: bool = False,
         reanchor: bool = True,
+        lookahead: int = 0,
     ) -> Draft:
         """Drafts from the request's own tree and its tenant's global tree; the
         higher score wins whole (ties keep the request's own draft)."""
         request = self._active[req_id]
-        args = (context, max_spec_tokens, max_spec_factor, max_spec_offset, min_token_prob, use_tree_spec, reanchor)
+        args = (context, max_spec_tokens, max_spec_factor, max_spec_offset, min_token_prob, use_tree_spec, reanchor,
+                lookahead)
         draft = replace(request.tree.speculate(*args), source=SOURCE_REQUEST)
         responses = self._tenants.get(request.tenant)
         if responses is not None:

@@ -22,6 +22,7 @@ import math
 from array import array
 from bisect import bisect_left, insort
 from collections.abc import Iterable, Sequence
+from dataclasses import replace
 
 from drafter_service.draft import Draft
 from drafter_service.reference.suffix_draft import draft_path, draft_tree
@@ -138,6 +139,7 @@ class SuffixTree:
         min_token_prob: float = 0.1,
         use_tree: bool = False,
         reanchor: bool = True,
+        lookahead: int = 0,
     ) -> Draft:
         """Best draft over all match lengths m of the context's tail.
 
@@ -150,6 +152,10 @@ class SuffixTree:
         With `reanchor`, a path draft reaching max_depth goes on from the last
         max_depth // 2 tokens of pattern + draft instead of stopping there, so
         its length is not capped at max_depth - m (tree drafts stop).
+        With `lookahead`, a path draft cut by its budget goes on along the same
+        path for up to that many tokens: the likely next token, then the next
+        step's draft within the budget of the match that step would leave;
+        `step_len` marks where this step's draft ends, and `score` is its own.
         """
         if max_spec_factor < 0:
             raise ValueError("max_spec_factor must be >= 0")
@@ -163,9 +169,12 @@ class SuffixTree:
                 too_long = middle
             else:
                 longest = middle
-        best, drafted_count = Draft(), 0
+        def budget_at(match_len: int) -> int:
+            return min(max_spec_tokens, math.floor(max_spec_factor * match_len + max_spec_offset))
+
+        best, drafted_count, best_at = Draft(), 0, None
         for match_len in range(longest, 0, -1):
-            budget = min(max_spec_tokens, math.floor(max_spec_factor * match_len + max_spec_offset))
+            budget = budget_at(match_len)
             if match_len < longest and budget <= best.score:
                 break  # a score never exceeds its budget, which only shrinks from here: at best a tie
             node, offset = self._match(context, end - match_len, end)
@@ -178,7 +187,14 @@ class SuffixTree:
                 draft = draft_path(node, offset, budget, min_token_prob, match_len,
                                    self._reanchor if reanchor else None, context[end - match_len:end])
             if match_len == longest or draft.score > best.score:
-                best = draft
+                best, best_at = draft, (node, offset, budget)
+        drafted = len(best)
+        if lookahead > 0 and not use_tree and drafted > 0 and drafted == best_at[2]:
+            node, offset, _ = best_at
+            more = min(lookahead, 1 + max(0, budget_at(best.match_len + drafted + 1)))
+            longer = draft_path(node, offset, drafted + more, min_token_prob, best.match_len,
+                                self._reanchor if reanchor else None, context[end - best.match_len:end])
+            best = replace(longer, score=best.score, step_len=drafted)
         return best
 
     def _reanchor(self, node: _Node, path: list[int]) -> tuple[_Node, int] | None:

@@ -13,7 +13,6 @@ Steps are priced as the verifier measures them (`draft_cost.py`): a plain step c
 Greedy verification makes the replay deterministic: it finds the knobs, and `bench serve` confirms the winners.
 """
 
-import dataclasses
 import json
 import pathlib
 from dataclasses import dataclass
@@ -48,22 +47,22 @@ def replay(traces: list[Trace], settings: SpeculationSettings, token_cost: float
     limits = DrafterLimits()
     engine = DraftEngine(limits.max_tree_depth, limits.max_cached_requests)
     k = settings.num_speculative_tokens
-    # As the gateway asks: k for this step, the drafter's guess of the bonus token, k more after it.
-    asked = dataclasses.replace(settings, num_speculative_tokens=min(2 * k + 1, limits.max_speculative_tokens)
-                                if next_round else k)
+    # As the gateway asks: each draft going on past its step, for the drafter's guess of the bonus token and k more.
+    lookahead = min(k + 1, limits.max_speculative_tokens) if next_round else 0
     result = Replayed()
     for trace in traces:
         out = trace.output
-        seq_id = engine.start(trace.prompt, asked, tenant="")
+        seq_id = engine.start(trace.prompt, settings, tenant="", lookahead=lookahead)
         position, committed, offered = 1, list(out[:1]), None
         while position < len(out):
-            fresh = engine.core.step([seq_id], [committed])[0][0]  # the batch step, one sequence, synchronously
-            draft = offered if offered is not None else fresh[:k]
+            fresh, *_, step_len = engine.core.step([seq_id], [committed])[0]  # one sequence, synchronously
+            n = step_len or len(fresh)
+            draft = offered if offered is not None else fresh[:n]
             result.next_round_steps += offered is not None
             accepted = _accepted(draft, out[position:])
             bonus_at = position + accepted
-            offered = (fresh[k + 1:] if next_round and offered is None and accepted == k and len(fresh) > k + 1
-                       and bonus_at < len(out) and out[bonus_at] == fresh[k] else None)
+            offered = (fresh[n + 1:n + 1 + k] if next_round and offered is None and accepted == n
+                       and len(fresh) > n + 1 and bonus_at < len(out) and out[bonus_at] == fresh[n] else None)
             committed = list(out[position:bonus_at + 1])
             position += len(committed)
             result.steps += 1

@@ -19,6 +19,7 @@ spec_args = st.tuples(
     st.sampled_from([0.0, 0.1, 0.3, 0.5, 1.0]),        # min_token_prob
     st.booleans(),                                     # tree
     st.booleans(),                                     # reanchor
+    st.sampled_from([0, 0, 1, 4]),                     # lookahead
 )
 tree_ops = st.lists(
     st.one_of(
@@ -45,7 +46,7 @@ cache_ops = st.lists(
 
 def same(core_result, reference) -> bool:
     draft = draft_from_core(core_result)
-    return draft == reference  # tokens, parents, probs, score, match length and source
+    return draft == reference  # tokens, parents, probs, score, match length, source and step length
 
 
 @settings(max_examples=250, deadline=None)
@@ -111,7 +112,7 @@ def cache_run(ops, max_cached_requests, max_cached_tokens):
             # a shorter tail, and contexts that leave the sequences' tails one or two tokens back.
             for variant in (context, context[-3:], context[:-1] + [9], context[:-2] + [9] + context[-1:]):
                 assert same(core.speculate(req, variant, *op[2]), reference.speculate(str(req), variant, *op[2]))
-            k, factor, offset, min_token_prob, use_tree, _ = op[2]
+            k, factor, offset, min_token_prob, use_tree, *_ = op[2]
             if arctic is not None:  # drafts from the last max_tree_depth tokens of the context
                 expected = reference.speculate(str(req), context[-depth:], k, factor, offset, min_token_prob,
                                                use_tree)

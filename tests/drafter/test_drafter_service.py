@@ -37,9 +37,9 @@ async def drafter(engine: DraftEngine | None = None, config: DrafterConfig = CON
         await grpc_server.stop(None)
 
 
-def start(prompt, method=drafter_pb2.METHOD_SUFFIX, k=8, tenant="", **params):
+def start(prompt, method=drafter_pb2.METHOD_SUFFIX, k=8, tenant="", lookahead=0, **params):
     return drafter_pb2.SessionRequest(start=drafter_pb2.Start(
-        sequence_id="seq", prompt_token_ids=prompt, tenant=tenant,
+        sequence_id="seq", prompt_token_ids=prompt, tenant=tenant, num_lookahead_tokens=lookahead,
         params=drafter_pb2.ProposerParams(method=method, num_speculative_tokens=k, **params)))
 
 
@@ -111,8 +111,29 @@ def test_tree_spec_returns_parents():
     assert list(draft.parents) == [-1, -1]
 
 
+@pytest.mark.parametrize("method", [drafter_pb2.METHOD_SUFFIX, drafter_pb2.METHOD_NGRAM])
+def test_a_draft_goes_on_past_its_step_along_the_same_path(method):
+    """After "1 2" a match of 2 gives a budget of 2 tokens; with lookahead the draft goes
+    on along the same path (the step after matches 5 tokens, so its budget is 5) and
+    marks where this step's draft ends. A lookup's draft goes on past k."""
+    prompt = [1, 2, 3, 4, 5, 6, 7, 8, 9, 1, 2]
+    k = 2 if method == drafter_pb2.METHOD_NGRAM else 8
+
+    async def main():
+        async with drafter() as stub:
+            extras = {"prompt_lookup_min": 2, "prompt_lookup_max": 2} if method == drafter_pb2.METHOD_NGRAM else {}
+            return [(await run_session(stub, start(prompt, method, k=k, lookahead=lookahead, **extras), [[]]))[0]
+                    for lookahead in (0, 6)]
+
+    plain, ahead = asyncio.run(main())
+    assert (list(plain.token_ids), plain.step_len) == ([3, 4], 0)
+    assert list(ahead.token_ids) == [3, 4, 5, 6, 7, 8, 9, 1] and ahead.step_len == 2
+    assert ahead.score == pytest.approx(plain.score) == pytest.approx(sum(ahead.confidences[:2]))
+
+
 @pytest.mark.parametrize("messages", [
     [step([1], 1)],
+    [start([1, 2], lookahead=65)],
     [start([1, 2], method=drafter_pb2.METHOD_UNSPECIFIED)],
     [start([1, 2], method=7)],
     [start([1, 2], k=0)],

@@ -152,7 +152,9 @@ class FakeDrafter(drafter_pb2_grpc.DrafterServicer):
                                             max_tree_depth=max_tree_depth, max_cached_requests=10000)
         self.draft_len = draft_len
         self.delay = 0.0  # seconds before each answer
-        self.wrong_bonus = False  # a lookahead draft (2k + 1 tokens) guesses the bonus token, k, wrong
+        self.wrong_bonus = False  # a draft going on past its step guesses the bonus token wrong
+        self.step_len = 0  # where a draft going on past its step ends that step (0: at k, as far as it may)
+        self.lookaheads: list[int] = []  # per session, its Start.num_lookahead_tokens
         self.confidences: list[float] = []  # of each draft's first tokens, as suffix decoding reports them
         self.params: list[drafter_pb2.ProposerParams] = []  # per session, as started
         self.fail: tuple[grpc.StatusCode, int] | None = None  # abort with this code at this step
@@ -180,16 +182,20 @@ class FakeDrafter(drafter_pb2_grpc.DrafterServicer):
                     prompt_len = len(request.start.prompt_token_ids)
                     self.committed.append([])
                     self.params.append(request.start.params)
+                    self.lookaheads.append(request.start.num_lookahead_tokens)
                     continue
                 self.committed[-1] += request.step.committed_token_ids
                 self.proposals += 1
                 await asyncio.sleep(self.delay)
                 committed_len = request.step.committed_len
-                tokens = target_tokens(committed_len - prompt_len, self.draft_len)
-                if self.wrong_bonus:
-                    tokens[self.params[-1].num_speculative_tokens // 2] = 999
+                k, lookahead = self.params[-1].num_speculative_tokens, self.lookaheads[-1]
+                tokens = target_tokens(committed_len - prompt_len, min(self.draft_len, k + lookahead))
+                step_len = min(self.step_len or k, len(tokens)) if len(tokens) > (self.step_len or k) else 0
+                if self.wrong_bonus and step_len:
+                    tokens[step_len] = 999
                 yield drafter_pb2.SessionResponse(draft=common_pb2.Draft(
-                    token_ids=tokens, confidences=self.confidences[:len(tokens)], committed_len=committed_len))
+                    token_ids=tokens, confidences=self.confidences[:len(tokens)], committed_len=committed_len,
+                    step_len=step_len))
 
 
 @contextlib.asynccontextmanager

@@ -291,12 +291,12 @@ def lookahead(max_tokens: int = 30, k: int = 3):
 
 
 async def test_next_round_drafts_let_the_verifier_go_on_without_a_verify():
-    # The drafter drafts 2k + 1 = 7 target tokens: k to verify, the bonus, the next k.
+    # The drafter drafts k + 1 + k = 7 target tokens: k to verify, the bonus, the next k.
     verifier, drafter = FakeVerifier(accept=8, step_seconds=0.02), FakeDrafter(draft_len=7)
     async with gateway([verifier], drafter, policy=LoopPolicy(next_round=True)) as gw:
         deltas = await collect(gw, lookahead())
     assert tokens_of(deltas) == target_tokens(0, 30)
-    assert drafter.params[0].num_speculative_tokens == 7
+    assert (drafter.params[0].num_speculative_tokens, drafter.lookaheads[0]) == (3, 4)
     usage = deltas[-1].speculation
     # Every step after the first ran on the offer made with the step before it: all drafts are
     # accepted and the drafter guesses each bonus token.
@@ -311,6 +311,21 @@ async def test_next_round_drafts_let_the_verifier_go_on_without_a_verify():
     assert continuation.bonus_token_id == target_tokens(4, 1)[0]
     assert list(continuation.draft.token_ids) == target_tokens(5, 3)
     assert continuation.draft.committed_len == len(PROMPT) + 5
+
+
+async def test_a_step_cut_short_by_the_drafters_budget_still_offers_the_path_beyond_it():
+    """Suffix decoding's budget ends a step's draft where its match is short; the
+    draft goes on past it (step_len), and the step after runs on that offer."""
+    verifier, drafter = FakeVerifier(accept=8, step_seconds=0.02), FakeDrafter(draft_len=7)
+    drafter.step_len = 2
+    async with gateway([verifier], drafter, policy=LoopPolicy(next_round=True)) as gw:
+        deltas = await collect(gw, lookahead())
+    assert tokens_of(deltas) == target_tokens(0, 30)
+    assert deltas[-1].speculation.next_round_steps == deltas[-1].speculation.verify_steps - 1 > 0
+    assert all(len(draft) == 2 for draft in verifier.drafts[:1])  # the step's own part, not k
+    [continuation] = verifier.offers[0].continuations
+    assert continuation.bonus_token_id == target_tokens(3, 1)[0]
+    assert list(continuation.draft.token_ids) == target_tokens(4, 3)
 
 
 @pytest.mark.parametrize("miss", ["draft rejected", "bonus guessed wrong"])
@@ -330,7 +345,7 @@ async def test_without_the_policy_no_next_round_is_offered_and_the_drafter_draft
     async with gateway([verifier], drafter) as gw:
         deltas = await collect(gw, lookahead())
     assert tokens_of(deltas) == target_tokens(0, 30)
-    assert drafter.params[0].num_speculative_tokens == 3 and not verifier.offers
+    assert (drafter.params[0].num_speculative_tokens, drafter.lookaheads[0]) == (3, 0) and not verifier.offers
     assert deltas[-1].speculation.next_round_steps == 0
 
 

@@ -21,7 +21,7 @@ FINISH_REASON_ABORT: FinishReason
 FINISH_REASON_TOOL_CALLS: FinishReason
 
 class Draft(_message.Message):
-    __slots__ = ("token_ids", "parents", "confidences", "score", "proposals", "committed_len", "source")
+    __slots__ = ("token_ids", "parents", "confidences", "score", "proposals", "committed_len", "source", "step_len")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     PARENTS_FIELD_NUMBER: _ClassVar[int]
     CONFIDENCES_FIELD_NUMBER: _ClassVar[int]
@@ -29,6 +29,7 @@ class Draft(_message.Message):
     PROPOSALS_FIELD_NUMBER: _ClassVar[int]
     COMMITTED_LEN_FIELD_NUMBER: _ClassVar[int]
     SOURCE_FIELD_NUMBER: _ClassVar[int]
+    STEP_LEN_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     parents: _containers.RepeatedScalarFieldContainer[int]
     confidences: _containers.RepeatedScalarFieldContainer[float]
@@ -36,7 +37,8 @@ class Draft(_message.Message):
     proposals: _containers.RepeatedCompositeFieldContainer[TokenDistribution]
     committed_len: int
     source: str
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., parents: _Optional[_Iterable[int]] = ..., confidences: _Optional[_Iterable[float]] = ..., score: _Optional[float] = ..., proposals: _Optional[_Iterable[_Union[TokenDistribution, _Mapping]]] = ..., committed_len: _Optional[int] = ..., source: _Optional[str] = ...) -> None: ...
+    step_len: int
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., parents: _Optional[_Iterable[int]] = ..., confidences: _Optional[_Iterable[float]] = ..., score: _Optional[float] = ..., proposals: _Optional[_Iterable[_Union[TokenDistribution, _Mapping]]] = ..., committed_len: _Optional[int] = ..., source: _Optional[str] = ..., step_len: _Optional[int] = ...) -> None: ...
 
 class TokenDistribution(_message.Message):
     __slots__ = ("token_ids", "probs")

@@ -40,16 +40,18 @@ class ProposerParams(_message.Message):
     def __init__(self, method: _Optional[_Union[Method, str]] = ..., num_speculative_tokens: _Optional[int] = ..., prompt_lookup_min: _Optional[int] = ..., prompt_lookup_max: _Optional[int] = ..., max_spec_factor: _Optional[float] = ..., max_spec_offset: _Optional[float] = ..., min_token_prob: _Optional[float] = ..., max_tree_depth: _Optional[int] = ..., use_tree_spec: _Optional[bool] = ...) -> None: ...
 
 class Start(_message.Message):
-    __slots__ = ("sequence_id", "prompt_token_ids", "params", "tenant")
+    __slots__ = ("sequence_id", "prompt_token_ids", "params", "tenant", "num_lookahead_tokens")
     SEQUENCE_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     PARAMS_FIELD_NUMBER: _ClassVar[int]
     TENANT_FIELD_NUMBER: _ClassVar[int]
+    NUM_LOOKAHEAD_TOKENS_FIELD_NUMBER: _ClassVar[int]
     sequence_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     params: ProposerParams
     tenant: str
-    def __init__(self, sequence_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[ProposerParams, _Mapping]] = ..., tenant: _Optional[str] = ...) -> None: ...
+    num_lookahead_tokens: int
+    def __init__(self, sequence_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[ProposerParams, _Mapping]] = ..., tenant: _Optional[str] = ..., num_lookahead_tokens: _Optional[int] = ...) -> None: ...
 
 class Step(_message.Message):
     __slots__ = ("committed_token_ids", "committed_len")
