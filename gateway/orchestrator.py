@@ -121,7 +121,7 @@ class Orchestrator:
                 drafter_limit = self._policy.paying_draft_tokens(running, limit, acceptance)
                 withheld += result.token_ids
                 asked = time.perf_counter()
-                drafted = _NO_DRAFT
+                drafted = step_drafted = _NO_DRAFT  # all the drafter drafted; its part for this step
                 # A step with no drafter draft to verify does not ask for one: its tokens
                 # go with the next request for a draft (or the last), which spares the
                 # drafter's and the gateway's work per step where drafts do not pay.
@@ -129,8 +129,8 @@ class Orchestrator:
                 if drafter_limit > 0 or result.next_round_hit:
                     drafted = await _next_draft(proposer, withheld, result.committed_len)
                     withheld = []
-                    drafter_limit = self._policy.paying_draft_tokens(running, drafter_limit, acceptance,
-                                                                     _step_part(drafted))
+                    step_drafted = _step_part(drafted)
+                    drafter_limit = self._policy.paying_draft_tokens(running, drafter_limit, acceptance, step_drafted)
                 drafter_seconds = time.perf_counter() - asked
                 predicted = _predicted_draft(prediction, result, limit)
                 ran_ahead = result.next_round_hit  # the verifier already verifies `continuation`
@@ -139,8 +139,8 @@ class Orchestrator:
                 elif limit == 0:  # a head's draft is not shortened here: only switched off
                     source, draft = NONE, _NO_DRAFT
                 else:
-                    source, draft = _pick_draft(speculation.method, predicted,
-                                                _cut(_step_part(drafted), 0, drafter_limit), hybrid)
+                    source, draft = _pick_draft(speculation.method, predicted, _cut(step_drafted, 0, drafter_limit),
+                                                hybrid)
                 continuation = (_continuation_after(draft, drafted, drafter_limit) if lookahead and source == DRAFTER
                                 and limit > 0 else None)
                 sent = time.perf_counter()

@@ -3,6 +3,7 @@
 # Run from an activated venv; writes logs and results under $OUT.
 M=~/.cache/speclane/models/smollm2-135m-instruct
 OUT=${OUT:-/tmp/next-round}
+source "$(dirname "$(realpath "$0")")/rounds.sh"
 mkdir -p $OUT && cd $OUT
 python -m drafter_service --address 127.0.0.1:51060 --max-cached-requests 0 > drafter.log 2>&1 &
 python -m verifier_service --model $M --model-name smollm2-135m-instruct --address 127.0.0.1:51062 > verifier.log 2>&1 &
@@ -16,15 +17,5 @@ gw 8201 127.0.0.1:51062 true    # local, next round
 gw 8202 127.0.0.1:51064 true    # 5 ms link, next round
 gw 8203 127.0.0.1:51062 false   # local, no next round
 gw 8204 127.0.0.1:51064 false   # 5 ms link, no next round
-for port in 8201 8202 8203 8204; do
-  until curl -sf http://127.0.0.1:$port/health > /dev/null; do sleep 2; done
-done
-echo ready
-for round in 1 2; do
-  for port in 8201 8202 8203 8204; do
-    speclane bench serve --url http://127.0.0.1:$port --dataset code-edit --concurrency 1 --num-prompts 8 \
-      --max-turns 1 --methods suffix --max-tokens 128 --output-dir $OUT/out-$round-$port > bench-$round-$port.log 2>&1
-    echo "round $round port $port done"
-  done
-done
+bench_rounds 2 8201 8202 8203 8204
 kill $(jobs -p)

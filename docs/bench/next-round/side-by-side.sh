@@ -6,6 +6,7 @@ source $NEW/.venv/bin/activate
 M=~/.cache/speclane/models/smollm2-135m-instruct
 OUT=${OUT:-/tmp/next-round-lookahead}
 ROUNDS=${ROUNDS:-3}
+source "$(dirname "$(realpath "$0")")/rounds.sh"
 mkdir -p $OUT && cd $OUT
 PYTHONPATH=$NEW python -m verifier_service --model $M --model-name smollm2-135m-instruct --address 127.0.0.1:51062 > verifier.log 2>&1 &
 PYTHONPATH=$NEW speclane bench link --listen 127.0.0.1:51064 --target 127.0.0.1:51062 --one-way-delay-ms 2.5 > link.log 2>&1 &
@@ -19,16 +20,6 @@ gw 8201 $NEW 127.0.0.1:51060 127.0.0.1:51062   # new, local
 gw 8202 $NEW 127.0.0.1:51060 127.0.0.1:51064   # new, link
 gw 8203 $BASE 127.0.0.1:51070 127.0.0.1:51062    # base, local
 gw 8204 $BASE 127.0.0.1:51070 127.0.0.1:51064    # base, link
-for port in 8201 8202 8203 8204; do
-  until curl -sf http://127.0.0.1:$port/health > /dev/null; do sleep 2; done
-done
-echo ready
-for round in $(seq 1 $ROUNDS); do
-  for port in 8201 8202 8203 8204; do
-    speclane bench serve --url http://127.0.0.1:$port --dataset code-edit --concurrency 1 --num-prompts 8 \
-      --max-turns 1 --methods suffix --max-tokens 128 --output-dir $OUT/out-$round-$port > bench-$round-$port.log 2>&1
-    echo "round $round port $port done"
-  done
-done
+bench_rounds $ROUNDS 8201 8202 8203 8204
 pkill -f "gateway --model"; pkill -f drafter_service; pkill -f verifier_service; pkill -f "bench link"
 echo finished
