@@ -1,15 +1,19 @@
-"""Linear layers for fp32 on a CPU that also hold their weights transposed
-([in, out], contiguous), and pick the faster layout by the rows they are fed.
+"""Linear layers for fp32 on a CPU that multiply each pass's rows in the way
+measured fastest for that many rows.
 
 A verify pass feeds a few to a few dozen tokens (one sequence's draft, or a
-batch of decodes). PyTorch's CPU `F.linear(x, W)` multiplies by W transposed;
-`x @ W_t` with W_t laid out [in, out] runs another GEMM path, and which is
-faster depends on the CPU and its BLAS as much as on the rows. On one x86 CPU
-(torch 2.13, SmolLM2's MLP projection) F.linear won up to 3 rows and lost from 4
-(4 rows 240 against 160 µs, 15 rows 603 against 246); on an AMD EPYC the
-vocabulary projection took 12.9 ms for one row with F.linear and 6.3 with W_t,
-and from 4 rows F.linear won. So each weight shape's choice is measured when
-the model loads, per row count. The price is a second copy of the linear weights.
+batch of decodes). There are three ways to compute x W^T with a BLAS, and
+which is fastest depends on the CPU, its BLAS and the rows, by up to 4x:
+- `F.linear(x, W)`, PyTorch's own;
+- `x @ W_t`, with a second copy of the weight laid out [in, out];
+- `(W @ x^T)^T`, the weight as the left operand.
+On one x86 CPU (torch 2.13, SmolLM2's MLP projection) F.linear won up to 3
+rows and x @ W_t from 4 (4 rows 240 against 160 µs). On an AMD EPYC with one
+thread the vocabulary projection took, at 1 / 2 / 4 / 8 rows, 11.2 / 24.6 /
+18.6 / 20.2 ms with F.linear, 5.5 / 13.4 / 25.9 / 28.4 with x @ W_t and
+11.4 / 5.9 / 8.3 / 13.8 with the weight on the left. So each weight shape's
+way is measured when the model loads, per row count; the transposed copy is
+kept only where it is chosen for some row count.
 """
 
 import bisect
@@ -21,74 +25,102 @@ from torch import nn
 
 # The row counts measured; a pass of other counts takes the choice of the largest one below it.
 MEASURED_ROWS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
-# The transposed layout is taken where it took at most this share of F.linear's time.
+# Another way replaces F.linear where it took at most this share of F.linear's time.
 _CLEAR_WIN = 0.9
 # Written between timings to evict the weights: larger than a server CPU's last-level cache.
 _SCRATCH_BYTES = 64 << 20
 
 
-def _best_seconds(multiply, x: torch.Tensor, weight: torch.Tensor, repeats: int, scratch: torch.Tensor) -> float:
-    multiply(x, weight)  # a first call pays one-time costs
+def by_linear(x: torch.Tensor, weight: torch.Tensor, weight_t: torch.Tensor | None) -> torch.Tensor:
+    return F.linear(x, weight)
+
+
+def by_transposed(x: torch.Tensor, weight: torch.Tensor, weight_t: torch.Tensor | None) -> torch.Tensor:
+    return x @ weight_t
+
+
+def by_weight_first(x: torch.Tensor, weight: torch.Tensor, weight_t: torch.Tensor | None) -> torch.Tensor:
+    # Contiguous: a strided output sends attention's inputs down a slower path (no flash kernel).
+    return (weight @ x.t()).t().contiguous()
+
+
+# The ways, by the index MeasuredLinear.ways holds; by_linear first: the default.
+WAYS = (by_linear, by_transposed, by_weight_first)
+
+
+def _best_seconds(way, x: torch.Tensor, weight: torch.Tensor, weight_t: torch.Tensor, repeats: int,
+                  scratch: torch.Tensor) -> float:
+    way(x, weight, weight_t)  # a first call pays one-time costs
     times = []
     for _ in range(repeats):
         scratch.add_(1)  # out of the caches, as in a pass, which reads each weight once
         started = time.perf_counter()
-        multiply(x, weight)
+        way(x, weight, weight_t)
         times.append(time.perf_counter() - started)
     return min(times)
 
 
-def transposed_wins(weight: torch.Tensor, weight_t: torch.Tensor, scratch: torch.Tensor,
-                    repeats: int = 3) -> tuple[bool, ...]:
-    """For each of MEASURED_ROWS, whether `x @ weight_t` beat `F.linear(x, weight)`
-    by a clear margin (best of `repeats` each, the weights first pushed out of
-    the caches by writing `scratch`): a near tie, which timing noise could
-    decide either way, keeps PyTorch's own layout."""
-    wins = []
+def way_seconds(weight: torch.Tensor, weight_t: torch.Tensor, scratch: torch.Tensor,
+                repeats: int = 3) -> tuple[tuple[float, ...], ...]:
+    """For each of MEASURED_ROWS, each way's time (in WAYS' order; best of
+    `repeats`, the weights first pushed out of the caches by writing `scratch`)."""
     with torch.inference_mode():
-        for rows in MEASURED_ROWS:
-            x = torch.randn(rows, weight.shape[1], dtype=weight.dtype)
-            transposed = _best_seconds(torch.matmul, x, weight_t, repeats, scratch)
-            wins.append(transposed < _CLEAR_WIN * _best_seconds(F.linear, x, weight, repeats, scratch))
-    return tuple(wins)
+        return tuple(tuple(_best_seconds(way, x, weight, weight_t, repeats, scratch) for way in WAYS)
+                     for x in (torch.randn(rows, weight.shape[1], dtype=weight.dtype) for rows in MEASURED_ROWS))
 
 
-class TwoLayoutLinear(nn.Module):
-    """nn.Linear's computation, with the weight also kept as weight_t = W.T
-    (contiguous), used where `wins` (per MEASURED_ROWS) says it is faster."""
+def fastest_ways(seconds: tuple[tuple[float, ...], ...], candidates: tuple[int, ...] = tuple(range(len(WAYS)))
+                 ) -> tuple[int, ...]:
+    """Per row count of `seconds` (way_seconds'), the fastest of the `candidates`
+    (indices into WAYS) where it beats F.linear by a clear margin: a near tie,
+    which timing noise could decide either way, keeps PyTorch's own."""
+    chosen = []
+    for times in seconds:
+        fastest = min(candidates, key=times.__getitem__)
+        chosen.append(fastest if times[fastest] < _CLEAR_WIN * times[0] else 0)
+    return tuple(chosen)
 
-    def __init__(self, linear: nn.Linear, wins: tuple[bool, ...]):
+
+class MeasuredLinear(nn.Module):
+    """nn.Linear's computation, the rows of each pass multiplied in the way
+    `ways` (indices into WAYS, per MEASURED_ROWS) says is fastest. Holds
+    weight_t = W.T (contiguous) only where by_transposed is among them."""
+
+    def __init__(self, linear: nn.Linear, ways: tuple[int, ...]):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight, self.bias = linear.weight, linear.bias
-        self.weight_t = nn.Parameter(linear.weight.detach().t().contiguous(), requires_grad=False)
-        self.wins = wins
+        self.ways = ways
+        uses_transposed = WAYS.index(by_transposed) in ways
+        self.weight_t = (nn.Parameter(linear.weight.detach().t().contiguous(), requires_grad=False)
+                         if uses_transposed else None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // self.in_features
-        if not self.wins[max(bisect.bisect_right(MEASURED_ROWS, rows) - 1, 0)]:
-            return F.linear(x, self.weight, self.bias)
-        out = x @ self.weight_t
+        way = WAYS[self.ways[max(bisect.bisect_right(MEASURED_ROWS, rows) - 1, 0)]]
+        out = way(x.reshape(rows, self.in_features), self.weight, self.weight_t)
+        out = out.reshape(*x.shape[:-1], self.out_features)
         return out if self.bias is None else out + self.bias
 
 
-def add_transposed_weights(model: nn.Module) -> int:
-    """Replaces every nn.Linear in `model` with a TwoLayoutLinear, its layouts
-    timed once per weight shape; returns the bytes added."""
+def add_measured_linears(model: nn.Module) -> int:
+    """Replaces every nn.Linear in `model` with a MeasuredLinear, its ways
+    timed once per weight shape; returns the bytes added (transposed copies)."""
     targets = [(parent, name, child) for parent in model.modules()
                for name, child in parent.named_children() if type(child) is nn.Linear]
-    wins: dict[tuple[int, int], tuple[bool, ...]] = {}
+    ways: dict[tuple[int, int], tuple[int, ...]] = {}
     scratch = torch.zeros(_SCRATCH_BYTES // 4)
     for parent, name, child in targets:
         shape = tuple(child.weight.shape)
-        layer = TwoLayoutLinear(child, wins.get(shape, ()))
-        if shape not in wins:  # timed on the layer's own transposed copy
-            wins[shape] = layer.wins = transposed_wins(layer.weight.detach(), layer.weight_t.detach(), scratch)
-        setattr(parent, name, layer)
-    return sum(child.weight.nbytes for _, _, child in targets)
+        if shape not in ways:  # timed on a transposed copy made for the timing
+            weight = child.weight.detach()
+            ways[shape] = fastest_ways(way_seconds(weight, weight.t().contiguous(), scratch))
+        setattr(parent, name, MeasuredLinear(child, ways[shape]))
+    return sum(module.weight_t.nbytes for module in model.modules()
+               if isinstance(module, MeasuredLinear) and module.weight_t is not None)
 
 
-def gains_from_transposed_weights(device: torch.device, dtype: torch.dtype, tensor_parallel: bool) -> bool:
+def measures_linear_ways(device: torch.device, dtype: torch.dtype, tensor_parallel: bool) -> bool:
     """Only fp32 on a CPU whose PyTorch multiplies with MKL (x86) gains, as
     measured; an ARM build's BLAS is another library, accelerators' GEMMs handle
     either layout, and tensor parallelism shards nn.Linear modules by their type."""
