@@ -27,6 +27,9 @@ from torch import nn
 MEASURED_ROWS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 # Another way replaces F.linear where it took at most this share of F.linear's time.
 _CLEAR_WIN = 0.9
+# The weight-first way competes only up to this many rows: from 8 rows, whole passes ran slower
+# with it (one sequence and 8 draft tokens: 138-143 against 129 ms) though its single products timed faster.
+_WEIGHT_FIRST_MAX_ROWS = 6
 # Written between timings to evict the weights: larger than a server CPU's last-level cache.
 _SCRATCH_BYTES = 64 << 20
 
@@ -71,12 +74,14 @@ def way_seconds(weight: torch.Tensor, weight_t: torch.Tensor, scratch: torch.Ten
 
 def fastest_ways(seconds: tuple[tuple[float, ...], ...], candidates: tuple[int, ...] = tuple(range(len(WAYS)))
                  ) -> tuple[int, ...]:
-    """Per row count of `seconds` (way_seconds'), the fastest of the `candidates`
-    (indices into WAYS) where it beats F.linear by a clear margin: a near tie,
-    which timing noise could decide either way, keeps PyTorch's own."""
+    """Per row count of `seconds` (way_seconds', by MEASURED_ROWS), the fastest
+    of the `candidates` (indices into WAYS) where it beats F.linear by a clear
+    margin: a near tie, which timing noise could decide either way, keeps
+    PyTorch's own. The weight-first way only up to _WEIGHT_FIRST_MAX_ROWS."""
     chosen = []
-    for times in seconds:
-        fastest = min(candidates, key=times.__getitem__)
+    for rows, times in zip(MEASURED_ROWS, seconds):
+        allowed = [way for way in candidates if WAYS[way] is not by_weight_first or rows <= _WEIGHT_FIRST_MAX_ROWS]
+        fastest = min(allowed, key=times.__getitem__)
         chosen.append(fastest if times[fastest] < _CLEAR_WIN * times[0] else 0)
     return tuple(chosen)
 

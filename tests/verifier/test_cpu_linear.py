@@ -70,6 +70,13 @@ def test_another_way_replaces_f_linear_only_by_a_clear_margin_and_among_the_cand
     assert fastest_ways(seconds, candidates=(0, 1)) == (1, 0, 1)
 
 
+def test_the_weight_first_way_serves_only_passes_of_a_few_rows():
+    weight_first_fastest = ((1.0, 0.8, 0.3),) * len(MEASURED_ROWS)
+    chosen = dict(zip(MEASURED_ROWS, fastest_ways(weight_first_fastest)))
+    assert chosen[2] == chosen[6] == WAYS.index(cpu_linear.by_weight_first)
+    assert chosen[8] == chosen[64] == WAYS.index(cpu_linear.by_transposed)
+
+
 def test_every_linear_of_a_tied_model_is_replaced_and_the_logits_stay():
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
