@@ -196,10 +196,10 @@ def draft_settings(speculative_config: str) -> DraftSettings:
     model = values.get("model") or ""
     if not isinstance(model, str):
         raise ValueError("speculative_config.model must be a head directory")
-    return DraftSettings(head_method=method, head_model=model, draft_token_cost=token_cost, tree=_tree_shape(values))
+    return DraftSettings(head_method=method, head_model=model, draft_token_cost=token_cost, tree=tree_shape(values))
 
 
-def _tree_shape(values: dict) -> TreeShape | None:
+def tree_shape(values: dict) -> TreeShape | None:
     """SGLang's EAGLE tree knobs under vLLM's config: `eagle_topk` (children per
     node; 1, the default, drafts chains) and `num_draft_tokens` (tree nodes a
     step verifies at most; default topk x num_speculative_tokens)."""

@@ -109,9 +109,11 @@ def _shape(k: int, tree) -> dict:
 
 
 def _tree_shapes(args) -> list[tuple[int, object]]:
-    from verifier_service.config import TreeShape
+    """(k, tree shape or None for a chain) for each width and k, as the speculative config would make them."""
+    from verifier_service.config import tree_shape
 
-    return [(k, TreeShape(topk, args.num_draft_tokens or topk * k) if topk > 1 else None)
+    nodes = {"num_draft_tokens": args.num_draft_tokens} if args.num_draft_tokens else {}
+    return [(k, tree_shape({"eagle_topk": topk, "num_speculative_tokens": k, **nodes}))
             for topk in (int(t) for t in args.eagle_topk.split(",")) for k in (int(k) for k in args.k.split(","))]
 
 
