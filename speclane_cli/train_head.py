@@ -13,6 +13,10 @@ def add_arguments(parser) -> None:
     parser.add_argument("--data", required=True, help="directory written by speclane extract-hidden-states")
     parser.add_argument("--target", required=True, help="the target model the data was dumped from")
     parser.add_argument("--output", required=True, help="directory for model.safetensors + config.json")
+    parser.add_argument("--init", default=None,
+                        help="a head directory to continue training from (an EAGLE-3 head keeps its draft vocabulary)")
+    parser.add_argument("--bf16", action="store_true",
+                        help="mixed precision: products in bfloat16, weights and optimizer state in fp32")
     parser.add_argument("--epochs", type=int, default=1)
     parser.add_argument("--lr", type=float, default=3e-4, help="peak learning rate (warmup, then cosine decay)")
     parser.add_argument("--draft-vocab", type=int, default=8192, help="EAGLE-3's reduced vocabulary size")
@@ -28,7 +32,7 @@ def add_arguments(parser) -> None:
 def run(args) -> int:
     if args.threads > 0:
         torch.set_num_threads(args.threads)
-    train(args.kind, args.data, resolve_model(args.target), args.output, epochs=args.epochs, lr=args.lr,
-          draft_vocab=args.draft_vocab, ttt_steps=args.ttt_steps, max_minutes=args.max_minutes,
-          device=pick_device(args.device), seed=args.seed, log_every=args.log_every)
+    train(args.kind, args.data, resolve_model(args.target), args.output, init=args.init, bf16=args.bf16,
+          epochs=args.epochs, lr=args.lr, draft_vocab=args.draft_vocab, ttt_steps=args.ttt_steps,
+          max_minutes=args.max_minutes, device=pick_device(args.device), seed=args.seed, log_every=args.log_every)
     return 0

@@ -36,16 +36,18 @@ def target(target_dir):
     return model.config.to_dict(), model.get_input_embeddings().weight.detach(), model.lm_head.weight.detach()
 
 
-@pytest.mark.parametrize(("kind", "ttt_steps"), [("eagle", 1), ("eagle3", 2)])
-def test_training_lowers_the_loss_and_saves_a_loadable_head(kind, ttt_steps, dump, target_dir, target, tmp_path):
-    results = train(kind, dump, target_dir, tmp_path, epochs=8, lr=3e-3, draft_vocab=DRAFT_VOCAB,
+@pytest.mark.parametrize(("kind", "ttt_steps", "bf16"), [("eagle", 1, False), ("eagle3", 2, False),
+                                                        ("eagle3", 2, True)])
+def test_training_lowers_the_loss_and_saves_a_loadable_head(kind, ttt_steps, bf16, dump, target_dir, target, tmp_path):
+    results = train(kind, dump, target_dir, tmp_path, bf16=bf16, epochs=8, lr=3e-3, draft_vocab=DRAFT_VOCAB,
                     ttt_steps=ttt_steps, log_every=5)
     assert results["steps"] == 8 * len(CONVERSATIONS)
     assert results["final_loss"] < results["initial_loss"]
     config, embed, lm_head = target
     head = build_head(read_head(tmp_path, kind, config), embed, lm_head)
     recipe = json.loads((tmp_path / "config.json").read_text())["speclane_training"]
-    assert (recipe["kind"], recipe["ttt_steps"], recipe["steps"]) == (kind, ttt_steps, results["steps"])
+    assert (recipe["kind"], recipe["ttt_steps"], recipe["steps"], recipe["bf16"]) == (kind, ttt_steps, results["steps"],
+                                                                                   bf16)
     token_ids, _, hidden, _ = read_shard(shard_paths(dump)[0])
     n = len(token_ids) - 1
     if kind == "eagle3":
@@ -57,6 +59,19 @@ def test_training_lowers_the_loss_and_saves_a_loadable_head(kind, ttt_steps, dum
     with torch.no_grad():
         logits = head.logits(head(token_ids[1:], features, torch.arange(n), HeadKV()))
     assert logits.shape == (n, DRAFT_VOCAB if kind == "eagle3" else len(embed)) and logits.isfinite().all()
+
+
+def test_training_continues_from_a_saved_head_and_keeps_its_draft_vocabulary(dump, target_dir, target, tmp_path):
+    first = train("eagle3", dump, target_dir, tmp_path / "first", epochs=8, lr=3e-3, draft_vocab=DRAFT_VOCAB // 2,
+                  log_every=5)
+    again = train("eagle3", dump, target_dir, tmp_path / "again", init=tmp_path / "first", epochs=1, lr=1e-5,
+                  log_every=5)
+    assert again["init"] == str(tmp_path / "first")
+    assert again["initial_loss"] < 0.9 * first["initial_loss"]  # it starts where the first run got to
+    config, embed, lm_head = target
+    first_head, head = (build_head(read_head(tmp_path / name, "eagle3", config), embed, lm_head)
+                        for name in ("first", "again"))
+    assert torch.equal(head.d2t, first_head.d2t) and len(head.d2t) == DRAFT_VOCAB // 2
 
 
 def test_a_held_out_part_picks_the_epoch_saved(target_dir, tmp_path):

@@ -22,7 +22,7 @@ from safetensors import safe_open
 from tqdm import tqdm
 from transformers import AutoModelForCausalLM
 
-from verifier_service.heads.checkpoint import save_head
+from verifier_service.heads.checkpoint import build_head, read_head, save_head
 from verifier_service.heads.eagle import EagleHead
 from verifier_service.heads.eagle3 import Eagle3Head, default_aux_layers
 from verifier_service.heads.extract import read_shard, shard_paths
@@ -134,6 +134,9 @@ def sequence_loss(head: Head, lm_rows: torch.Tensor, tokens: torch.Tensor, mask:
     the target's distribution there; a position counts when the token it predicts
     is masked in. Top-1 hits: the head's first choice is the target's."""
     total, hits, counted, kv = None, [], [], TrainingTimeTestKV()
+    # Every step's labels are a slice of the target's distributions, so they are computed once.
+    goal_logits = final @ lm_rows.T
+    goal_probs, goal_top1 = F.softmax(goal_logits, -1), goal_logits.argmax(-1)
     for step in range(1, ttt_steps + 1):
         n = len(tokens) - step - 1  # pairs whose predicted token is in the sequence
         if n <= 0:
@@ -143,13 +146,12 @@ def sequence_loss(head: Head, lm_rows: torch.Tensor, tokens: torch.Tensor, mask:
         counted.append(int(keep.sum()))
         hits.append(0)
         if keep.any():
-            out, goal = hidden[keep], final[step:step + n][keep]
-            logits, goal_logits = head.logits(out), goal @ lm_rows.T
-            loss = -(F.softmax(goal_logits, -1) * F.log_softmax(logits, -1)).sum(-1).mean()
+            out, logits = hidden[keep], head.logits(hidden[keep])
+            loss = -(goal_probs[step:step + n][keep] * F.log_softmax(logits, -1)).sum(-1).mean()
             if head.kind == "eagle":
-                loss = F.smooth_l1_loss(out, goal) + CE_WEIGHT * loss
+                loss = F.smooth_l1_loss(out, final[step:step + n][keep]) + CE_WEIGHT * loss
             total = loss * TTT_DECAY ** (step - 1) + (0 if total is None else total)
-            hits[-1] = int((logits.argmax(-1) == goal_logits.argmax(-1)).sum())
+            hits[-1] = int((logits.argmax(-1) == goal_top1[step:step + n][keep]).sum())
         features = hidden
     return total, hits, counted
 
@@ -160,13 +162,17 @@ def _lr_factor(progress: float) -> float:
     return 0.5 * (1 + math.cos(math.pi * (progress - WARMUP) / (1 - WARMUP)))
 
 
-def train(kind: str, data, target_dir, output, *, epochs: int = 1, lr: float = 3e-4, draft_vocab: int = 8192,
-          ttt_steps: int = 1, max_minutes: float | None = None, device: str = "cpu", seed: int = 0,
-          log_every: int = 50, holdout: float = 0.05) -> dict:
+def train(kind: str, data, target_dir, output, *, init=None, bf16: bool = False, epochs: int = 1, lr: float = 3e-4,
+          draft_vocab: int = 8192, ttt_steps: int = 1, max_minutes: float | None = None, device: str = "cpu",
+          seed: int = 0, log_every: int = 50, holdout: float = 0.05) -> dict:
     """Trains a head and saves it with save_head; returns the recipe and results.
     Shards are shuffled (seeded); a `holdout` fraction (none under 20 shards) is
     left out and measured after every epoch; the epoch best on it is the head
-    saved, and its top-1 the one to trust (a small dump is soon memorized)."""
+    saved, and its top-1 the one to trust (a small dump is soon memorized).
+    `init`: a head directory to continue from instead of a fresh head (an
+    EAGLE-3 head keeps its draft vocabulary), e.g. one trained on other data.
+    `bf16`: mixed precision, the products in bfloat16 (autocast) while weights and
+    optimizer state stay fp32 (SmolLM2's head on an AVX512-BF16 CPU: 1.65x the steps/s)."""
     torch.manual_seed(seed)
     data, rng = pathlib.Path(data), random.Random(seed)
     layers = json.loads((data / "meta.json").read_text())["layers"]
@@ -182,15 +188,20 @@ def train(kind: str, data, target_dir, output, *, epochs: int = 1, lr: float = 3
     paths = paths[len(held):]
     if not paths:
         raise ValueError(f"{data} has no shards")
-    draft_ids = draft_vocabulary(paths, target.embed.shape[0], draft_vocab) if kind == "eagle3" else None
-    head = make_head(kind, target, draft_ids).to(device).train()
+    if init:
+        head = build_head(read_head(init, kind, target.config), target.embed, target.lm_head).train()
+        draft_ids = head.draft_token_ids
+    else:
+        draft_ids = draft_vocabulary(paths, target.embed.shape[0], draft_vocab) if kind == "eagle3" else None
+        head = make_head(kind, target, draft_ids).to(device).train()
     lm_rows = target.lm_head if draft_ids is None else target.lm_head[draft_ids.to(device)]
 
     def run(path):
         tokens, mask, hidden, _ = read_shard(path)
         hidden = hidden.to(device, torch.float32)
-        return sequence_loss(head, lm_rows, tokens.to(device), mask.to(device),
-                             hidden[:, feature_index].flatten(1), hidden[:, final_index], ttt_steps)
+        with torch.autocast(torch.device(device).type, torch.bfloat16, enabled=bf16):
+            return sequence_loss(head, lm_rows, tokens.to(device), mask.to(device),
+                                 hidden[:, feature_index].flatten(1), hidden[:, final_index], ttt_steps)
 
     best = None  # (held-out loss, top-1, epoch, weights): the head saved is the epoch best on held-out data
 
@@ -242,8 +253,9 @@ def train(kind: str, data, target_dir, output, *, epochs: int = 1, lr: float = 3
         head.load_state_dict(best[3])
     held_loss, held_top1, saved_epoch = best[:3] if best else (None, None, None)
     results = {
-        "kind": kind, "data": str(data), "target": str(target_dir), "shards": len(paths), "held_out_shards": len(held),
-        "steps": len(history), "epochs": round(len(history) / len(paths), 2), "lr": lr, "ttt_steps": ttt_steps,
+        "kind": kind, "data": str(data), "target": str(target_dir), "init": init and str(init), "shards": len(paths),
+        "held_out_shards": len(held), "steps": len(history), "epochs": round(len(history) / len(paths), 2), "lr": lr,
+        "bf16": bf16, "ttt_steps": ttt_steps,
         "draft_vocab": None if draft_ids is None else len(draft_ids), "seconds": round(seconds, 1),
         "steps_per_s": round(len(history) / seconds, 3),
         "initial_loss": _mean(history[:window])[0], "final_loss": _mean(history[-window:])[0],
