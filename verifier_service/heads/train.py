@@ -146,7 +146,8 @@ def sequence_loss(head: Head, lm_rows: torch.Tensor, tokens: torch.Tensor, mask:
         counted.append(int(keep.sum()))
         hits.append(0)
         if keep.any():
-            out, logits = hidden[keep], head.logits(hidden[keep])
+            out = hidden[keep]
+            logits = head.logits(out)
             loss = -(goal_probs[step:step + n][keep] * F.log_softmax(logits, -1)).sum(-1).mean()
             if head.kind == "eagle":
                 loss = F.smooth_l1_loss(out, final[step:step + n][keep]) + CE_WEIGHT * loss
