@@ -35,9 +35,10 @@ class VerifierConfig:
     address: str = option("127.0.0.1:50062", "gRPC listen address host:port")
     device: str = option("auto", "auto, cpu, cuda[:N] or npu[:N] (npu needs torch_npu)")
     dtype: str = option("auto", "auto (fp32 on CPU, bf16 on NPU, bf16/fp16 on CUDA), float32, bfloat16 or float16")
-    head_dtype: str = option("auto", "the draft head's dtype: auto (bf16 on a CPU that multiplies bf16 natively, "
-                                     "AVX512-BF16 or AMX; else --dtype's), float32, bfloat16 or float16. The head only "
-                                     "proposes, so its dtype never changes the output")
+    head_dtype: str = option("auto", "the draft head's dtype: auto (int8 on a CPU that multiplies bf16 natively, "
+                                     "AVX512-BF16 or AMX; else --dtype's), float32, bfloat16, float16 or int8 (int8 "
+                                     "linear weights over bf16, CPU only). The head only proposes, so its dtype never "
+                                     "changes the output")
     threads: int = option(0, "torch intra-op CPU threads per rank; 0 means 1 (decode is memory-bound)")
     tensor_parallel_size: int = option(1, "ranks the model is split over (gloo on CPU, nccl on CUDA, hccl on "
                                           "Ascend); rank 0 serves gRPC")
@@ -92,9 +93,9 @@ class VerifierConfig:
             object.__setattr__(self, "model_name", served_name(self.model))
         if not DEVICE_PATTERN.match(self.device):
             raise ValueError(f"device must be auto, cpu, cuda[:N] or npu[:N], got {self.device!r}")
-        for name in ("dtype", "head_dtype"):
-            if getattr(self, name) not in ("auto", *DTYPES):
-                raise ValueError(f"{name} must be auto, {', '.join(DTYPES)}, got {getattr(self, name)!r}")
+        for name, allowed in (("dtype", ("auto", *DTYPES)), ("head_dtype", ("auto", *DTYPES, "int8"))):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}")
         if self.threads < 0:
             raise ValueError("threads must be >= 0")
         if self.tensor_parallel_size < 1:

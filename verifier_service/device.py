@@ -9,6 +9,7 @@ the selection logic is testable without either backend.
 import importlib
 import itertools
 from collections.abc import Callable
+from dataclasses import dataclass
 from types import ModuleType
 
 import torch
@@ -95,15 +96,24 @@ def cpu_has_native_bf16(cpuinfo_path: str = "/proc/cpuinfo") -> bool:
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
-def resolve_head_dtype(requested: str, device: str, target_dtype: torch.dtype, *,
-                       native_bf16: Callable[[], bool] = cpu_has_native_bf16) -> torch.dtype:
-    """The draft head's dtype. "auto": bf16 on a CPU that multiplies bf16
-    natively, else the target's. A head's steps are one row each, bound by
-    reading its weights, and bf16 halves them; the head only proposes, and the
-    target verifies in its own dtype, so this never changes the output."""
-    if requested != "auto":
-        return resolve_dtype(requested, device)
-    return torch.bfloat16 if device == "cpu" and native_bf16() else target_dtype
+@dataclass(frozen=True)
+class HeadPrecision:
+    dtype: torch.dtype  # the head's activations and float weights
+    int8_weights: bool = False  # its linear layers' weights in int8 (heads/int8.py)
+
+
+def resolve_head_precision(requested: str, device: str, target_dtype: torch.dtype, *,
+                           native_bf16: Callable[[], bool] = cpu_has_native_bf16) -> HeadPrecision:
+    """The draft head's precision. "auto": int8 weights over bf16 on a CPU that
+    multiplies bf16 natively, else the target's dtype. A head's steps are one
+    row each, bound by reading its weights, which int8 quarters against fp32;
+    the head only proposes, and the target verifies in its own dtype, so this
+    never changes the output. "int8" runs on a CPU only (torch's kernel)."""
+    if requested == "int8" or (requested == "auto" and device == "cpu" and native_bf16()):
+        if device != "cpu":
+            raise ValueError(f"head_dtype int8 runs on a CPU only, not on {device}; use auto or a float dtype")
+        return HeadPrecision(torch.bfloat16, int8_weights=True)
+    return HeadPrecision(target_dtype if requested == "auto" else resolve_dtype(requested, device))
 
 
 def resolve_threads(threads: int) -> int:

@@ -22,7 +22,7 @@ from verifier_service.device import (
     kv_budget_tokens,
     resolve_device,
     resolve_dtype,
-    resolve_head_dtype,
+    resolve_head_precision,
     set_threads,
     total_memory_bytes,
     weights_bytes,
@@ -97,7 +97,7 @@ class Rank0:
         # The head runs on rank 0 only (draft_tensor_parallel_size 1, as in vLLM).
         draft = config.draft
         head = (load_head(draft.head_method, draft.head_model, runner,
-                          resolve_head_dtype(config.head_dtype, runner.device.type, runner.dtype), draft.tree)
+                          resolve_head_precision(config.head_dtype, runner.device.type, runner.dtype), draft.tree)
                 if draft.head_method else None)
         engine = Engine(runner, pool, limits, on_step=self.on_step, head=head)
         log.info("kv_pool_ready", max_kv_tokens=pool.max_tokens, block_size=pool.block_size,

@@ -129,7 +129,7 @@ def run(args) -> int:
     from transformers import AutoTokenizer
 
     from speclane_cli.bench.workloads import sharegpt
-    from verifier_service.device import resolve_head_dtype
+    from verifier_service.device import resolve_head_precision
     from verifier_service.draft_cost import measure_token_cost
     from verifier_service.heads.loading import load_head
     from verifier_service.model_runner import ModelRunner
@@ -137,7 +137,8 @@ def run(args) -> int:
     torch.set_num_threads(1)
     model_dir = str(resolve_model(args.model))
     runner = ModelRunner(model_dir, "cpu", torch.float32)
-    drafter = load_head(args.method, args.head, runner, resolve_head_dtype(args.head_dtype, "cpu", torch.float32))
+    precision = resolve_head_precision(args.head_dtype, "cpu", torch.float32)
+    drafter = load_head(args.method, args.head, runner, precision)
     token_cost = (measure_token_cost(_engine(runner, None, 4096)) if args.token_cost == "auto"
                   else float(args.token_cost))
     shapes = _tree_shapes(args)
@@ -146,7 +147,7 @@ def run(args) -> int:
                                              tokenize=True, return_dict=True)["input_ids"]
                for c in sharegpt(args.num_prompts, 0, 1)]
     results = {"method": args.method, "head": args.head or "default", "token_cost": token_cost,
-               "head_dtype": str(drafter.head.embed_weight.dtype).removeprefix("torch."),
+               "head_dtype": "int8" if precision.int8_weights else str(precision.dtype).removeprefix("torch."),
                "cost": _measured_costs(runner, drafter, shapes, args),
                "acceptance": acceptance(runner, drafter, prompts, shapes, args.max_tokens, token_cost)}
     print("| k | topk | nodes | head draft (ms) | verify step (ms) | draft / step |\n|---|---|---|---|---|---|")

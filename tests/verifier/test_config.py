@@ -16,6 +16,10 @@ def test_defaults(tiny_model_dir):
     assert config.max_concurrent_rpcs == 256
 
 
+def test_a_head_may_have_int8_weights(tiny_model_dir):
+    assert VerifierConfig(model=tiny_model_dir, head_dtype="int8").head_dtype == "int8"
+
+
 def test_a_packaged_model_name_is_a_model():
     config = VerifierConfig(model="smollm2-135m-instruct")
     assert config.model_name == "smollm2-135m-instruct"
@@ -26,6 +30,8 @@ def test_a_packaged_model_name_is_a_model():
     ({"model": "/nonexistent"}, "neither a packaged model"),
     ({"device": "gpu"}, "device"),
     ({"dtype": "fp8"}, "dtype"),
+    ({"dtype": "int8"}, "dtype must be one of"),  # int8 is for the head's weights only
+    ({"head_dtype": "int4"}, "head_dtype"),
     ({"threads": -1}, "threads"),
     ({"max_concurrent_rpcs": 0}, "max_concurrent_rpcs"),
     ({"tensor_parallel_size": 0}, "tensor_parallel_size"),

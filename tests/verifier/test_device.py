@@ -8,10 +8,11 @@ import torch
 
 from verifier_service.device import (
     DeviceError,
+    HeadPrecision,
     cpu_has_native_bf16,
     resolve_device,
     resolve_dtype,
-    resolve_head_dtype,
+    resolve_head_precision,
     resolve_threads,
 )
 
@@ -97,11 +98,23 @@ def test_auto_threads_is_one():
     assert resolve_threads(3) == 3
 
 
-def test_a_head_is_bf16_by_default_only_on_a_cpu_that_multiplies_bf16_natively():
-    assert resolve_head_dtype("auto", "cpu", torch.float32, native_bf16=lambda: True) is torch.bfloat16
-    assert resolve_head_dtype("auto", "cpu", torch.float32, native_bf16=lambda: False) is torch.float32
-    assert resolve_head_dtype("auto", "cuda:0", torch.float16, native_bf16=lambda: True) is torch.float16
-    assert resolve_head_dtype("float32", "cpu", torch.float32, native_bf16=lambda: True) is torch.float32
+def test_a_head_has_int8_weights_by_default_only_on_a_cpu_that_multiplies_bf16_natively():
+    int8 = HeadPrecision(torch.bfloat16, int8_weights=True)
+    cases = [  # requested, device, target's dtype, native bf16 -> the head's precision
+        ("auto", "cpu", torch.float32, True, int8),
+        ("auto", "cpu", torch.float32, False, HeadPrecision(torch.float32)),
+        ("auto", "cuda:0", torch.float16, True, HeadPrecision(torch.float16)),
+        ("float32", "cpu", torch.float32, True, HeadPrecision(torch.float32)),
+        ("bfloat16", "cpu", torch.float32, True, HeadPrecision(torch.bfloat16)),
+        ("int8", "cpu", torch.float32, False, int8),
+    ]
+    for requested, device, target, native, expected in cases:
+        assert resolve_head_precision(requested, device, target, native_bf16=lambda n=native: n) == expected
+
+
+def test_int8_head_weights_are_refused_off_a_cpu():
+    with pytest.raises(ValueError, match="CPU only"):
+        resolve_head_precision("int8", "npu:0", torch.bfloat16)
 
 
 def test_native_bf16_is_read_from_the_cpus_flags(tmp_path):

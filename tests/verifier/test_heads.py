@@ -14,6 +14,7 @@ import verifier_service.sequence as sequence_module
 from tests.heads_support import add_mtp_layer, random_head, write_random_head
 from tests.verifier.conftest import VOCAB, make_engine, save_tiny_llama
 from tests.verifier.test_engine import SAMPLING_PROMPT, SAMPLING_TRIALS, exact_second_token, p_value
+from verifier_service.device import HeadPrecision
 from verifier_service.errors import InvalidRequest
 from verifier_service.heads.checkpoint import CheckpointError, build_head, read_head
 from verifier_service.heads.drafting import HeadDrafter
@@ -166,13 +167,15 @@ def assert_head_cache_is_the_committed_pairs(head_engine, hf_model, seq):
     assert torch.allclose(kv.keys[:, :cached], seq.head.kv.keys, atol=1e-4)
 
 
-def test_a_bf16_head_beside_an_fp32_target_keeps_greedy_output(runner, tmp_path):
-    """A head's dtype is its own: it only proposes, the target verifies in fp32."""
+@pytest.mark.parametrize("precision", [HeadPrecision(torch.bfloat16), HeadPrecision(torch.bfloat16, True)],
+                         ids=["bf16", "int8"])
+def test_a_head_in_its_own_precision_beside_an_fp32_target_keeps_greedy_output(runner, tmp_path, precision):
+    """A head's precision is its own: it only proposes, the target verifies in fp32."""
     import pathlib
     directory = write_random_head("eagle3", pathlib.Path(runner.model_dir), tmp_path / "h", seed=4)
     engine = make_engine(runner)
-    engine.head = load_head("eagle3", str(directory), runner, torch.bfloat16)
-    assert engine.head.head.fc.weight.dtype is torch.bfloat16
+    engine.head = load_head("eagle3", str(directory), runner, precision)
+    assert engine.head.head.fc.weight.dtype is (torch.int8 if precision.int8_weights else torch.bfloat16)
     runner.feature_layers = engine.head.head.feature_layers
     try:
         plain, _ = generate(engine, 0, use_head=False)

@@ -8,8 +8,10 @@ import torch
 from safetensors import safe_open
 
 from verifier_service.config import TreeShape
+from verifier_service.device import HeadPrecision
 from verifier_service.heads.checkpoint import CheckpointError, build_head, read_head
 from verifier_service.heads.drafting import HeadDrafter
+from verifier_service.heads.int8 import quantize_linears
 from verifier_service.heads.shipped import METHOD_KINDS, shipped_head, shipped_heads
 
 log = structlog.get_logger()
@@ -45,15 +47,16 @@ def _target_weights(model, model_dir: str, sharded: bool) -> tuple[torch.Tensor,
     return embed, found.get("lm_head", embed)  # tied embeddings have no lm_head tensor
 
 
-def load_head(method: str, head_model: str, runner, dtype: torch.dtype | None = None,
+def load_head(method: str, head_model: str, runner, precision: HeadPrecision | None = None,
               tree: TreeShape | None = None) -> HeadDrafter:
-    """The head on the runner's device, in `dtype` (the runner's when None), checked against the target;
-    drafting chains, or `tree`-shaped dynamic trees."""
+    """The head on the runner's device, at `precision` (the runner's dtype when None), checked against the
+    target; drafting chains, or `tree`-shaped dynamic trees."""
     directory = head_directory(method, head_model, runner.model_dir)
     target_config = runner.model.config.get_text_config().to_dict()
     embed, lm_head = _target_weights(runner.model, runner.model_dir, runner.tp is not None)
     checkpoint = read_head(directory, method, target_config)
-    dtype = dtype or runner.dtype
+    precision = precision or HeadPrecision(runner.dtype)
+    dtype = precision.dtype
     head_embed = embed.to(runner.device, dtype)
     # Tied embeddings (SmolLM2's): one converted copy serves as both, not two.
     head_lm_head = head_embed if lm_head is embed else lm_head.to(runner.device, dtype)
@@ -61,6 +64,8 @@ def load_head(method: str, head_model: str, runner, dtype: torch.dtype | None = 
     if checkpoint.shape.hidden_size != target_config["hidden_size"] and checkpoint.kind != "eagle3":
         raise CheckpointError(f"the head's hidden size {checkpoint.shape.hidden_size} is not the target's "
                               f"{target_config['hidden_size']}")
+    parameters = sum(p.numel() for p in head.parameters())
+    int8_linears = quantize_linears(head) if precision.int8_weights else 0
     log.info("draft_head_loaded", method=method, layout=checkpoint.layout, directory=str(directory), dtype=str(dtype),
-             parameters=sum(p.numel() for p in head.parameters()), feature_layers=list(head.feature_layers))
+             int8_linears=int8_linears, parameters=parameters, feature_layers=list(head.feature_layers))
     return HeadDrafter(head, tree)
