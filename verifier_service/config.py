@@ -21,6 +21,7 @@ from verifier_service.heads.shipped import shipped_head, shipped_heads
 ENV_PREFIX = "SPECLANE_VERIFIER_"
 DEVICE_PATTERN = re.compile(r"^(auto|cpu|cuda(:\d+)?|npu(:\d+)?)$")
 DTYPES = ("float32", "bfloat16", "float16")  # torch dtype names
+HEAD_INT8 = "int8"  # a head's linear weights in int8 over bf16 activations (heads/int8.py)
 MAX_SEED = 2**64  # torch seeds are uint64
 DEFAULT_MAX_DRAFT_TOKENS = 256
 
@@ -93,7 +94,7 @@ class VerifierConfig:
             object.__setattr__(self, "model_name", served_name(self.model))
         if not DEVICE_PATTERN.match(self.device):
             raise ValueError(f"device must be auto, cpu, cuda[:N] or npu[:N], got {self.device!r}")
-        for name, allowed in (("dtype", ("auto", *DTYPES)), ("head_dtype", ("auto", *DTYPES, "int8"))):
+        for name, allowed in (("dtype", ("auto", *DTYPES)), ("head_dtype", ("auto", *DTYPES, HEAD_INT8))):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}")
         if self.threads < 0:

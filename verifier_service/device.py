@@ -15,7 +15,7 @@ from types import ModuleType
 import torch
 from torch.distributed.tensor import DTensor
 
-from verifier_service.config import DEVICE_PATTERN, DTYPES
+from verifier_service.config import DEVICE_PATTERN, DTYPES, HEAD_INT8
 
 
 class DeviceError(RuntimeError):
@@ -101,6 +101,11 @@ class HeadPrecision:
     dtype: torch.dtype  # the head's activations and float weights
     int8_weights: bool = False  # its linear layers' weights in int8 (heads/int8.py)
 
+    @property
+    def name(self) -> str:
+        """As --head-dtype names it."""
+        return HEAD_INT8 if self.int8_weights else str(self.dtype).removeprefix("torch.")
+
 
 def resolve_head_precision(requested: str, device: str, target_dtype: torch.dtype, *,
                            native_bf16: Callable[[], bool] = cpu_has_native_bf16) -> HeadPrecision:
@@ -109,7 +114,7 @@ def resolve_head_precision(requested: str, device: str, target_dtype: torch.dtyp
     row each, bound by reading its weights, which int8 quarters against fp32;
     the head only proposes, and the target verifies in its own dtype, so this
     never changes the output. "int8" runs on a CPU only (torch's kernel)."""
-    if requested == "int8" or (requested == "auto" and device == "cpu" and native_bf16()):
+    if requested == HEAD_INT8 or (requested == "auto" and device == "cpu" and native_bf16()):
         if device != "cpu":
             raise ValueError(f"head_dtype int8 runs on a CPU only, not on {device}; use auto or a float dtype")
         return HeadPrecision(torch.bfloat16, int8_weights=True)

@@ -147,7 +147,7 @@ def run(args) -> int:
                                              tokenize=True, return_dict=True)["input_ids"]
                for c in sharegpt(args.num_prompts, 0, 1)]
     results = {"method": args.method, "head": args.head or "default", "token_cost": token_cost,
-               "head_dtype": "int8" if precision.int8_weights else str(precision.dtype).removeprefix("torch."),
+               "head_dtype": precision.name,
                "cost": _measured_costs(runner, drafter, shapes, args),
                "acceptance": acceptance(runner, drafter, prompts, shapes, args.max_tokens, token_cost)}
     print("| k | topk | nodes | head draft (ms) | verify step (ms) | draft / step |\n|---|---|---|---|---|---|")

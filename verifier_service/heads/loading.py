@@ -66,6 +66,7 @@ def load_head(method: str, head_model: str, runner, precision: HeadPrecision | N
                               f"{target_config['hidden_size']}")
     parameters = sum(p.numel() for p in head.parameters())
     int8_linears = quantize_linears(head) if precision.int8_weights else 0
-    log.info("draft_head_loaded", method=method, layout=checkpoint.layout, directory=str(directory), dtype=str(dtype),
-             int8_linears=int8_linears, parameters=parameters, feature_layers=list(head.feature_layers))
+    log.info("draft_head_loaded", method=method, layout=checkpoint.layout, directory=str(directory),
+             dtype=precision.name, int8_linears=int8_linears, parameters=parameters,
+             feature_layers=list(head.feature_layers))
     return HeadDrafter(head, tree)
