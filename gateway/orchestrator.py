@@ -97,7 +97,8 @@ class Orchestrator:
         usage = SpeculationUsage()  # immutable: each delta carries its own snapshot
         speculation = request.speculation
         k = speculation.num_speculative_tokens
-        lookahead = (self._policy.next_round and speculation.method in DRAFTER_METHODS
+        # Hybrid's drafter steps too: on copy-heavy output they are most of its steps.
+        lookahead = (self._policy.next_round and speculation.uses_drafter
                      and not speculation.suffix_decoding_use_tree_spec)
         try:
             if self._drafter is not None and speculation.feeds_drafter:

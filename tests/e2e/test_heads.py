@@ -115,6 +115,8 @@ def test_hybrid_takes_suffix_drafts_where_the_output_repeats_its_input(eagle3_st
         run = client.generate(messages=code_edit_messages(), max_tokens=96, temperature=0.0,
                               speculation={"method": "hybrid", "num_speculative_tokens": 4})
     assert run.usage.drafter_steps > 0 and run.usage.head_steps > 0
+    # Its drafter steps offer next-round drafts, as suffix's do: fully accepted copies run on without a Verify.
+    assert run.usage.next_round_steps > 0
 
 
 def test_extract_hidden_states_writes_one_file_per_request(tiny_target, tmp_path, prompts):
