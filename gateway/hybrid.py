@@ -18,10 +18,22 @@ REQUEST_WEIGHT = 0.25
 SERVER_WEIGHT = 0.02
 
 
+def head_step_worth(result, token_cost: float) -> float:
+    """What a step that verified the head's draft committed per unit of step
+    time (a verifier's SessionResponse): its verification, plus the head's
+    drafting in plain steps, read off the pass (its time over its cost). The
+    head's draft is a tenth to a quarter of a step on a CPU, so leaving it out
+    would send steps to the head that a drafter draft does better; the
+    drafter's answer, a millisecond, is small enough to leave out."""
+    verify_cost = 1.0 + token_cost * result.num_draft_tokens
+    drafting = result.head_draft_seconds / result.forward_seconds * verify_cost if result.forward_seconds > 0 else 0.0
+    return draft_value(result.num_accepted_draft_tokens, result.num_draft_tokens, token_cost, drafting)
+
+
 @dataclass
 class HeadWorth:
-    """What a step verifying the head's draft commits per unit of verify time,
-    (1 + accepted) / (1 + token_cost * drafted), as a running average. It
+    """What a step verifying the head's draft commits per unit of step time
+    (head_step_worth), as a running average. It
     starts at a plain step's worth, 1: until the head has shown what it is
     worth, a drafter draft that pays for its own verification is taken."""
 

@@ -37,6 +37,7 @@ class StepTimes:
     verifier_wait: float  # sending the Verify until its answer is read (the last tokens stream meanwhile)
     verifier: float  # the verifier's own share: arrival to answer (it reports it)
     forward: float  # the forward pass that verified the step (shared with its batch)
+    head_draft: float = 0.0  # the verifier head's drafting for the step, part of `verifier`
 
     @property
     def network(self) -> float:
@@ -44,8 +45,8 @@ class StepTimes:
         return max(0.0, self.verifier_wait - self.verifier)
 
     def milliseconds(self) -> dict[str, float]:
-        parts = {"drafter_wait": self.drafter_wait, "verifier_wait": self.verifier_wait,
-                 "verifier": self.verifier, "forward": self.forward, "network": self.network}
+        parts = {"drafter_wait": self.drafter_wait, "verifier_wait": self.verifier_wait, "verifier": self.verifier,
+                 "forward": self.forward, "head_draft": self.head_draft, "network": self.network}
         return {f"{name}_ms": round(seconds * 1e3, 3) for name, seconds in parts.items()}
 
 
@@ -104,6 +105,8 @@ class GatewayMetrics:
                                   STEP_BUCKETS),
             "forward": histogram("speclane:step_forward_seconds",
                                  "The forward pass that verified a step (shared with its batch).", STEP_BUCKETS),
+            "head_draft": histogram("speclane:step_head_draft_seconds",
+                                    "The verifier head's drafting for a step (head methods and hybrid).", STEP_BUCKETS),
             "network": histogram("speclane:step_network_seconds", "A step's wait for the verifier beyond the "
                                  "verifier's own time: the link both ways and gRPC.", STEP_BUCKETS),
         }

@@ -13,7 +13,7 @@ from gateway.break_even import MethodAcceptance, RequestAcceptance
 from gateway.draft_length import AdaptiveDraftLength
 from gateway.drafter_client import DrafterClient, DrafterSession
 from gateway.errors import InvalidRequest, Overloaded, Unavailable
-from gateway.hybrid import REQUEST_WEIGHT, SERVER_WEIGHT, HeadWorth, HybridChoice
+from gateway.hybrid import REQUEST_WEIGHT, SERVER_WEIGHT, HeadWorth, HybridChoice, head_step_worth
 from gateway.metrics import GatewayMetrics, StepTimes
 from gateway.prediction import PredictionDrafter
 from gateway.types import GenerationRequest, SpeculationUsage, TokenDelta, TokenLogprob
@@ -21,7 +21,7 @@ from gateway.verifier_pool import VerifierPool
 from protos.common.v1 import common_pb2
 from protos.conventions import FINISH_REASON_NAMES
 from protos.verifier.v1 import verifier_pb2
-from speclane.speculation import DRAFTER_METHODS, HEAD_METHODS, draft_value, token_cost_at
+from speclane.speculation import DRAFTER_METHODS, HEAD_METHODS, token_cost_at
 
 log = structlog.get_logger()
 _NO_DRAFT = common_pb2.Draft()
@@ -151,8 +151,7 @@ class Orchestrator:
                 result = await _checked(verifier.answer())
                 usage += _step_usage(result, source, ran_ahead)
                 if source == HEAD:
-                    worth = draft_value(result.num_accepted_draft_tokens, result.num_draft_tokens,
-                                        self._policy.draft_token_cost)
+                    worth = head_step_worth(result, self._policy.draft_token_cost)
                     self._head_worth.observe(worth)
                     if hybrid is not None:
                         hybrid.head.observe(worth)
@@ -201,7 +200,8 @@ class Orchestrator:
         verifier, split into its own time (forward pass included) and the rest,
         the network's. Metrics always; a debug log line per step."""
         self._metrics.record_verify_step(result.num_draft_tokens, result.num_accepted_draft_tokens)
-        times = StepTimes(drafter_seconds, verifier_seconds, result.step_seconds, result.forward_seconds)
+        times = StepTimes(drafter_seconds, verifier_seconds, result.step_seconds, result.forward_seconds,
+                          result.head_draft_seconds)
         self._metrics.record_step_times(times)
         log.debug("verify_step", source=source, draft_tokens=result.num_draft_tokens,
                   accepted=result.num_accepted_draft_tokens, **times.milliseconds())

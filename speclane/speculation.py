@@ -150,11 +150,12 @@ class SpeculationSettings:
         return "suffix" if self.method == "hybrid" or self.method in HEAD_METHODS else self.method
 
 
-def draft_value(score: float, num_tokens: int, token_cost: float) -> float:
+def draft_value(score: float, num_tokens: int, token_cost: float, overhead: float = 0.0) -> float:
     """Tokens a step commits per unit of verify time: (1 + expected accepted
-    tokens) over the step's cost, where a plain step costs 1 and each draft
-    token `token_cost` more (the verifier measures it; see draft_cost.py)."""
-    return (1.0 + score) / (1.0 + token_cost * num_tokens)
+    tokens) over the step's cost, where a plain step costs 1, each draft
+    token `token_cost` more (the verifier measures it; see draft_cost.py),
+    and making the draft `overhead` more, where it is on the step's path."""
+    return (1.0 + score) / (1.0 + token_cost * num_tokens + overhead)
 
 
 def token_cost_at(token_costs: tuple[tuple[int, float], ...], num_running: int) -> float:

@@ -238,6 +238,7 @@ class Engine:
             if seq.head_draft is not None:
                 extra.update(head_draft=seq.head_draft.token_ids, head_draft_parents=seq.head_draft.parents,
                              head_draft_score=seq.head_draft.score)
+            extra["head_draft_seconds"], seq.head_draft_seconds = seq.head_draft_seconds, 0.0
         result = dataclasses.replace(result, **extra)
         seq.num_cached = min(len(seq.tokens) - 1, base + len(verdict.path))
         self.scheduler.ready.remove(entry.work)
@@ -261,7 +262,9 @@ class Engine:
         another sequence's token does (the costs measured by batch size, draft_cost.py)."""
         k = min(seq.params.num_head_draft_tokens, seq.max_draft_depth())
         token_cost = token_cost_at(tuple(sorted(self.draft_token_costs.items())), self.num_live)
+        started = time.perf_counter()
         seq.head_draft = self.head.draft(seq.head, k, seq.params.sampling.temperature, seq.generator, token_cost)
+        seq.head_draft_seconds = time.perf_counter() - started
 
     def _head_draft_for(self, seq: Sequence) -> Draft:
         """The head's draft for the step now submitted: made after the last step,

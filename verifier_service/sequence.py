@@ -140,6 +140,7 @@ class StepResult:
     head_draft_parents: tuple[int, ...] = ()  # empty: a chain
     head_draft_score: float = 0.0
     forward_seconds: float = 0.0  # the pass that produced it (shared with its batch)
+    head_draft_seconds: float = 0.0  # the head's drafting for this step (SessionResponse.head_draft_seconds)
 
 
 class Sequence:
@@ -161,6 +162,7 @@ class Sequence:
         self.grammar = grammar  # None: free-form output
         self.head: HeadState | None = None  # set when the verifier's head drafts for this sequence
         self.head_draft: HeadDraft | None = None  # its draft continuing the committed tokens
+        self.head_draft_seconds = 0.0  # the time the head took for it, until reported with a step
         self.slot: int | None = None  # KV slot while admitted
         self.num_cached = 0
         self.finish_reason = FinishReason.NONE

@@ -2,8 +2,9 @@
 
 import pytest
 
-from gateway.hybrid import HeadWorth, HybridChoice
+from gateway.hybrid import HeadWorth, HybridChoice, head_step_worth
 from protos.common.v1 import common_pb2
+from protos.verifier.v1 import verifier_pb2
 from speclane.speculation import draft_value
 
 
@@ -30,3 +31,15 @@ def test_the_heads_worth_follows_what_its_drafts_commit():
     for _ in range(8):  # none accepted
         head.observe(draft_value(0, 2, 0.2))
     assert not choice.prefers_head(drafted)
+
+
+def test_a_head_steps_worth_counts_the_heads_drafting_in_plain_steps():
+    # Two of two draft tokens accepted, each costing 0.2 of a plain step: a pass of 1.4 plain
+    # steps took 70 ms, so a plain step is 50 ms and the head's 10 ms of drafting is 0.2 more.
+    step = verifier_pb2.SessionResponse(num_draft_tokens=2, num_accepted_draft_tokens=2, forward_seconds=0.07,
+                                        head_draft_seconds=0.01)
+    assert head_step_worth(step, token_cost=0.2) == pytest.approx(3 / 1.6)
+    assert head_step_worth(step, token_cost=0.2) < draft_value(2, 2, 0.2)
+    # An answer without timings (an older verifier) is judged by its verification alone.
+    untimed = verifier_pb2.SessionResponse(num_draft_tokens=2, num_accepted_draft_tokens=2)
+    assert head_step_worth(untimed, token_cost=0.2) == pytest.approx(draft_value(2, 2, 0.2))

@@ -148,8 +148,8 @@ class LoadedVerifier(FakeVerifier):
                 response.queue_seconds, response.prefill_seconds = 0.125, 0.25
                 first = False
             else:
-                await asyncio.sleep(0.03)  # the verifier's own 30 ms, of which a 20 ms forward pass
-                response.step_seconds, response.forward_seconds = 0.03, 0.02
+                await asyncio.sleep(0.03)  # the verifier's own 30 ms: a 20 ms forward pass, 5 ms of head drafting
+                response.step_seconds, response.forward_seconds, response.head_draft_seconds = 0.03, 0.02, 0.005
             yield response
 
 
@@ -184,7 +184,7 @@ async def test_generations_observe_their_phases_from_the_verifiers_answers():
 
 
 @pytest.mark.anyio
-async def test_each_step_is_split_into_drafter_verifier_forward_and_network_time():
+async def test_each_step_is_split_into_drafter_verifier_forward_head_and_network_time():
     drafter = FakeDrafter(draft_len=3)
     drafter.delay = 0.01
     async with gateway([LoadedVerifier(1)], drafter) as gw:
@@ -196,6 +196,7 @@ async def test_each_step_is_split_into_drafter_verifier_forward_and_network_time
         return value(gw.metrics, f"speclane:step_{part}_seconds_sum", model_name=MODEL_NAME) / steps
 
     assert seconds("verifier") == pytest.approx(0.03) and seconds("forward") == pytest.approx(0.02)
+    assert seconds("head_draft") == pytest.approx(0.005)
     assert 0.01 <= seconds("drafter_wait") < 0.5
     wait = seconds("verifier_wait")
     assert 0.03 <= wait < 0.5

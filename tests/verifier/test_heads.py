@@ -202,14 +202,17 @@ def test_a_head_drafting_on_demand_drafts_for_the_steps_that_verify_its_draft_al
     for seq in (after_every_step, on_demand):
         head_engine.prefill(seq)
     run = tuple(plain.tokens[len(PROMPT) + 1: len(PROMPT) + 4])
-    assert head_engine.verify(after_every_step, Draft(run)).head_draft
-    assert head_engine.verify(on_demand, Draft(run)).head_draft == ()
+    # Each answer reports the head's drafting it paid for: none on a client's draft step, on demand.
+    client_step = head_engine.verify(after_every_step, Draft(run))
+    assert client_step.head_draft and client_step.head_draft_seconds > 0
+    client_step = head_engine.verify(on_demand, Draft(run))
+    assert client_step.head_draft == () and client_step.head_draft_seconds == 0
     head_steps = 0
     while not on_demand.finished:
         expected = head_engine.verify(after_every_step, Draft(from_head=True))
         result = head_engine.verify(on_demand, Draft(from_head=True))
         assert (result.token_ids, result.num_draft_tokens) == (expected.token_ids, expected.num_draft_tokens)
-        assert result.head_draft == ()
+        assert result.head_draft == () and result.head_draft_seconds > 0
         head_steps += result.num_draft_tokens > 0
     for seq in (after_every_step, on_demand):
         head_engine.close(seq)
