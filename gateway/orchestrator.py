@@ -269,8 +269,8 @@ def _pick_draft(method: str, predicted: common_pb2.Draft | None, drafted: common
                 hybrid: HybridChoice | None) -> tuple[str, common_pb2.Draft | None]:
     """Which draft this step verifies, and its source. A predicted output wins
     while it lasts. Hybrid takes the draft expected to commit more tokens per
-    unit of verify time, the drafter's judged by its score, the head's by what
-    its drafts have committed in this request. Arctic's rule compares the
+    unit of step time, the drafter's judged by its score, the head's by what
+    its steps have committed in this request (head_step_worth). Arctic's rule compares the
     suffix score with the head draft's length, as if every head token were
     accepted and verification were free; on a CPU verifier neither holds, so
     that rule sends steps to long, unsure head drafts, and it needs the head's
