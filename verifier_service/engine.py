@@ -19,7 +19,7 @@ from verifier_service.batch import StepPlan
 from verifier_service.errors import InvalidRequest, SequenceFinished, StaleDraft
 from verifier_service.grammar import GrammarCompiler
 from verifier_service.heads.capture import HiddenStateCapture
-from verifier_service.heads.drafting import HeadDrafter, HeadState
+from verifier_service.heads.drafting import DraftRequest, HeadDrafter, HeadState
 from verifier_service.kv_pool import KVPool
 from verifier_service.kv_store import Keep
 from verifier_service.logits_processing import make_logits_processor
@@ -169,17 +169,20 @@ class Engine:
             return True
         forward_seconds = time.perf_counter() - started
         row = token = 0
+        answered: list[tuple[Scheduled, StepResult]] = []
         for entry in picked:
             rows = logits[row: row + entry.segment.num_logit_rows]
             row += entry.segment.num_logit_rows
             fed = None if features is None else features[token: token + entry.segment.num_tokens]
             token += entry.segment.num_tokens
             try:
-                self._settle(entry, rows, fed, forward_seconds)
+                result = self._settle(entry, rows, fed, forward_seconds)
             except Exception as exc:  # noqa: BLE001 - fail this step alone: left queued, it would fail every pass
-                log.exception("step_failed", sequence_id=entry.work.seq.sequence_id)
-                self.close(entry.work.seq)
-                entry.work.done(exc)
+                self._fail(entry, exc)
+                continue
+            if result is not None:
+                answered.append((entry, result))
+        self._answer(answered)
         if self.on_step is not None:
             self.on_step(self._stats(picked, plan, forward_seconds))
         return True
@@ -207,8 +210,14 @@ class Engine:
     def verify(self, seq: Sequence, draft: Draft) -> StepResult:
         return self.run(seq, draft)
 
+    def _fail(self, entry: Scheduled, exc: Exception) -> None:
+        log.exception("step_failed", sequence_id=entry.work.seq.sequence_id)
+        self.close(entry.work.seq)
+        entry.work.done(exc)
+
     def _settle(self, entry: Scheduled, rows: torch.Tensor, features: torch.Tensor | None,
-                forward_seconds: float) -> None:
+                forward_seconds: float) -> StepResult | None:
+        """Judges the step and commits its tokens; its result (None for a prompt chunk: more to come)."""
         seq, segment, draft = entry.work.seq, entry.segment, entry.draft
         if self.capture is not None and not seq.num_generated:
             self.capture.add(seq, features[: segment.num_pending])
@@ -217,7 +226,7 @@ class Engine:
                 start = seq.num_cached
                 seq.head.add(start, features, seq.tokens[start + 1: start + 1 + segment.num_pending])
             seq.num_cached += segment.num_pending
-            return
+            return None
         verdict = self._judge(seq, draft, rows)
         num_top = seq.params.logprobs
         logprobs = None if num_top is None else committed_logprobs(rows, verdict, num_top)
@@ -229,22 +238,36 @@ class Engine:
             seq.grammar.commit(result.token_ids)
         if self.capture is not None and seq.num_generated == len(result.token_ids):  # the prompt's pass
             self.capture.write(seq)
-        extra = {"forward_seconds": forward_seconds}
         if seq.head is not None:
             self._feed_head(seq, segment, features, verdict, result.token_ids)
             seq.head_draft = None
-            if not (seq.finished or seq.params.head_draft_on_demand):
-                self._draft_head(seq)
-            if seq.head_draft is not None:
-                extra.update(head_draft=seq.head_draft.token_ids, head_draft_parents=seq.head_draft.parents,
-                             head_draft_score=seq.head_draft.score)
-            extra["head_draft_seconds"], seq.head_draft_seconds = seq.head_draft_seconds, 0.0
-        result = dataclasses.replace(result, **extra)
         seq.num_cached = min(len(seq.tokens) - 1, base + len(verdict.path))
         self.scheduler.ready.remove(entry.work)
         if seq.finished:
             self.scheduler.release(seq)
-        entry.work.done(result)
+        return dataclasses.replace(result, forward_seconds=forward_seconds)
+
+    def _answer(self, answered: list[tuple[Scheduled, StepResult]]) -> None:
+        """Drafts the next step of every answered sequence that drafts with the
+        head after its steps, all together, then answers each with its draft."""
+        drafting = [seq for seq in (entry.work.seq for entry, _ in answered)
+                    if seq.head is not None and not (seq.finished or seq.params.head_draft_on_demand)]
+        try:
+            self._draft_heads(drafting)
+        except Exception as exc:  # noqa: BLE001 - the head failed: these steps fail, the engine serves on
+            for entry, _ in answered:
+                self._fail(entry, exc)
+            return
+        for entry, result in answered:
+            seq = entry.work.seq
+            if seq.head is not None:
+                draft = seq.head_draft
+                if draft is not None:
+                    result = dataclasses.replace(result, head_draft=draft.token_ids, head_draft_parents=draft.parents,
+                                                 head_draft_score=draft.score)
+                result = dataclasses.replace(result, head_draft_seconds=seq.head_draft_seconds)
+                seq.head_draft_seconds = 0.0
+            entry.work.done(result)
 
     @staticmethod
     def _feed_head(seq: Sequence, segment, features: torch.Tensor, verdict: Verdict, committed: list[int]) -> None:
@@ -256,22 +279,29 @@ class Engine:
         judged = [pending - 1 + row for row in verdict.rows[: len(committed)]]
         seq.head.add(start + pending - 1, features[judged], committed)
 
-    def _draft_head(self, seq: Sequence) -> None:
-        """The head's draft stops where its next token (or tree node) would not pay at the
-        current load: a big batch is compute-bound, so there a draft token costs what
-        another sequence's token does (the costs measured by batch size, draft_cost.py)."""
-        k = min(seq.params.num_head_draft_tokens, seq.max_draft_depth())
+    def _draft_heads(self, seqs: list[Sequence]) -> None:
+        """The sequences' head drafts, made together (each head step one batch);
+        each sequence is charged an equal share of the time. A draft stops where
+        its next token (or tree node) would not pay at the current load: a big
+        batch is compute-bound, so there a draft token costs what another
+        sequence's token does (the costs measured by batch size, draft_cost.py)."""
+        if not seqs:
+            return
         token_cost = token_cost_at(tuple(sorted(self.draft_token_costs.items())), self.num_live)
         started = time.perf_counter()
-        seq.head_draft = self.head.draft(seq.head, k, seq.params.sampling.temperature, seq.generator, token_cost)
-        seq.head_draft_seconds = time.perf_counter() - started
+        requests = [DraftRequest(seq.head, min(seq.params.num_head_draft_tokens, seq.max_draft_depth()),
+                                 seq.params.sampling.temperature, seq.generator) for seq in seqs]
+        drafts = self.head.draft_many(requests, token_cost)
+        share = (time.perf_counter() - started) / len(seqs)
+        for seq, draft in zip(seqs, drafts):
+            seq.head_draft, seq.head_draft_seconds = draft, share
 
     def _head_draft_for(self, seq: Sequence) -> Draft:
         """The head's draft for the step now submitted: made after the last step,
         or, where the sequence drafts on demand, now (the pairs fed since its
         last draft go through the head first, in one pass)."""
         if seq.head is not None and seq.params.head_draft_on_demand:
-            self._draft_head(seq)
+            self._draft_heads([seq])
         return seq.own_draft()
 
     def _judge(self, seq: Sequence, draft: Draft, rows: torch.Tensor) -> Verdict:

@@ -6,11 +6,14 @@ it buys, in-process on one thread, medians of interleaved repeats:
   given context;
 - acceptance: greedy generations on held-out ShareGPT prompts (the bench's
   pool; heads we ship are trained on other conversations), tokens per verify
-  step and time per token against plain decoding, for each k.
+  step and time per token against plain decoding, for each k;
+- batching (--batch): several sequences' drafts made together, one head step
+  for all, against one after another.
 
 Each is measured for chains and, with --eagle-topk, EAGLE-2 trees of k levels.
 """
 
+import copy
 import json
 import statistics
 import time
@@ -30,6 +33,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--num-draft-tokens", type=int, default=0,
                         help="a tree's nodes at most, as the speculative config's num_draft_tokens (0: topk x k)")
     parser.add_argument("--context", type=int, default=512, help="context of the cost measurement")
+    parser.add_argument("--batch", default="1", help="comma-separated sequence counts: above 1, also time that many "
+                        "sequences' drafts made together against one after another")
     parser.add_argument("--repeats", type=int, default=30)
     parser.add_argument("--num-prompts", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=96)
@@ -56,25 +61,46 @@ def draft_cost(runner, drafter, context: int, k: int, repeats: int) -> dict:
                                                        num_head_draft_tokens=k))
     engine.prefill(seq)
     draft_times, verify_times = [], []
-    original = drafter.draft
-
-    def timed_draft(*args, **kwargs):
+    for _ in range(repeats):
         started = time.perf_counter()
-        result = original(*args, **kwargs)
-        draft_times.append(time.perf_counter() - started)
-        return result
-
-    drafter.draft = timed_draft
-    try:
-        for _ in range(repeats):
-            started = time.perf_counter()
-            engine.verify(seq, seq.own_draft())  # the head's next draft is made inside the step
-            verify_times.append(time.perf_counter() - started - draft_times[-1])
-    finally:
-        del drafter.draft
+        result = engine.verify(seq, seq.own_draft())  # the head's next draft is made inside the step
+        draft_times.append(result.head_draft_seconds)
+        verify_times.append(time.perf_counter() - started - result.head_draft_seconds)
     draft, verify = statistics.median(draft_times), statistics.median(verify_times)
     return {**_shape(k, drafter.tree), "draft_ms": round(draft * 1e3, 2), "verify_step_ms": round(verify * 1e3, 2),
             "draft_share": round(draft / verify, 3)}
+
+
+def batch_cost(runner, drafter, context: int, k: int, batch: int, repeats: int) -> dict:
+    """Median seconds of `batch` sequences' head drafts of k tokens made together
+    (one head step for all) and one after another, from the same head states:
+    each repeat runs a plain step of every sequence, copies the heads' states,
+    and drafts the two ways in alternating order."""
+    from verifier_service.heads.drafting import DraftRequest
+    from verifier_service.sequence import Draft, GenerationParams
+
+    engine = _engine(runner, drafter, batch * (context + repeats + 2 + 64))
+    params = GenerationParams(max_new_tokens=repeats + 2, ignore_eos=True, num_head_draft_tokens=k,
+                              head_draft_on_demand=True)  # the engine leaves the drafting to this function
+    seqs = [engine.open(f"batch{b}", [(i * 7919 + b * 104729) % (runner.vocab_size - 200) + 100
+                                      for i in range(context)], params) for b in range(batch)]
+    times: dict[str, list[float]] = {"together": [], "apart": []}
+    for repeat in range(repeats + 1):  # the first step is the prefill
+        engine.run_together([(seq, Draft()) for seq in seqs])
+        with torch.inference_mode():
+            states = {"together": [seq.head for seq in seqs], "apart": copy.deepcopy([seq.head for seq in seqs])}
+        for way in (("together", "apart") if repeat % 2 else ("apart", "together")):
+            started = time.perf_counter()
+            if way == "together":
+                drafter.draft_many([DraftRequest(state, k, None) for state in states[way]])
+            else:
+                for state in states[way]:
+                    drafter.draft(state, k, None)
+            if repeat:
+                times[way].append(time.perf_counter() - started)
+    together, apart = statistics.median(times["together"]), statistics.median(times["apart"])
+    return {**_shape(k, drafter.tree), "sequences": batch, "together_ms": round(together * 1e3, 2),
+            "apart_ms": round(apart * 1e3, 2), "together_share": round(together / apart, 3)}
 
 
 def acceptance(runner, drafter, prompts: list[list[int]], shapes: list[tuple[int, object]], max_tokens: int,
@@ -117,12 +143,15 @@ def _tree_shapes(args) -> list[tuple[int, object]]:
             for topk in (int(t) for t in args.eagle_topk.split(",")) for k in (int(k) for k in args.k.split(","))]
 
 
-def _measured_costs(runner, drafter, shapes, args) -> list[dict]:
-    rows = []
+def _measured_costs(runner, drafter, shapes, args) -> tuple[list[dict], list[dict]]:
+    """The draft's cost next to a verify step, and, for each --batch size above 1, drafting a batch together."""
+    costs, batches = [], []
     for k, tree in shapes:
         drafter.tree = tree
-        rows.append(draft_cost(runner, drafter, args.context, k, args.repeats))
-    return rows
+        costs.append(draft_cost(runner, drafter, args.context, k, args.repeats))
+        batches += [batch_cost(runner, drafter, args.context, k, int(b), args.repeats)
+                    for b in args.batch.split(",") if int(b) > 1]
+    return costs, batches
 
 
 def run(args) -> int:
@@ -146,14 +175,21 @@ def run(args) -> int:
     prompts = [tokenizer.apply_chat_template([{"role": "user", "content": c.turns[0]}], add_generation_prompt=True,
                                              tokenize=True, return_dict=True)["input_ids"]
                for c in sharegpt(args.num_prompts, 0, 1)]
+    costs, batches = _measured_costs(runner, drafter, shapes, args)
     results = {"method": args.method, "head": args.head or "default", "token_cost": token_cost,
                "head_dtype": precision.name,
-               "cost": _measured_costs(runner, drafter, shapes, args),
+               "cost": costs, "batch_cost": batches,
                "acceptance": acceptance(runner, drafter, prompts, shapes, args.max_tokens, token_cost)}
     print("| k | topk | nodes | head draft (ms) | verify step (ms) | draft / step |\n|---|---|---|---|---|---|")
     for row in results["cost"]:
         print(f"| {row['k']} | {row['topk']} | {row['max_nodes']} | {row['draft_ms']} | {row['verify_step_ms']} "
               f"| {row['draft_share']:.1%} |")
+    if batches:
+        print("\n| k | topk | nodes | sequences | drafted together (ms) | one after another (ms) | together / apart |"
+              "\n|---|---|---|---|---|---|---|")
+    for row in batches:
+        print(f"| {row['k']} | {row['topk']} | {row['max_nodes']} | {row['sequences']} | {row['together_ms']} "
+              f"| {row['apart_ms']} | {row['together_share']:.2f} |")
     print("\n| k | topk | nodes | tokens per verify step | ms per token | speed-up vs k=0 |\n|---|---|---|---|---|---|")
     for row in results["acceptance"]:
         print(f"| {row['k']} | {row['topk']} | {row['max_nodes']} | {row['tokens_per_step']} | {row['ms_per_token']} "

@@ -31,13 +31,14 @@ def tree_engine(request, runner, tmp_path_factory):
     drafter = load_head(request.param, str(directory), runner, tree=SHAPE)
     engine = make_engine(runner)
     engine.head, engine.drafts = drafter, []
-    draft = drafter.draft
+    draft_many = drafter.draft_many
 
     def kept(*args, **kwargs):
-        engine.drafts.append(draft(*args, **kwargs))
-        return engine.drafts[-1]
+        drafts = draft_many(*args, **kwargs)
+        engine.drafts.extend(drafts)
+        return drafts
 
-    drafter.draft = kept
+    drafter.draft_many = kept
     runner.feature_layers = drafter.head.feature_layers
     yield engine
     runner.feature_layers = ()

@@ -13,7 +13,7 @@ from speclane.speculation import draft_value
 from verifier_service.config import TreeShape
 from verifier_service.heads.dynamic_tree import draft_tree
 from verifier_service.heads.head import Head
-from verifier_service.heads.layer import HeadKV
+from verifier_service.heads.layer import HeadKV, KVBatch
 
 
 @dataclass(frozen=True)
@@ -46,6 +46,24 @@ class HeadState:
                 self.next_position = position + 1
 
 
+@dataclass(frozen=True)
+class DraftRequest:
+    """One sequence's draft: up to k tokens (a tree: k levels) after its last committed one."""
+
+    state: HeadState
+    k: int
+    temperature: float | None
+    generator: torch.Generator | None = None
+
+
+@dataclass
+class _Chain:
+    tokens: list[int] = field(default_factory=list)
+    proposals: list[torch.Tensor] = field(default_factory=list)
+    score: float = 0.0
+    confidence: float = 1.0  # the head's probability of the whole chain so far
+
+
 class HeadDrafter:
     """Drafts chains, or with a `tree` shape EAGLE-2's dynamic trees (dynamic_tree.py)."""
 
@@ -53,34 +71,63 @@ class HeadDrafter:
         self.head = head
         self.tree = tree
 
-    @torch.inference_mode()
     def draft(self, state: HeadState, k: int, temperature: float | None,
               generator: torch.Generator | None = None, token_cost: float = 0.0) -> HeadDraft:
-        """Up to k tokens (a tree: k levels) after the last committed one. The
-        pairs fed since the last draft go through the head first, in one pass;
-        the draft steps' KV entries are rolled back after."""
-        head = self.head
-        if not state.tokens or k < 1:  # nothing new was committed: no draft
-            return HeadDraft((), None, 0.0)
-        device, dtype = head.embed_weight.device, head.embed_weight.dtype
-        hidden = head(torch.tensor(state.tokens, device=device), torch.stack(state.features).to(dtype),
-                      torch.tensor(state.positions, device=device), state.kv)[-1:]
-        committed, position = len(state.kv), state.positions[-1]
-        state.tokens, state.features, state.positions = [], [], []
+        return self.draft_many([DraftRequest(state, k, temperature, generator)], token_cost)[0]
+
+    @torch.inference_mode()
+    def draft_many(self, requests: list[DraftRequest], token_cost: float = 0.0) -> list[HeadDraft]:
+        """Each request's draft, its sequence's new pairs fed through the head
+        first. The sequences go through every head step together: a step's
+        rows read the head's weights once, however many sequences there are
+        (vLLM drafts a batch the same way). The draft steps' KV entries are
+        rolled back after."""
+        drafts = [HeadDraft((), None, 0.0)] * len(requests)
+        live = [i for i, r in enumerate(requests) if r.state.tokens and r.k >= 1]  # else nothing new: no draft
+        if not live:
+            return drafts
+        states = [requests[i].state for i in live]
+        positions = [state.positions[-1] for state in states]
+        hidden = self._feed(states)
+        committed = [len(state.kv) for state in states]
         try:
-            if self.tree is not None:
-                tree = draft_tree(head, hidden, state.kv, position, k, self.tree, temperature, token_cost)
-                return HeadDraft(tree.token_ids, None, tree.score, tree.parents)
-            return self._chain(hidden, state.kv, position, k, temperature, generator, token_cost)
+            if self.tree is None:
+                chains = self._chains([requests[i] for i in live], hidden, positions, token_cost)
+            else:
+                chains = [self._tree(requests[i], hidden[row: row + 1], positions[row], token_cost)
+                          for row, i in enumerate(live)]
         finally:
-            state.kv.truncate(committed)
+            for state, length in zip(states, committed):
+                state.kv.truncate(length)
+        for i, draft in zip(live, chains):
+            drafts[i] = draft
+        return drafts
 
-    def _chain(self, hidden: torch.Tensor, kv: HeadKV, position: int, k: int, temperature: float | None,
-               generator: torch.Generator | None, token_cost: float) -> HeadDraft:
+    def _feed(self, states: list[HeadState]) -> torch.Tensor:
+        """The pairs fed since each sequence's last draft, through the head in
+        one pass; the head's output at each sequence's last pair [len(states), H]."""
+        head = self.head
+        device, dtype = head.embed_weight.device, head.embed_weight.dtype
+        sizes = [len(state.tokens) for state in states]
+        hidden = head(torch.tensor([t for state in states for t in state.tokens], device=device),
+                      torch.stack([f for state in states for f in state.features]).to(dtype),
+                      torch.tensor([p for state in states for p in state.positions], device=device),
+                      KVBatch([state.kv for state in states], sizes))
+        for state in states:
+            state.tokens, state.features, state.positions = [], [], []
+        return hidden[torch.tensor(sizes).cumsum(0) - 1]
+
+    def _tree(self, request: DraftRequest, hidden: torch.Tensor, position: int, token_cost: float) -> HeadDraft:
+        tree = draft_tree(self.head, hidden, request.state.kv, position, request.k, self.tree, request.temperature,
+                          token_cost)
+        return HeadDraft(tree.token_ids, None, tree.score, tree.parents)
+
+    def _chains(self, requests: list[DraftRequest], hidden: torch.Tensor, positions: list[int],
+                token_cost: float) -> list[HeadDraft]:
         """Greedy, or sampled from q = softmax(logits / temperature) (then the
-        proposals are returned).
+        proposals are returned). Each step's rows are the chains still growing.
 
-        EAGLE-2's observation: the head's confidence tracks acceptance. The draft
+        EAGLE-2's observation: the head's confidence tracks acceptance. A chain
         stops before a token whose chance of joining an accepted run, at most
         the head's top probability times the run so far, is worth less than the
         `token_cost` its verification adds (draft_value's tokens per cost). Once
@@ -89,29 +136,39 @@ class HeadDrafter:
         tokens a sampled draft proposes, and min(1, p/q) would no longer be exact."""
         head = self.head
         device = hidden.device
-        vocab_map = head.draft_token_ids
-        tokens: list[int] = []
-        proposals: list[torch.Tensor] = []
-        score, confidence = 0.0, 1.0
-        for step in range(k):
-            logits = head.logits(hidden)[0].float()
-            q = torch.softmax(logits / temperature if temperature else logits, dim=-1)
-            top = float(q.max())
-            if confidence * top <= token_cost * draft_value(score, step, token_cost):
+        vocab_map, vocab_size = head.draft_token_ids, head.embed_weight.shape[0]
+        chains = [_Chain() for _ in requests]
+        growing, positions = list(range(len(requests))), list(positions)
+        for step in range(max(r.k for r in requests)):
+            logits = head.logits(hidden).float()
+            rows, going = [], []  # the rows, and the chains, that take another step
+            for row, i in enumerate(growing):
+                request, chain = requests[i], chains[i]
+                q = torch.softmax(logits[row] / request.temperature if request.temperature else logits[row], dim=-1)
+                top = float(q.max())
+                if chain.confidence * top <= token_cost * draft_value(chain.score, step, token_cost):
+                    continue
+                if request.temperature:
+                    choice = int(torch.multinomial(q, 1, generator=request.generator))
+                    chain.proposals.append(q if vocab_map is None else _scatter(q, vocab_map, vocab_size))
+                else:
+                    choice = int(torch.argmax(logits[row]))
+                chain.confidence *= top
+                chain.score += chain.confidence
+                chain.tokens.append(choice if vocab_map is None else int(vocab_map[choice]))
+                if step + 1 < request.k:
+                    rows.append(row)
+                    going.append(i)
+            if not going:
                 break
-            if temperature:
-                choice = int(torch.multinomial(q, 1, generator=generator))
-                proposals.append(q if vocab_map is None else _scatter(q, vocab_map, head.embed_weight.shape[0]))
-            else:
-                choice = int(torch.argmax(logits))
-            confidence *= top
-            score += confidence
-            token = choice if vocab_map is None else int(vocab_map[choice])
-            tokens.append(token)
-            if step + 1 < k:
-                position += 1
-                hidden = head(torch.tensor([token], device=device), hidden, torch.tensor([position], device=device), kv)
-        return HeadDraft(tuple(tokens), torch.stack(proposals) if proposals else None, score)
+            growing = going
+            for i in growing:
+                positions[i] += 1
+            hidden = head(torch.tensor([chains[i].tokens[-1] for i in growing], device=device), hidden[rows],
+                          torch.tensor([positions[i] for i in growing], device=device),
+                          KVBatch([requests[i].state.kv for i in growing], [1] * len(growing)))
+        return [HeadDraft(tuple(c.tokens), torch.stack(c.proposals) if c.proposals else None, c.score)
+                for c in chains]
 
 
 def _scatter(q: torch.Tensor, target_ids: torch.Tensor, vocab_size: int) -> torch.Tensor:

@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from verifier_service.heads.head import FINAL, Head
-from verifier_service.heads.layer import DecoderLayer, HeadKV, LayerShape
+from verifier_service.heads.layer import DecoderLayer, HeadKV, KVBatch, LayerShape
 
 
 class EagleHead(Head):
@@ -19,7 +19,7 @@ class EagleHead(Head):
         self.layer = DecoderLayer(shape, input_norm=False)
         self.lm_head_weight = lm_head_weight.detach()
 
-    def forward(self, token_ids, features, positions, kv: HeadKV, mask=None):
+    def forward(self, token_ids, features, positions, kv: HeadKV | KVBatch, mask=None):
         x = self.fc(torch.cat([self.embed(token_ids), features], dim=-1))
         return self.layer(x, positions, kv, mask=mask)
 

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from verifier_service.heads.head import Head
-from verifier_service.heads.layer import DecoderLayer, HeadKV, LayerShape, RMSNorm
+from verifier_service.heads.layer import DecoderLayer, HeadKV, KVBatch, LayerShape, RMSNorm
 
 
 def default_aux_layers(num_target_layers: int) -> tuple[int, ...]:
@@ -31,7 +31,7 @@ class Eagle3Head(Head):
         self.register_buffer("d2t", torch.zeros(draft_vocab_size, dtype=torch.long))
         self.register_buffer("t2d", torch.zeros(target_vocab_size, dtype=torch.bool))
 
-    def forward(self, token_ids, features, positions, kv: HeadKV, mask=None):
+    def forward(self, token_ids, features, positions, kv: HeadKV | KVBatch, mask=None):
         if features.shape[-1] != self.shape.hidden_size:  # the target's aux states, not the head's own output
             features = self.fc(features)
         attention_input = torch.cat([self.input_layernorm(self.embed(token_ids)), self.hidden_norm(features)], -1)

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from verifier_service.heads.layer import HeadKV, LayerShape
+from verifier_service.heads.layer import HeadKV, KVBatch, LayerShape
 
 FINAL = -1  # feature layer index: the target's final normed hidden state (the lm_head's input)
 
@@ -27,7 +27,7 @@ class Head(nn.Module):
         return F.embedding(token_ids, self.embed_weight)
 
     def forward(self, token_ids: torch.Tensor, features: torch.Tensor, positions: torch.Tensor,
-                kv: HeadKV, mask: torch.Tensor | None = None) -> torch.Tensor:
+                kv: HeadKV | KVBatch, mask: torch.Tensor | None = None) -> torch.Tensor:
         """token_ids [n], features [n, F] (F may be the head's hidden size: its own output), -> hidden [n, H].
         `mask` as the layer's attention takes it (a draft tree's rows see their ancestors only)."""
         raise NotImplementedError

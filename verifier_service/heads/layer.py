@@ -64,6 +64,31 @@ class HeadKV:
         if self.keys is not None and length < len(self):
             self.keys, self.values = self.keys[:, :length], self.values[:, :length]
 
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        """Appends the n new rows' k, v [kv_heads, n, d] and attends q [heads, n, d] over the cache."""
+        # The cache and the attention over it stay fp32 under a bf16 head: CPU attention over a bf16
+        # cache took 3x as long, and the cache is small next to the weights bf16 halves.
+        keys, values = self.append(k.float(), v.float())
+        if mask is None:
+            mask = self.attention_mask(q.shape[1], q.device)
+        return F.scaled_dot_product_attention(q.float()[None], keys[None], values[None], attn_mask=mask,
+                                              enable_gqa=k.shape[0] != q.shape[0])[0]
+
+
+class KVBatch:
+    """Several sequences' caches behind one batch of rows, sequence i owning the
+    next `sizes[i]` rows: the head's linear layers run once over all of them
+    (one read of the weights), and each sequence attends over its own cache."""
+
+    def __init__(self, caches: list[HeadKV], sizes: list[int]):
+        self.caches, self.sizes = caches, sizes
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        if mask is not None:
+            raise ValueError("a batch of sequences attends causally: masks are per sequence")
+        return torch.cat([cache.attend(*rows, None) for cache, *rows in
+                          zip(self.caches, q.split(self.sizes, 1), k.split(self.sizes, 1), v.split(self.sizes, 1))], 1)
+
 
 def rotate(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
     """Rotary position embedding (rotate-half form) of x [heads, n, d]."""
@@ -88,7 +113,7 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(s.head_dim, s.rms_norm_eps, s.norm_plus_one)
             self.k_norm = RMSNorm(s.head_dim, s.rms_norm_eps, s.norm_plus_one)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, kv: HeadKV,
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, kv: HeadKV | KVBatch,
                 mask: torch.Tensor | None = None) -> torch.Tensor:
         """`mask` [n, cached + n]: which entries each new one sees; None: all earlier ones and itself."""
         s, n = self.shape, x.shape[0]
@@ -98,14 +123,8 @@ class Attention(nn.Module):
         if s.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rotate(q, positions, s.rope_theta), rotate(k, positions, s.rope_theta)
-        # The cache and the attention over it stay fp32 under a bf16 head: CPU attention over a bf16
-        # cache took 3x as long, and the cache is small next to the weights bf16 halves.
-        keys, values = kv.append(k.float(), v.float())
-        if mask is None:
-            mask = kv.attention_mask(n, x.device)
-        out = F.scaled_dot_product_attention(q.float()[None], keys[None], values[None], attn_mask=mask,
-                                             enable_gqa=s.num_kv_heads != s.num_heads)
-        return self.o_proj(out[0].transpose(0, 1).reshape(n, -1).to(x.dtype))
+        out = kv.attend(q, k, v, mask)
+        return self.o_proj(out.transpose(0, 1).reshape(n, -1).to(x.dtype))
 
 
 class MLP(nn.Module):
@@ -132,7 +151,7 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(shape.hidden_size, shape.rms_norm_eps, shape.norm_plus_one)
         self.mlp = MLP(shape.hidden_size, shape.intermediate_size)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, kv: HeadKV,
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, kv: HeadKV | KVBatch,
                 attention_input: torch.Tensor | None = None, mask: torch.Tensor | None = None) -> torch.Tensor:
         if attention_input is None:
             attention_input = self.input_layernorm(x) if hasattr(self, "input_layernorm") else x

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from verifier_service.heads.head import FINAL, Head
-from verifier_service.heads.layer import DecoderLayer, HeadKV, LayerShape, RMSNorm
+from verifier_service.heads.layer import DecoderLayer, HeadKV, KVBatch, LayerShape, RMSNorm
 
 
 class MtpHead(Head):
@@ -28,7 +28,7 @@ class MtpHead(Head):
         else:
             self.lm_head_weight = lm_head_weight.detach()
 
-    def forward(self, token_ids, features, positions, kv: HeadKV, mask=None):
+    def forward(self, token_ids, features, positions, kv: HeadKV | KVBatch, mask=None):
         parts = [self.enorm(self.embed(token_ids)), self.hnorm(features)]
         x = self.eh_proj(torch.cat(parts[::-1] if self.hidden_first else parts, dim=-1))
         return self.layer(x, positions, kv, mask=mask)

@@ -1,0 +1,86 @@
+"""Several sequences' head drafts made together: every head step is one batch
+over the sequences still drafting, each sequence attending over its own cache.
+A batch drafts what each sequence would have drafted alone, leaves each cache
+at its committed pairs, and keeps greedy output the target's."""
+
+import copy
+
+import pytest
+import torch
+
+from tests.verifier.test_heads import assert_head_cache_is_the_committed_pairs, head_engine  # noqa: F401
+from verifier_service.heads.drafting import DraftRequest, HeadState
+from verifier_service.sequence import Draft, GenerationParams
+
+PROMPTS = [[5, 9, 11, 20, 7, 30, 41, 12], [3, 14, 15, 9, 2, 6], [27, 18, 28, 18, 28, 45, 9, 4, 52, 33, 1]]
+
+
+def pending_states(engine) -> list[HeadState]:
+    """Head states with different numbers of pairs not yet fed (no draft was made):
+    after the prompt's pass, and after 0, 1 and 2 plain steps more."""
+    params = GenerationParams(max_new_tokens=8, ignore_eos=True, num_head_draft_tokens=4, head_draft_on_demand=True)
+    seqs = [engine.open(f"p{i}", prompt, params) for i, prompt in enumerate(PROMPTS)]
+    engine.run_together([(seq, Draft()) for seq in seqs])
+    for plain_steps, seq in enumerate(seqs):
+        for _ in range(plain_steps):
+            engine.verify(seq, Draft())
+    states = [seq.head for seq in seqs]
+    for seq in seqs:
+        engine.close(seq)
+    return states
+
+
+@pytest.mark.parametrize("temperature", [None, 0.8], ids=["greedy", "sampled"])
+def test_a_batch_drafts_what_each_sequence_drafts_alone_in_one_head_step_per_token(head_engine, temperature):  # noqa: F811
+    drafter = head_engine.head
+    states = pending_states(head_engine)
+    with torch.inference_mode():
+        alone = copy.deepcopy(states)
+    ks = [1, 4, 3]
+    forwards = []
+    hook = drafter.head.register_forward_hook(lambda module, args, out: forwards.append(len(args[0])))
+    try:
+        together = drafter.draft_many([*(DraftRequest(state, k, temperature, torch.Generator().manual_seed(i))
+                                         for i, (state, k) in enumerate(zip(states, ks))),
+                                       DraftRequest(HeadState(), 2, temperature)])  # nothing to draft from
+    finally:
+        hook.remove()
+    # One pass feeds every sequence's new pairs; then one step per draft position while any chain grows.
+    assert forwards == [sum(len(s.tokens) for s in alone), 2, 2, 1]
+    expected = [drafter.draft(state, k, temperature, torch.Generator().manual_seed(i))
+                for i, (state, k) in enumerate(zip(alone, ks))]
+    assert [d.token_ids for d in together[:3]] == [d.token_ids for d in expected]
+    assert [len(d.token_ids) for d in together] == [*ks, 0]
+    assert together[:3] and all(d.score == pytest.approx(e.score, rel=1e-4) for d, e in zip(together, expected))
+    if temperature:
+        assert all(torch.allclose(d.proposals, e.proposals, atol=1e-5) for d, e in zip(together, expected))
+    for batched, single in zip(states, alone):  # drafted from the same committed pairs, rolled back to them
+        assert len(batched.kv) == len(single.kv) and not batched.tokens
+        assert torch.allclose(batched.kv.keys, single.kv.keys, atol=1e-5)
+
+
+def test_sequences_stepped_together_are_drafted_together_and_keep_greedy_output(head_engine, hf_model,  # noqa: F811
+                                                                                 monkeypatch):
+    def generate_all(k: int) -> list:
+        params = GenerationParams(max_new_tokens=20, ignore_eos=True, num_head_draft_tokens=k)
+        seqs = [head_engine.open(f"s{i}", prompt, params) for i, prompt in enumerate(PROMPTS)]
+        head_engine.run_together([(seq, Draft()) for seq in seqs])
+        while live := [seq for seq in seqs if not seq.finished]:
+            head_engine.run_together([(seq, seq.own_draft()) for seq in live])
+        return seqs
+
+    plain = generate_all(0)
+    batch_sizes = []
+    draft_many = head_engine.head.draft_many
+    monkeypatch.setattr(head_engine.head, "draft_many",
+                        lambda requests, *args: batch_sizes.append(len(requests)) or draft_many(requests, *args))
+    drafted = generate_all(3)
+    assert [seq.tokens for seq in drafted] == [seq.tokens for seq in plain]
+    assert all(seq.num_draft_tokens > 0 for seq in drafted)
+    assert batch_sizes[0] == len(PROMPTS)  # after the prompts' pass, one batch
+    for seq in drafted:
+        head_engine.head.draft(seq.head, 1, None)  # feeds the last step's pairs, which no draft needed
+        assert_head_cache_is_the_committed_pairs(head_engine, hf_model, seq)
+        head_engine.close(seq)
+    for seq in plain:
+        head_engine.close(seq)
