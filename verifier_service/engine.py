@@ -128,8 +128,8 @@ class Engine:
         try:
             if seq.finished:
                 raise SequenceFinished(f"sequence already finished ({seq.finish_reason.value})")
-            if draft.from_head:
-                draft = self._head_draft_for(seq)
+            if draft.from_head and not _drafts_on_demand(seq):
+                draft = seq.own_draft()  # made after its last step
             draft.check(self.runner.vocab_size)
             if draft.committed_len and draft.committed_len != len(seq.tokens):
                 raise StaleDraft(f"draft continues length {draft.committed_len} "
@@ -151,6 +151,7 @@ class Engine:
         """One forward pass over what is ready; False when nothing could run."""
         scheduler = self.scheduler
         scheduler.admit()
+        self._draft_on_demand()
         picked = scheduler.pick()
         ops = tuple(self.pool.take_ops())
         if not picked:
@@ -178,7 +179,7 @@ class Engine:
             try:
                 result = self._settle(entry, rows, fed, forward_seconds)
             except Exception as exc:  # noqa: BLE001 - fail this step alone: left queued, it would fail every pass
-                self._fail(entry, exc)
+                self._fail(entry.work, exc)
                 continue
             if result is not None:
                 answered.append((entry, result))
@@ -210,10 +211,10 @@ class Engine:
     def verify(self, seq: Sequence, draft: Draft) -> StepResult:
         return self.run(seq, draft)
 
-    def _fail(self, entry: Scheduled, exc: Exception) -> None:
-        log.exception("step_failed", sequence_id=entry.work.seq.sequence_id)
-        self.close(entry.work.seq)
-        entry.work.done(exc)
+    def _fail(self, work: Work, exc: Exception) -> None:
+        log.exception("step_failed", sequence_id=work.seq.sequence_id)
+        self.close(work.seq)
+        work.done(exc)
 
     def _settle(self, entry: Scheduled, rows: torch.Tensor, features: torch.Tensor | None,
                 forward_seconds: float) -> StepResult | None:
@@ -251,12 +252,12 @@ class Engine:
         """Drafts the next step of every answered sequence that drafts with the
         head after its steps, all together, then answers each with its draft."""
         drafting = [seq for seq in (entry.work.seq for entry, _ in answered)
-                    if seq.head is not None and not (seq.finished or seq.params.head_draft_on_demand)]
+                    if seq.head is not None and not (seq.finished or _drafts_on_demand(seq))]
         try:
             self._draft_heads(drafting)
         except Exception as exc:  # noqa: BLE001 - the head failed: these steps fail, the engine serves on
             for entry, _ in answered:
-                self._fail(entry, exc)
+                self._fail(entry.work, exc)
             return
         for entry, result in answered:
             seq = entry.work.seq
@@ -296,13 +297,19 @@ class Engine:
         for seq, draft in zip(seqs, drafts):
             seq.head_draft, seq.head_draft_seconds = draft, share
 
-    def _head_draft_for(self, seq: Sequence) -> Draft:
-        """The head's draft for the step now submitted: made after the last step,
-        or, where the sequence drafts on demand, now (the pairs fed since its
-        last draft go through the head first, in one pass)."""
-        if seq.head is not None and seq.params.head_draft_on_demand:
-            self._draft_heads([seq])
-        return seq.own_draft()
+    def _draft_on_demand(self) -> None:
+        """The head drafts of the admitted steps that ask for one where their
+        sequence drafts on demand, made together before the pass they may join
+        (the pairs fed since each sequence's last draft go through the head first)."""
+        asking = [work for work in self.scheduler.ready if work.draft.from_head]
+        try:
+            self._draft_heads([work.seq for work in asking])
+        except Exception as exc:  # noqa: BLE001 - the head failed: these steps fail, the engine serves on
+            for work in asking:
+                self._fail(work, exc)
+            return
+        for work in asking:
+            work.draft = work.seq.own_draft()  # as deep as the sequence's budget allows (_draft_heads)
 
     def _judge(self, seq: Sequence, draft: Draft, rows: torch.Tensor) -> Verdict:
         """Accepts against the request's distribution: `rows` are raw logits, and
@@ -338,6 +345,11 @@ class Engine:
             prefix_cache_queries=self.scheduler.prefix_cache_queries,
             prefix_cache_hits=self.scheduler.prefix_cache_hits,
         )
+
+
+def _drafts_on_demand(seq: Sequence) -> bool:
+    """The head drafts for the steps that verify its draft, when they are about to run, not after every step."""
+    return seq.head is not None and seq.params.head_draft_on_demand
 
 
 def _fed_tokens(entry: Scheduled) -> list[int]:

@@ -59,14 +59,18 @@ def test_a_batch_drafts_what_each_sequence_drafts_alone_in_one_head_step_per_tok
         assert torch.allclose(batched.kv.keys, single.kv.keys, atol=1e-5)
 
 
+@pytest.mark.parametrize("on_demand", [False, True], ids=["after-each-step", "on-demand"])
 def test_sequences_stepped_together_are_drafted_together_and_keep_greedy_output(head_engine, hf_model,  # noqa: F811
-                                                                                 monkeypatch):
+                                                                                 monkeypatch, on_demand):
+    """After a pass, the sequences it answered; on demand, the steps that ask
+    for the head's draft and are about to run (submitted one at a time)."""
     def generate_all(k: int) -> list:
-        params = GenerationParams(max_new_tokens=20, ignore_eos=True, num_head_draft_tokens=k)
+        params = GenerationParams(max_new_tokens=20, ignore_eos=True, num_head_draft_tokens=k,
+                                  head_draft_on_demand=on_demand)
         seqs = [head_engine.open(f"s{i}", prompt, params) for i, prompt in enumerate(PROMPTS)]
         head_engine.run_together([(seq, Draft()) for seq in seqs])
         while live := [seq for seq in seqs if not seq.finished]:
-            head_engine.run_together([(seq, seq.own_draft()) for seq in live])
+            head_engine.run_together([(seq, Draft(from_head=True)) for seq in live])
         return seqs
 
     plain = generate_all(0)
@@ -77,7 +81,7 @@ def test_sequences_stepped_together_are_drafted_together_and_keep_greedy_output(
     drafted = generate_all(3)
     assert [seq.tokens for seq in drafted] == [seq.tokens for seq in plain]
     assert all(seq.num_draft_tokens > 0 for seq in drafted)
-    assert batch_sizes[0] == len(PROMPTS)  # after the prompts' pass, one batch
+    assert batch_sizes[0] == len(PROMPTS)  # the first drafts, one batch
     for seq in drafted:
         head_engine.head.draft(seq.head, 1, None)  # feeds the last step's pairs, which no draft needed
         assert_head_cache_is_the_committed_pairs(head_engine, hf_model, seq)
