@@ -2,11 +2,12 @@
 # A/B: heads drafting a step's sequences together (this checkout) against one after another (OLD: a clone of
 # this repository at 990ffe9). One drafter; one verifier per side, each with the shipped EAGLE-3 head at k=4;
 # one gateway per verifier; the bench alternates the two sides round by round.
-# Usage: OLD=/tmp/old bash docs/bench/heads/batched-drafting/ab.sh   (from the repository root, venv active)
+# Usage: OLD=/tmp/old [OUT=dir] bash docs/bench/heads/batched-drafting/ab.sh   (repository root, venv active)
+# Run 1 (after-step/) was at 13697ea, run 2 (on-demand/) at d902a8c.
 set -e
 NEW=$(pwd)
 OLD=${OLD:?a clone of this repository at 990ffe9}
-OUT=${OUT:-$NEW/docs/bench/heads/batched-drafting}
+OUT=${OUT:-$NEW/docs/bench/heads/batched-drafting/rerun}
 ROUNDS=${ROUNDS:-2}
 MODEL=$(python -c "from speclane.models import DEFAULT_MODEL, resolve_model; print(resolve_model(DEFAULT_MODEL))")
 CFG='{"method": "eagle3", "num_speculative_tokens": 4}'
