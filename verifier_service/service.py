@@ -161,7 +161,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
     async def Session(self, request_iterator, context):
         bind_request_id_from(context)
         await self._require_loaded(context)
-        seq, step = None, None
+        seq, step, status = None, None, None
         next_round = NextRound()
         # Read apart from the steps: a NextRound for the step in flight arrives while it runs.
         inbox: asyncio.Queue = asyncio.Queue()
@@ -194,11 +194,11 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
                     timing = verifier_pb2.SessionResponse(step_seconds=seconds, next_round_hit=step is not None)
                     yield self._answer(seq, result, timing)
         except InvalidRequest as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            status = grpc.StatusCode.INVALID_ARGUMENT, str(exc)
         except (SequenceFinished, StaleDraft) as exc:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+            status = grpc.StatusCode.FAILED_PRECONDITION, str(exc)
         except ResourceExhausted as exc:
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+            status = grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)
         finally:
             reader.cancel()
             if step is not None:
@@ -207,6 +207,10 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
                 if not seq.finished:
                     _log_finish(seq, FinishReason.ABORT)
                 self.engine.close(seq)
+        if status is not None:
+            # After the close: abort sends the status before it returns, and a client that
+            # has it may count live sequences at once.
+            await context.abort(*status)
 
     async def _read(self, request_iterator, inbox: asyncio.Queue, next_round: NextRound) -> None:
         """Offers each NextRound at once; queues the other messages for the
