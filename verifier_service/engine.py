@@ -262,11 +262,11 @@ class Engine:
         for entry, result in answered:
             seq = entry.work.seq
             if seq.head is not None:
-                draft = seq.head_draft
+                draft, reported = seq.head_draft, {"head_draft_seconds": seq.head_draft_seconds}
                 if draft is not None:
-                    result = dataclasses.replace(result, head_draft=draft.token_ids, head_draft_parents=draft.parents,
-                                                 head_draft_score=draft.score)
-                result = dataclasses.replace(result, head_draft_seconds=seq.head_draft_seconds)
+                    reported.update(head_draft=draft.token_ids, head_draft_parents=draft.parents,
+                                    head_draft_score=draft.score)
+                result = dataclasses.replace(result, **reported)
                 seq.head_draft_seconds = 0.0
             entry.work.done(result)
 

@@ -92,14 +92,14 @@ class HeadDrafter:
         committed = [len(state.kv) for state in states]
         try:
             if self.tree is None:
-                chains = self._chains([requests[i] for i in live], hidden, positions, token_cost)
+                made = self._chains([requests[i] for i in live], hidden, positions, token_cost)
             else:
-                chains = [self._tree(requests[i], hidden[row: row + 1], positions[row], token_cost)
+                made = [self._tree(requests[i], hidden[row: row + 1], positions[row], token_cost)
                           for row, i in enumerate(live)]
         finally:
             for state, length in zip(states, committed):
                 state.kv.truncate(length)
-        for i, draft in zip(live, chains):
+        for i, draft in zip(live, made):
             drafts[i] = draft
         return drafts
 
