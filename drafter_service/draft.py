@@ -2,10 +2,30 @@
 
 from dataclasses import dataclass
 
+from protos.conventions import MAX_NEXT_ROUND_CONTINUATIONS
+
 # Which structure a draft came from (`Draft.source`).
 SOURCE_REQUEST = "suffix-request"  # the sequence's own suffix tree (prompt + output)
 SOURCE_GLOBAL = "suffix-global"  # the tree over earlier responses
 SOURCE_NGRAM = "ngram"  # prompt lookup
+
+
+@dataclass(frozen=True)
+class Detour:
+    """Where a draft goes under another outcome of its step: `position` of the
+    step's tokens accepted, then the target's `token` (a correction where
+    position < the step's length, else another bonus token than the
+    continuation's), then `token_ids`. Its `probs` start afresh: they are
+    conditional on that outcome."""
+
+    position: int
+    token: int
+    token_ids: tuple[int, ...]
+    probs: tuple[float, ...]
+
+
+# Detours a draft offers at most: with the step's own continuation they fill one verifier NextRound.
+MAX_DETOURS = MAX_NEXT_ROUND_CONTINUATIONS - 1
 
 
 @dataclass(frozen=True)
@@ -26,6 +46,7 @@ class Draft:
     match_len: int = 0
     source: str = ""
     step_len: int = 0  # tokens of this step's draft where it goes on past them (lookahead); 0: all
+    detours: tuple[Detour, ...] = ()  # the likeliest other outcomes' drafts (lookahead), likeliest first
 
     def __post_init__(self):
         if len(self.parents) != len(self.token_ids):

@@ -7,7 +7,7 @@ import itertools
 from collections.abc import Sequence
 
 from drafter_service import _core
-from drafter_service.draft import SOURCE_GLOBAL, SOURCE_NGRAM, SOURCE_REQUEST, Draft
+from drafter_service.draft import SOURCE_GLOBAL, SOURCE_NGRAM, SOURCE_REQUEST, Detour, Draft
 from speclane.speculation import SpeculationSettings
 
 _SOURCES = {_core.SOURCE_REQUEST: SOURCE_REQUEST, _core.SOURCE_GLOBAL: SOURCE_GLOBAL, _core.SOURCE_NGRAM: SOURCE_NGRAM}
@@ -15,8 +15,10 @@ _CORE_METHODS = {"suffix": _core.METHOD_SUFFIX, "ngram": _core.METHOD_NGRAM}
 
 
 def draft_from_core(result: tuple) -> Draft:
-    token_ids, parents, probs, score, match_len, source, step_len = result
-    return Draft(tuple(token_ids), tuple(parents), tuple(probs), score, match_len, _SOURCES.get(source, ""), step_len)
+    token_ids, parents, probs, score, match_len, source, step_len, detours = result
+    return Draft(tuple(token_ids), tuple(parents), tuple(probs), score, match_len, _SOURCES.get(source, ""), step_len,
+                 tuple(Detour(position, token, tuple(tokens), tuple(detour_probs))
+                       for position, token, tokens, detour_probs in detours))
 
 
 class DraftEngine:

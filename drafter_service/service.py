@@ -33,6 +33,8 @@ def draft_to_proto(draft: Draft, committed_len: int) -> common_pb2.Draft:
         committed_len=committed_len,
         source=draft.source,
         step_len=draft.step_len,
+        detours=[common_pb2.Detour(position=detour.position, token_id=detour.token, token_ids=detour.token_ids,
+                                   confidences=detour.probs) for detour in draft.detours],
     )
 
 

@@ -19,7 +19,7 @@ from gateway.prediction import PredictionDrafter
 from gateway.types import GenerationRequest, SpeculationUsage, TokenDelta, TokenLogprob
 from gateway.verifier_pool import VerifierPool
 from protos.common.v1 import common_pb2
-from protos.conventions import FINISH_REASON_NAMES
+from protos.conventions import FINISH_REASON_NAMES, MAX_NEXT_ROUND_CONTINUATIONS
 from protos.verifier.v1 import verifier_pb2
 from speclane.speculation import DRAFTER_METHODS, HEAD_METHODS, token_cost_at
 
@@ -86,11 +86,13 @@ class Orchestrator:
         """Yields each step's committed tokens; closing the generator aborts the sequence.
 
         Next round: with the drafter's draft, the loop offers the verifier the
-        draft after it, for the outcome "all accepted, then the drafter's next
-        token" (the drafter drafts that far ahead). When that is what happens, the
-        verifier starts the offered draft at once and says so (next_round_hit);
-        the loop then sends no Verify, only the offer for the step after. The
-        verifier's wait for the loop's round trip is gone from those steps."""
+        drafts after it for its likely outcomes: "all accepted, then the
+        drafter's next token" (the drafter drafts that far ahead), and the
+        drafter's detours, "accepted up to here, then this token". When one of
+        them is what happens, the verifier starts its draft at once and says so
+        (next_round_hit); the loop then sends no Verify, only the offers for the
+        step after. The verifier's wait for the loop's round trip is gone from
+        those steps."""
         index, verifier = None, None
         drafter: DrafterSession | None = None
         prediction = PredictionDrafter(request.prediction_token_ids) if request.prediction_token_ids else None
@@ -107,7 +109,7 @@ class Orchestrator:
             proposer = drafter if speculation.uses_drafter else None  # a head's output only feeds it
             index, verifier, result = await self._prefill(request)
             output = list(result.token_ids)
-            continuation = None  # offered for the step in flight
+            offered: list[verifier_pb2.Continuation] = []  # for the step in flight
             adaptive = AdaptiveDraftLength(k) if self._policy.adaptive_draft_length else None
             acceptance = (RequestAcceptance(self._acceptance[speculation.drafter_method])
                           if self._policy.break_even and proposer is not None else None)
@@ -134,18 +136,18 @@ class Orchestrator:
                     drafter_limit = self._policy.paying_draft_tokens(running, drafter_limit, acceptance, step_drafted)
                 drafter_seconds = time.perf_counter() - asked
                 predicted = _predicted_draft(prediction, result, limit)
-                ran_ahead = result.next_round_hit  # the verifier already verifies `continuation`
+                ran_ahead = result.next_round_hit  # the verifier already verifies one of `offered`
                 if ran_ahead:
-                    source, draft = DRAFTER, continuation.draft
+                    source, draft = DRAFTER, _taken(offered, result.committed_len, result.token_ids[-1])
                 elif limit == 0:  # a head's draft is not shortened here: only switched off
                     source, draft = NONE, _NO_DRAFT
                 else:
                     source, draft = _pick_draft(speculation.method, predicted, _cut(step_drafted, 0, drafter_limit),
                                                 hybrid)
-                continuation = (_continuation_after(draft, drafted, drafter_limit) if lookahead and source == DRAFTER
-                                and limit > 0 else None)
+                offered = (_continuations_after(draft, drafted, drafter_limit) if lookahead and source == DRAFTER
+                           and limit > 0 else [])
                 sent = time.perf_counter()
-                await _checked(_send_step(verifier, result, source, draft, ran_ahead, continuation))
+                await _checked(_send_step(verifier, result, source, draft, ran_ahead, offered))
                 # The last step's tokens go out (detokenized, streamed) while the verifier runs this one.
                 yield _delta(result, speculation=usage)
                 result = await _checked(verifier.answer())
@@ -219,11 +221,11 @@ def _delta(result, finish_reason: str | None = None, speculation: SpeculationUsa
 
 
 def _send_step(verifier, last, source: str, draft: common_pb2.Draft | None, ran_ahead: bool,
-               continuation: verifier_pb2.Continuation | None):
+               offered: list[verifier_pb2.Continuation]):
     """Sends a step's draft, or nothing when the verifier already runs it
-    (`ran_ahead`), with `continuation` offered for the step after."""
-    next_round = (verifier_pb2.NextRound(step_committed_len=last.committed_len, continuations=[continuation])
-                  if continuation else None)
+    (`ran_ahead`), with `offered` continuations for the step after."""
+    next_round = (verifier_pb2.NextRound(step_committed_len=last.committed_len, continuations=offered)
+                  if offered else None)
     if ran_ahead:
         return verifier.send_offer(next_round)
     return verifier.send_verify(draft, use_head_draft=source == HEAD, next_round=next_round)
@@ -253,16 +255,36 @@ def _cut(draft: common_pb2.Draft, start: int, stop: int) -> common_pb2.Draft:
                             committed_len=draft.committed_len + start, source=draft.source)
 
 
-def _continuation_after(step: common_pb2.Draft, drafted: common_pb2.Draft,
-                        k: int) -> verifier_pb2.Continuation | None:
-    """The draft after `step` for the outcome "all of it accepted, then the
-    drafter's next token": read from `drafted` (drafted from the same committed
-    tokens, further ahead) where it goes on past `step`. None for trees, and
-    when the drafter sees nothing beyond `step` or now drafts something else."""
-    n = len(step.token_ids)
-    if drafted.parents or len(drafted.token_ids) <= n + 1 or drafted.token_ids[:n] != list(step.token_ids):
-        return None
-    return verifier_pb2.Continuation(bonus_token_id=drafted.token_ids[n], draft=_cut(drafted, n + 1, n + 1 + k))
+def _continuations_after(step: common_pb2.Draft, drafted: common_pb2.Draft,
+                         k: int) -> list[verifier_pb2.Continuation]:
+    """The drafts of up to k tokens after `step` for its likely outcomes, read
+    from `drafted` (drafted from the same committed tokens, further ahead):
+    "all of it accepted, then the drafter's next token" where `drafted` goes on
+    past `step`, then each detour that leaves `step` where `drafted` does.
+    None for trees."""
+    if drafted.parents:
+        return []
+    n, tokens = len(step.token_ids), list(step.token_ids)
+    offered = []
+    if len(drafted.token_ids) > n + 1 and drafted.token_ids[:n] == tokens:
+        offered.append(verifier_pb2.Continuation(bonus_token_id=drafted.token_ids[n],
+                                                 draft=_cut(drafted, n + 1, n + 1 + k)))
+    for detour in drafted.detours:
+        j = detour.position
+        if j <= n and drafted.token_ids[:j] == tokens[:j] and (j == n or tokens[j] != detour.token_id):
+            confidences = detour.confidences[:k]
+            draft = common_pb2.Draft(token_ids=detour.token_ids[:k], confidences=confidences, score=sum(confidences),
+                                     committed_len=drafted.committed_len + j + 1, source=drafted.source)
+            offered.append(verifier_pb2.Continuation(bonus_token_id=detour.token_id, draft=draft))
+    return offered[:MAX_NEXT_ROUND_CONTINUATIONS]
+
+
+def _taken(offered: list[verifier_pb2.Continuation], committed_len: int,
+           last_token: int) -> common_pb2.Draft | None:
+    """The offered draft for the step's outcome (the sequence length and last
+    token after it), as the verifier picks it; None when none was offered."""
+    return next((c.draft for c in offered if c.draft.committed_len == committed_len
+                 and c.bonus_token_id == last_token), None)
 
 
 def _pick_draft(method: str, predicted: common_pb2.Draft | None, drafted: common_pb2.Draft,

@@ -34,6 +34,9 @@ CHANNEL_OPTIONS = (
     *RECONNECT_OPTIONS,
 )
 
+# Continuations one verifier.v1.NextRound may offer: the step's own continuation and seven detours.
+MAX_NEXT_ROUND_CONTINUATIONS = 8
+
 # FinishReason values and the names the APIs report (OpenAI's `finish_reason`).
 FINISH_REASON_NAMES = {
     common_pb2.FINISH_REASON_STOP: "stop",

@@ -1,14 +1,13 @@
 """Next-round drafts: the client's drafts for the step after the one in flight,
-one per likely outcome. When a step ends in one of them (its draft accepted in
-full, then the expected bonus token), the verifier starts that continuation at
-once instead of waiting a round trip for the client's next Verify."""
+one per likely outcome. When a step ends in one of them (its draft accepted up
+to a given token, then the expected bonus or correction token), the verifier
+starts that continuation at once instead of waiting a round trip for the
+client's next Verify."""
 
 from dataclasses import dataclass
 
 from verifier_service.errors import InvalidRequest
 from verifier_service.sequence import Draft, FinishReason, StepResult
-
-MAX_CONTINUATIONS = 8  # per NextRound message
 
 
 @dataclass(frozen=True)
@@ -38,8 +37,8 @@ class NextRound:
         offered, self._continuations = self._continuations, ()
         if self._step_committed_len != step_committed_len or result.finish_reason is not FinishReason.NONE:
             return None
-        # The length says the step's draft was accepted in full (a draft's accepted
-        # path is never longer than the draft), the last token says which bonus came.
+        # The length says how much of the step's draft was accepted, the last token
+        # which token the target committed after it.
         for continuation in offered:
             if (continuation.draft.committed_len == result.committed_len
                     and continuation.bonus_token_id == result.token_ids[-1]):

@@ -9,13 +9,14 @@ import grpc
 import structlog
 
 from protos.common.v1 import common_pb2
+from protos.conventions import MAX_NEXT_ROUND_CONTINUATIONS
 from protos.verifier.v1 import verifier_pb2, verifier_pb2_grpc
 from speclane.grpc_server import bind_request_id_from
 from verifier_service.async_engine import AsyncEngine
 from verifier_service.config import DEFAULT_MAX_DRAFT_TOKENS
 from verifier_service.engine import Engine
 from verifier_service.errors import InvalidRequest, ResourceExhausted, SequenceFinished, StaleDraft
-from verifier_service.next_round import MAX_CONTINUATIONS, Continuation, NextRound
+from verifier_service.next_round import Continuation, NextRound
 from verifier_service.sampling import SamplingParams
 from verifier_service.sequence import Draft, FinishReason, GenerationParams, Proposal, Sequence, StepResult
 
@@ -74,8 +75,8 @@ def draft_from_proto(draft: common_pb2.Draft, max_tokens: int) -> Draft:
 
 def continuations_from_proto(message: verifier_pb2.NextRound, max_tokens: int) -> tuple[Continuation, ...]:
     # Counted on the message, as drafts are, before any of it is copied.
-    if len(message.continuations) > MAX_CONTINUATIONS:
-        raise InvalidRequest(f"a next round may offer at most {MAX_CONTINUATIONS} continuations, "
+    if len(message.continuations) > MAX_NEXT_ROUND_CONTINUATIONS:
+        raise InvalidRequest(f"a next round may offer at most {MAX_NEXT_ROUND_CONTINUATIONS} continuations, "
                              f"this one offers {len(message.continuations)}")
     return tuple(Continuation(c.bonus_token_id, draft_from_proto(c.draft, max_tokens)) for c in message.continuations)
 

@@ -1,6 +1,7 @@
 // Python bindings of the compiled drafter core: `drafter_service._core`.
 // Arguments are converted with the GIL held; the work itself runs without it.
-// Drafts come back as tuples (token_ids, parents, probs, score, match_len, source, step_len).
+// Drafts come back as tuples (token_ids, parents, probs, score, match_len, source, step_len, detours), each
+// detour a tuple (position, token, token_ids, probs).
 #include <cstdint>
 #include <tuple>
 
@@ -14,12 +15,31 @@ using namespace speclane;
 
 namespace {
 
-using DraftTuple = std::tuple<Tokens, Tokens, std::vector<double>, double, int, int, int>;
+using DetourTuple = std::tuple<int, int32_t, Tokens, std::vector<double>>;
+using DraftTuple = std::tuple<Tokens, Tokens, std::vector<double>, double, int, int, int, std::vector<DetourTuple>>;
 using Released = py::call_guard<py::gil_scoped_release>;
 
 DraftTuple as_tuple(Draft draft) {
+  std::vector<DetourTuple> detours;
+  for (Detour& detour : draft.detours)
+    detours.emplace_back(detour.position, detour.token, std::move(detour.token_ids), std::move(detour.probs));
   return {std::move(draft.token_ids), std::move(draft.parents), std::move(draft.probs), draft.score, draft.match_len,
-          draft.source, draft.step_len};
+          draft.source, draft.step_len, std::move(detours)};
+}
+
+PyObject* detour_list(const std::vector<Detour>& detours) {
+  PyObject* list = PyList_New(static_cast<Py_ssize_t>(detours.size()));
+  for (size_t i = 0; i < detours.size(); ++i) {
+    const Detour& detour = detours[i];
+    PyObject* item = Py_BuildValue("(iiNN)", detour.position, detour.token, int_list(detour.token_ids),
+                                   float_list(detour.probs));
+    if (item == nullptr) {
+      Py_DECREF(list);
+      throw py::error_already_set();
+    }
+    PyList_SET_ITEM(list, static_cast<Py_ssize_t>(i), item);
+  }
+  return list;
 }
 
 SpecParams spec(int k, double factor, double offset, double min_token_prob, bool use_tree, bool reanchor,
@@ -131,9 +151,9 @@ PYBIND11_MODULE(_core, m) {
              py::list out(drafts.size());
              for (size_t i = 0; i < drafts.size(); ++i) {
                const Draft& draft = drafts[i];
-               PyObject* item = Py_BuildValue("(NNNdiii)", int_list(draft.token_ids), int_list(draft.parents),
+               PyObject* item = Py_BuildValue("(NNNdiiiN)", int_list(draft.token_ids), int_list(draft.parents),
                                               float_list(draft.probs), draft.score, draft.match_len, draft.source,
-                                              draft.step_len);
+                                              draft.step_len, detour_list(draft.detours));
                if (item == nullptr) throw py::error_already_set();
                PyList_SET_ITEM(out.ptr(), static_cast<Py_ssize_t>(i), item);
              }

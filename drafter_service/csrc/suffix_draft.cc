@@ -7,6 +7,16 @@
 
 namespace speclane {
 
+namespace {
+
+// The most a draft from a match of `match_len` tokens may hold.
+int budget_for(const SpecParams& params, size_t match_len) {
+  double limit = std::floor(params.max_spec_factor * static_cast<double>(match_len) + params.max_spec_offset);
+  return limit < params.max_spec_tokens ? static_cast<int>(std::max(limit, -1.0)) : params.max_spec_tokens;
+}
+
+}  // namespace
+
 Draft SuffixTree::speculate(const int32_t* context, size_t n, const SpecParams& params,
                             const Sequence* along) const {
   if (params.max_spec_factor < 0) throw std::invalid_argument("max_spec_factor must be >= 0");
@@ -44,16 +54,12 @@ Draft SuffixTree::speculate(const int32_t* context, size_t n, const SpecParams& 
     once = along->frontier.size();
     while (once < along->suffixes() && nodes_[along->node_of(once)].length != kOpen) ++once;  // joined since
   }
-  auto budget_at = [&params](size_t match_len) {
-    double limit = std::floor(params.max_spec_factor * static_cast<double>(match_len) + params.max_spec_offset);
-    return limit < params.max_spec_tokens ? static_cast<int>(std::max(limit, -1.0)) : params.max_spec_tokens;
-  };
   Draft best;
   Position best_at;
   int best_budget = 0;
   int32_t drafted_count = 0;
   for (size_t match_len = longest; match_len > 0; --match_len) {
-    const int budget = budget_at(match_len);
+    const int budget = budget_for(params, match_len);
     // A score never exceeds its budget, which only shrinks from here: at best a tie.
     if (match_len < longest && budget <= best.score) break;
     if (match_len == longest) {
@@ -80,22 +86,78 @@ Draft SuffixTree::speculate(const int32_t* context, size_t n, const SpecParams& 
     }
   }
   const int drafted = static_cast<int>(best.token_ids.size());
-  if (params.lookahead > 0 && !params.use_tree && drafted > 0 && drafted == best_budget) {
+  if (params.lookahead > 0 && !params.use_tree && drafted > 0) {
+    const size_t m = static_cast<size_t>(best.match_len);
+    const int32_t* pattern = context + n - m;
     // Cut by its budget, not by the path: the step after, should this one be accepted whole and the
     // target's next token be the path's, matches drafted + 1 tokens more, so its budget is larger.
-    const size_t m = static_cast<size_t>(best.match_len);
-    const int more = std::min(params.lookahead, 1 + std::max(0, budget_at(m + static_cast<size_t>(drafted) + 1)));
-    Draft longer = draft_path(best_at, drafted + more, params, context + n - m, m);
-    longer.match_len = best.match_len;
-    longer.score = best.score;  // the step's draft's
-    longer.step_len = drafted;
-    best = std::move(longer);
+    const int more = drafted == best_budget
+                         ? std::min(params.lookahead, 1 + std::max(0, budget_for(params, m + static_cast<size_t>(drafted) + 1)))
+                         : 0;
+    std::vector<Position> visited;
+    Draft walked = draft_path(best_at, drafted + more, params, pattern, m, &visited);
+    if (more > 0) {
+      walked.match_len = best.match_len;
+      walked.score = best.score;  // the step's draft's
+      walked.step_len = drafted;
+      best = std::move(walked);
+    }
+    best.detours = detours(best, drafted, visited, params, pattern, m);
   }
   return best;
 }
 
+std::vector<Detour> SuffixTree::detours(const Draft& draft, int step_len, const std::vector<Position>& visited,
+                                        const SpecParams& params, const int32_t* pattern, size_t m) const {
+  // Every other token the tree has seen after each prefix of the step's draft, as likely as the tree
+  // says (the chance of reaching that prefix times the token's share there).
+  struct Outcome {
+    double prob;
+    int position;
+    int32_t token;
+    Position next;
+  };
+  std::vector<Outcome> outcomes;
+  const bool continued = static_cast<int>(draft.token_ids.size()) > step_len;  // its bonus token is offered
+  for (int j = 0; j <= step_len; ++j) {
+    const Position at = visited[static_cast<size_t>(j)];
+    const double reach = j == 0 ? 1.0 : draft.probs[static_cast<size_t>(j - 1)];
+    const bool offered = j < step_len || continued;
+    const int32_t taken = offered ? draft.token_ids[static_cast<size_t>(j)] : 0;
+    const Node& node = nodes_[at.node];
+    if (at.offset < length_of(node)) {
+      const int32_t token = token_at(node, at.offset);
+      if (!offered || token != taken) outcomes.push_back(Outcome{reach, j, token, Position{at.node, at.offset + 1}});
+      continue;
+    }
+    for (uint32_t i = 0; i < node.nkids; ++i) {
+      const Kid& kid = kid_arena_[node.kids + i];
+      if (offered && kid.token == taken) continue;
+      const double share = static_cast<double>(nodes_[kid.node].count) / static_cast<double>(node.count);
+      outcomes.push_back(Outcome{reach * share, j, kid.token, Position{kid.node, 1}});
+    }
+  }
+  std::stable_sort(outcomes.begin(), outcomes.end(), [](const Outcome& a, const Outcome& b) { return a.prob > b.prob; });
+  std::vector<Detour> found;
+  std::vector<int32_t> path;
+  for (const Outcome& outcome : outcomes) {
+    if (static_cast<int>(found.size()) == kMaxDetours) break;
+    // As for the continuation: the match grows by the accepted tokens and the target's.
+    const size_t matched = m + static_cast<size_t>(outcome.position) + 1;
+    const int budget = std::min(params.lookahead - 1, budget_for(params, matched));
+    if (budget <= 0) continue;
+    path.assign(pattern, pattern + m);
+    path.insert(path.end(), draft.token_ids.begin(), draft.token_ids.begin() + outcome.position);
+    path.push_back(outcome.token);
+    Draft after = draft_path(outcome.next, budget, params, path.data(), path.size());
+    if (after.token_ids.empty()) continue;
+    found.push_back(Detour{outcome.position, outcome.token, std::move(after.token_ids), std::move(after.probs)});
+  }
+  return found;
+}
+
 Draft SuffixTree::draft_path(Position at, int budget, const SpecParams& params, const int32_t* pattern,
-                             size_t m) const {
+                             size_t m, std::vector<Position>* visited) const {
   // Follows the most frequent continuation while the path probability stays >= min_token_prob.
   // `pattern` (m tokens) is the matched context.
   Draft draft;
@@ -103,6 +165,7 @@ Draft SuffixTree::draft_path(Position at, int budget, const SpecParams& params, 
   const size_t anchor = static_cast<size_t>(max_depth_ / 2);
   uint32_t length = length_of(nodes_[at.node]);
   while (static_cast<int>(draft.token_ids.size()) < budget) {
+    const Position from = at;
     const Node& node = nodes_[at.node];
     int32_t token;
     if (at.offset < length) {
@@ -132,7 +195,9 @@ Draft SuffixTree::draft_path(Position at, int budget, const SpecParams& params, 
     }
     draft.token_ids.push_back(token);
     draft.probs.push_back(prob);
+    if (visited != nullptr) visited->push_back(from);
   }
+  if (visited != nullptr) visited->push_back(at);
   draft.parents.reserve(draft.token_ids.size());
   for (size_t i = 0; i < draft.token_ids.size(); ++i) {
     draft.parents.push_back(static_cast<int32_t>(i) - 1);

@@ -57,6 +57,7 @@ struct SpecParams {
   bool reanchor = true;  // path drafts go on past max_depth by re-matching the last max_depth/2 tokens
   // A path draft that stops at its budget goes on along the same path for up to this many tokens: the
   // likely next token, then the next step's draft within its own budget (Draft.step_len marks the cut).
+  // With it, a path draft also offers detours: the drafts after the step's likeliest other outcomes.
   int lookahead = 0;
 };
 
@@ -165,7 +166,11 @@ class SuffixTree {
   void relabel(const std::vector<uint32_t>& path, uint32_t store);
 
   bool match(const int32_t* tokens, size_t start, size_t end, Position* out) const;
-  Draft draft_path(Position at, int budget, const SpecParams& params, const int32_t* pattern, size_t m) const;
+  // `visited`, when given, gets the position each token was read from, then the position after the last.
+  Draft draft_path(Position at, int budget, const SpecParams& params, const int32_t* pattern, size_t m,
+                   std::vector<Position>* visited = nullptr) const;
+  std::vector<Detour> detours(const Draft& draft, int step_len, const std::vector<Position>& visited,
+                              const SpecParams& params, const int32_t* pattern, size_t m) const;
   Draft draft_tree(Position at, int budget, double min_token_prob) const;
 
   int max_depth_;

@@ -7,21 +7,23 @@ taken with probability c.count / n.count.
 import heapq
 from collections.abc import Sequence
 
-from drafter_service.draft import Draft
+from drafter_service.draft import MAX_DETOURS, Detour, Draft
 from protos.conventions import chain_parents
 
 
 def draft_path(node, offset: int, budget: int, min_token_prob: float, match_len: int,
-               reanchor=None, pattern: Sequence[int] = ()) -> Draft:
+               reanchor=None, pattern: Sequence[int] = (), visited: list | None = None) -> Draft:
     """Follows the most frequent continuation while the path probability stays >= min_token_prob.
 
     `pattern` is the matched context; where the walk runs out of tree,
     `reanchor(node, path)` may give a position to go on from (path = pattern +
-    draft so far), or None to stop.
+    draft so far), or None to stop. `visited`, when given, gets the position
+    each token was read from, then the position after the last.
     """
     token_ids, probs, prob = [], [], 1.0
     path = list(pattern)
     while len(token_ids) < budget:
+        start = (node, offset)
         if offset < node.length:
             token = node.tokens[node.start + offset]
             offset += 1
@@ -39,7 +41,47 @@ def draft_path(node, offset: int, budget: int, min_token_prob: float, match_len:
         token_ids.append(token)
         probs.append(prob)
         path.append(token)
+        if visited is not None:
+            visited.append(start)
+    if visited is not None:
+        visited.append((node, offset))
     return Draft(tuple(token_ids), chain_parents(len(token_ids)), tuple(probs), sum(probs), match_len)
+
+
+def detours(draft: Draft, step_len: int, visited: list, budget_at, min_token_prob: float, reanchor,
+            pattern: Sequence[int]) -> tuple[Detour, ...]:
+    """The drafts after the likeliest other outcomes of a path draft's step (its first
+    `step_len` tokens, read from the positions in `visited`): every other token the
+    tree has seen after each prefix of the step, as likely as the tree says (the
+    chance of reaching that prefix times the token's share there). `budget_at(m)`
+    is a draft's budget after a match of m tokens, `pattern` the matched context.
+    """
+    outcomes = []  # (prob, position, token, node, offset after it)
+    continued = len(draft.token_ids) > step_len  # its bonus token is offered
+    for j in range(step_len + 1):
+        node, offset = visited[j]
+        reach = 1.0 if j == 0 else draft.probs[j - 1]
+        taken = draft.token_ids[j] if j < step_len or continued else None
+        if offset < node.length:
+            token = node.tokens[node.start + offset]
+            if token != taken:
+                outcomes.append((reach, j, token, node, offset + 1))
+            continue
+        for child in node.ordered or ():
+            token = child.tokens[child.start]
+            if token != taken:
+                outcomes.append((reach * (child.count / node.count), j, token, child, 1))
+    outcomes.sort(key=lambda outcome: -outcome[0])  # stable: ties keep the walk's order
+    found = []
+    for _, position, token, node, offset in outcomes:
+        if len(found) == MAX_DETOURS:
+            break
+        # As for the continuation: the match grows by the accepted tokens and the target's.
+        path = [*pattern, *draft.token_ids[:position], token]
+        after = draft_path(node, offset, budget_at(len(pattern) + position + 1), min_token_prob, 0, reanchor, path)
+        if after.token_ids:
+            found.append(Detour(position, token, after.token_ids, after.probs))
+    return tuple(found)
 
 
 def draft_tree(node, offset: int, budget: int, min_token_prob: float, match_len: int) -> Draft:

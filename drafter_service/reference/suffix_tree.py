@@ -25,7 +25,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import replace
 
 from drafter_service.draft import Draft
-from drafter_service.reference.suffix_draft import draft_path, draft_tree
+from drafter_service.reference.suffix_draft import detours, draft_path, draft_tree
 
 
 class _Node:
@@ -156,6 +156,8 @@ class SuffixTree:
         path for up to that many tokens: the likely next token, then the next
         step's draft within the budget of the match that step would leave;
         `step_len` marks where this step's draft ends, and `score` is its own.
+        A path draft then also offers `detours`, the drafts after the step's
+        likeliest other outcomes (suffix_draft.detours).
         """
         if max_spec_factor < 0:
             raise ValueError("max_spec_factor must be >= 0")
@@ -189,12 +191,20 @@ class SuffixTree:
             if match_len == longest or draft.score > best.score:
                 best, best_at = draft, (node, offset, budget)
         drafted = len(best)
-        if lookahead > 0 and not use_tree and drafted > 0 and drafted == best_at[2]:
-            node, offset, _ = best_at
-            more = min(lookahead, 1 + max(0, budget_at(best.match_len + drafted + 1)))
-            longer = draft_path(node, offset, drafted + more, min_token_prob, best.match_len,
-                                self._reanchor if reanchor else None, context[end - best.match_len:end])
-            best = replace(longer, score=best.score, step_len=drafted)
+        if lookahead > 0 and not use_tree and drafted > 0:
+            node, offset, budget = best_at
+            pattern, reanchored = context[end - best.match_len:end], self._reanchor if reanchor else None
+            # Cut by its budget, not by the path: the step after, should this one be accepted whole and the
+            # target's next token be the path's, matches drafted + 1 tokens more, so its budget is larger.
+            more = min(lookahead, 1 + max(0, budget_at(best.match_len + drafted + 1))) if drafted == budget else 0
+            visited = []
+            walked = draft_path(node, offset, drafted + more, min_token_prob, best.match_len, reanchored, pattern,
+                                visited)
+            if more > 0:
+                best = replace(walked, score=best.score, step_len=drafted)
+            best = replace(best, detours=detours(best, drafted, visited,
+                                                 lambda m: min(lookahead - 1, budget_at(m)), min_token_prob,
+                                                 reanchored, pattern))
         return best
 
     def _reanchor(self, node: _Node, path: list[int]) -> tuple[_Node, int] | None:

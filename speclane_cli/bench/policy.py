@@ -4,9 +4,8 @@ The target's greedy replies to the bench data sets are recorded once (transforme
 conversations as `bench serve`) and saved; each policy then replays them through the compiled drafter core as the
 gateway drives it: a drafter session per request (the data set's requests in order, one tenant, so the global
 tree learns as it would at concurrency 1), a draft of k tokens verified greedily (accepted up to the first token
-the target did not write, plus the target's own next token), and with next-round drafts the continuation the
-drafter offered used as the next step's draft when the whole draft and its guessed bonus token were right (after
-a freshly drafted step only: the gateway can chain one more offer after a hit, which this leaves out).
+the target did not write, plus the target's own next token), and with next-round drafts the continuations the
+gateway offers (its own code) used as the next step's draft when the step ends as one of them foresaw.
 
 Steps are priced as the verifier measures them (`draft_cost.py`): a plain step costs 1, each draft token
 `--draft-token-cost` more, so a policy's decode speed relative to n-gram lookup is estimated exactly from counts.
@@ -17,7 +16,9 @@ import json
 import pathlib
 from dataclasses import dataclass
 
-from drafter_service.engine import DraftEngine
+from drafter_service.engine import DraftEngine, draft_from_core
+from drafter_service.service import draft_to_proto
+from gateway.orchestrator import _continuations_after, _step_part, _taken
 from speclane.speculation import DrafterLimits, SpeculationSettings
 
 
@@ -53,22 +54,21 @@ def replay(traces: list[Trace], settings: SpeculationSettings, token_cost: float
     for trace in traces:
         out = trace.output
         seq_id = engine.start(trace.prompt, settings, tenant="", lookahead=lookahead)
-        position, committed, offered = 1, list(out[:1]), None
+        position, committed, offered = 1, list(out[:1]), []
         while position < len(out):
-            fresh, *_, step_len = engine.core.step([seq_id], [committed])[0]  # one sequence, synchronously
-            n = step_len or len(fresh)
-            draft = offered if offered is not None else fresh[:n]
-            result.next_round_steps += offered is not None
-            accepted = _accepted(draft, out[position:])
-            bonus_at = position + accepted
-            offered = (fresh[n + 1:n + 1 + k] if next_round and offered is None and accepted == n
-                       and len(fresh) > n + 1 and bonus_at < len(out) and out[bonus_at] == fresh[n] else None)
-            committed = list(out[position:bonus_at + 1])
+            committed_len = len(trace.prompt) + position
+            drafted = draft_to_proto(draft_from_core(engine.core.step([seq_id], [committed])[0]), committed_len)
+            taken = _taken(offered, committed_len, committed[-1])
+            draft = taken or _step_part(drafted)
+            result.next_round_steps += taken is not None
+            offered = _continuations_after(draft, drafted, k) if next_round else []
+            accepted = _accepted(draft.token_ids, out[position:])
+            committed = list(out[position:position + accepted + 1])
             position += len(committed)
             result.steps += 1
-            result.drafted += len(draft)
+            result.drafted += len(draft.token_ids)
             result.accepted += accepted
-            result.cost += 1 + token_cost * len(draft)
+            result.cost += 1 + token_cost * len(draft.token_ids)
         engine.end(seq_id)
         result.tokens += len(out) - 1
     return result

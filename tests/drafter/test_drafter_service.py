@@ -131,6 +131,26 @@ def test_a_draft_goes_on_past_its_step_along_the_same_path(method):
     assert ahead.score == pytest.approx(plain.score) == pytest.approx(sum(ahead.confidences[:2]))
 
 
+def test_a_draft_offers_detours_for_the_branches_it_did_not_take():
+    """After "1 2" the prompt went on "3" twice and "6" once: the draft takes "3",
+    and with lookahead it offers a detour for "6" there, whose draft follows "6"
+    within the budget of the match it leaves ("1 2 6": 3 tokens), with its
+    probabilities conditional on it (no branch after "6": all 1)."""
+    prompt = [1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 1, 2, 6, 7, 8, 1, 2]
+
+    async def main():
+        async with drafter() as stub:
+            return [(await run_session(stub, start(prompt, k=4, lookahead=lookahead), [[]]))[0]
+                    for lookahead in (0, 5)]
+
+    plain, ahead = asyncio.run(main())
+    assert not plain.detours
+    assert list(ahead.token_ids[:2]) == [3, 4]
+    [detour] = ahead.detours
+    assert (detour.position, detour.token_id) == (0, 6)
+    assert list(detour.token_ids) == [7, 8, 1] and list(detour.confidences) == [1, 1, 1]
+
+
 @pytest.mark.parametrize("messages", [
     [step([1], 1)],
     [start([1, 2], lookahead=65)],

@@ -154,6 +154,10 @@ class FakeDrafter(drafter_pb2_grpc.DrafterServicer):
         self.delay = 0.0  # seconds before each answer
         self.wrong_bonus = False  # a draft going on past its step guesses the bonus token wrong
         self.step_len = 0  # where a draft going on past its step ends that step (0: at k, as far as it may)
+        # Draft token at this position wrong, with a detour there for the target's token (set detour_token to
+        # offer another token instead).
+        self.detour_at: int | None = None
+        self.detour_token: int | None = None
         self.lookaheads: list[int] = []  # per session, its Start.num_lookahead_tokens
         self.confidences: list[float] = []  # of each draft's first tokens, as suffix decoding reports them
         self.params: list[drafter_pb2.ProposerParams] = []  # per session, as started
@@ -193,9 +197,16 @@ class FakeDrafter(drafter_pb2_grpc.DrafterServicer):
                 step_len = min(self.step_len or k, len(tokens)) if len(tokens) > (self.step_len or k) else 0
                 if self.wrong_bonus and step_len:
                     tokens[step_len] = 999
+                detours = []
+                if self.detour_at is not None and len(tokens) > self.detour_at:
+                    at, generated = self.detour_at, committed_len - prompt_len
+                    detours.append(common_pb2.Detour(
+                        position=at, token_id=tokens[at] if self.detour_token is None else self.detour_token,
+                        token_ids=target_tokens(generated + at + 1, k)))
+                    tokens[at] = 999
                 yield drafter_pb2.SessionResponse(draft=common_pb2.Draft(
                     token_ids=tokens, confidences=self.confidences[:len(tokens)], committed_len=committed_len,
-                    step_len=step_len))
+                    step_len=step_len, detours=detours))
 
 
 @contextlib.asynccontextmanager

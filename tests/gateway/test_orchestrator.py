@@ -340,6 +340,26 @@ async def test_a_next_round_miss_falls_back_to_a_verify_and_loses_nothing(miss):
     assert len(verifier.offers) >= deltas[-1].speculation.verify_steps - 1  # offered at (nearly) every step
 
 
+@pytest.mark.parametrize("right", [True, False])
+async def test_a_detour_lets_the_verifier_go_on_after_a_rejected_draft_token(right):
+    """The drafter's second draft token is wrong and its detour there offers the
+    target's token: each step is rejected there, and the one after runs on the
+    detour's draft. A detour for another token never runs, and loses nothing."""
+    verifier, drafter = FakeVerifier(accept=1, step_seconds=0.02), FakeDrafter(draft_len=3)
+    drafter.detour_at, drafter.detour_token = 1, None if right else 998
+    async with gateway([verifier], drafter, policy=LoopPolicy(next_round=True)) as gw:
+        deltas = await collect(gw, lookahead())
+    assert tokens_of(deltas) == target_tokens(0, 30)
+    usage = deltas[-1].speculation
+    if right:
+        # A fresh step rejects its draft at the detour; the detour's step (all target tokens) is accepted in full.
+        assert usage.next_round_steps > 0 and any(draft == target_tokens(3, 3) for draft in verifier.drafts)
+        detour = next(c for c in verifier.offers[0].continuations if c.draft.committed_len == len(PROMPT) + 3)
+        assert (detour.bonus_token_id, list(detour.draft.token_ids)) == (target_tokens(2, 1)[0], target_tokens(3, 3))
+    else:
+        assert usage.next_round_steps == 0 and verifier.offers
+
+
 async def test_without_the_policy_no_next_round_is_offered_and_the_drafter_drafts_k():
     verifier, drafter = FakeVerifier(accept=8), FakeDrafter(draft_len=7)
     async with gateway([verifier], drafter) as gw:
@@ -350,21 +370,43 @@ async def test_without_the_policy_no_next_round_is_offered_and_the_drafter_draft
 
 
 def test_a_continuation_is_read_from_the_longer_draft_where_it_goes_on_past_the_step():
-    from gateway.orchestrator import _continuation_after, _cut
+    from gateway.orchestrator import _continuations_after, _cut
 
     drafted = common_pb2.Draft(token_ids=[1, 2, 3, 4, 5, 6], confidences=[1, 1, .5, .5, .5, .25], committed_len=10)
     step = _cut(drafted, 0, 2)
     assert list(step.token_ids) == [1, 2] and step.score == 2 and step.committed_len == 10
-    continuation = _continuation_after(step, drafted, k=2)
+    [continuation] = _continuations_after(step, drafted, k=2)
     assert continuation.bonus_token_id == 3
     assert list(continuation.draft.token_ids) == [4, 5] and continuation.draft.committed_len == 13
     assert list(continuation.draft.confidences) == [.5, .5]
-    assert _continuation_after(common_pb2.Draft(token_ids=[1, 7]), drafted, k=2) is None  # drafted something else
-    assert _continuation_after(_cut(drafted, 0, 5), drafted, k=2) is None  # nothing after the bonus
+    assert _continuations_after(common_pb2.Draft(token_ids=[1, 7]), drafted, k=2) == []  # drafted something else
+    assert _continuations_after(_cut(drafted, 0, 5), drafted, k=2) == []  # nothing after the bonus
     tree = common_pb2.Draft(token_ids=[1, 2, 3, 4], parents=[-1, 0, 0, 1], confidences=[1, .5, .5, .25])
     cut = _cut(tree, 0, 3)  # a load or adaptive limit holds for trees too
     assert (list(cut.token_ids), list(cut.parents), cut.score) == ([1, 2, 3], [-1, 0, 0], 2)
-    assert _continuation_after(_cut(tree, 0, 1), tree, k=2) is None
+    assert _continuations_after(_cut(tree, 0, 1), tree, k=2) == []
+
+
+def test_detours_are_offered_for_the_outcomes_of_the_step_that_is_verified():
+    from gateway.orchestrator import _continuations_after, _cut
+
+    def detour(position, token):
+        return common_pb2.Detour(position=position, token_id=token, token_ids=[20 + token, 21, 22],
+                                 confidences=[1, .5, .25])
+
+    drafted = common_pb2.Draft(token_ids=[1, 2, 3, 4, 5], confidences=[1, 1, .5, .5, .5], committed_len=10,
+                               step_len=3, detours=[detour(0, 7), detour(2, 8), detour(3, 9), detour(4, 6)])
+    step = _cut(drafted, 0, 2)  # cut by the gateway below the drafter's step of 3
+    offered = _continuations_after(step, drafted, k=2)
+    # The path on (bonus 3), then the detours at positions 0 and 2 (2 is now the bonus's position).
+    assert [(c.bonus_token_id, c.draft.committed_len) for c in offered] == [(3, 13), (7, 11), (8, 13)]
+    assert list(offered[1].draft.token_ids) == [27, 21] and list(offered[1].draft.confidences) == [1, .5]
+    assert offered[1].draft.score == 1.5
+    # The verifier runs an offered draft: detours leaving it where the drafted path does still apply.
+    running = common_pb2.Draft(token_ids=[1, 2, 8], committed_len=10)
+    assert [c.bonus_token_id for c in _continuations_after(running, drafted, k=2)] == [7]
+    assert len(_continuations_after(drafted, common_pb2.Draft(
+        token_ids=[1], detours=[detour(0, 100 + i) for i in range(12)]), k=2)) == 8  # one NextRound's worth
 
 
 # Adaptive draft length

@@ -24,17 +24,19 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dprotos/common/v1/common.proto\x12\x12speclane.common.v1\"\xc2\x01\n\x05\x44raft\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0f\n\x07parents\x18\x02 \x03(\x05\x12\x13\n\x0b\x63onfidences\x18\x03 \x03(\x02\x12\r\n\x05score\x18\x04 \x01(\x02\x12\x38\n\tproposals\x18\x05 \x03(\x0b\x32%.speclane.common.v1.TokenDistribution\x12\x15\n\rcommitted_len\x18\x06 \x01(\x04\x12\x0e\n\x06source\x18\x07 \x01(\t\x12\x10\n\x08step_len\x18\x08 \x01(\r\"5\n\x11TokenDistribution\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\r\n\x05probs\x18\x02 \x03(\x02*\x96\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x12\x1c\n\x18\x46INISH_REASON_TOOL_CALLS\x10\x04\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dprotos/common/v1/common.proto\x12\x12speclane.common.v1\"\xef\x01\n\x05\x44raft\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0f\n\x07parents\x18\x02 \x03(\x05\x12\x13\n\x0b\x63onfidences\x18\x03 \x03(\x02\x12\r\n\x05score\x18\x04 \x01(\x02\x12\x38\n\tproposals\x18\x05 \x03(\x0b\x32%.speclane.common.v1.TokenDistribution\x12\x15\n\rcommitted_len\x18\x06 \x01(\x04\x12\x0e\n\x06source\x18\x07 \x01(\t\x12\x10\n\x08step_len\x18\x08 \x01(\r\x12+\n\x07\x64\x65tours\x18\t \x03(\x0b\x32\x1a.speclane.common.v1.Detour\"T\n\x06\x44\x65tour\x12\x10\n\x08position\x18\x01 \x01(\r\x12\x10\n\x08token_id\x18\x02 \x01(\x05\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x13\n\x0b\x63onfidences\x18\x04 \x03(\x02\"5\n\x11TokenDistribution\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\r\n\x05probs\x18\x02 \x03(\x02*\x96\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x12\x1c\n\x18\x46INISH_REASON_TOOL_CALLS\x10\x04\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'protos.common.v1.common_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=306
-  _globals['_FINISHREASON']._serialized_end=456
+  _globals['_FINISHREASON']._serialized_start=437
+  _globals['_FINISHREASON']._serialized_end=587
   _globals['_DRAFT']._serialized_start=54
-  _globals['_DRAFT']._serialized_end=248
-  _globals['_TOKENDISTRIBUTION']._serialized_start=250
-  _globals['_TOKENDISTRIBUTION']._serialized_end=303
+  _globals['_DRAFT']._serialized_end=293
+  _globals['_DETOUR']._serialized_start=295
+  _globals['_DETOUR']._serialized_end=379
+  _globals['_TOKENDISTRIBUTION']._serialized_start=381
+  _globals['_TOKENDISTRIBUTION']._serialized_end=434
 # @@protoc_insertion_point(module_scope)

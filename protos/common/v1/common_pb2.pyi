@@ -21,7 +21,7 @@ FINISH_REASON_ABORT: FinishReason
 FINISH_REASON_TOOL_CALLS: FinishReason
 
 class Draft(_message.Message):
-    __slots__ = ("token_ids", "parents", "confidences", "score", "proposals", "committed_len", "source", "step_len")
+    __slots__ = ("token_ids", "parents", "confidences", "score", "proposals", "committed_len", "source", "step_len", "detours")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     PARENTS_FIELD_NUMBER: _ClassVar[int]
     CONFIDENCES_FIELD_NUMBER: _ClassVar[int]
@@ -30,6 +30,7 @@ class Draft(_message.Message):
     COMMITTED_LEN_FIELD_NUMBER: _ClassVar[int]
     SOURCE_FIELD_NUMBER: _ClassVar[int]
     STEP_LEN_FIELD_NUMBER: _ClassVar[int]
+    DETOURS_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     parents: _containers.RepeatedScalarFieldContainer[int]
     confidences: _containers.RepeatedScalarFieldContainer[float]
@@ -38,7 +39,20 @@ class Draft(_message.Message):
     committed_len: int
     source: str
     step_len: int
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., parents: _Optional[_Iterable[int]] = ..., confidences: _Optional[_Iterable[float]] = ..., score: _Optional[float] = ..., proposals: _Optional[_Iterable[_Union[TokenDistribution, _Mapping]]] = ..., committed_len: _Optional[int] = ..., source: _Optional[str] = ..., step_len: _Optional[int] = ...) -> None: ...
+    detours: _containers.RepeatedCompositeFieldContainer[Detour]
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., parents: _Optional[_Iterable[int]] = ..., confidences: _Optional[_Iterable[float]] = ..., score: _Optional[float] = ..., proposals: _Optional[_Iterable[_Union[TokenDistribution, _Mapping]]] = ..., committed_len: _Optional[int] = ..., source: _Optional[str] = ..., step_len: _Optional[int] = ..., detours: _Optional[_Iterable[_Union[Detour, _Mapping]]] = ...) -> None: ...
+
+class Detour(_message.Message):
+    __slots__ = ("position", "token_id", "token_ids", "confidences")
+    POSITION_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    CONFIDENCES_FIELD_NUMBER: _ClassVar[int]
+    position: int
+    token_id: int
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    confidences: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, position: _Optional[int] = ..., token_id: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., confidences: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class TokenDistribution(_message.Message):
     __slots__ = ("token_ids", "probs")
