@@ -91,9 +91,8 @@ Draft SuffixTree::speculate(const int32_t* context, size_t n, const SpecParams& 
     const int32_t* pattern = context + n - m;
     // Cut by its budget, not by the path: the step after, should this one be accepted whole and the
     // target's next token be the path's, matches drafted + 1 tokens more, so its budget is larger.
-    const int more = drafted == best_budget
-                         ? std::min(params.lookahead, 1 + std::max(0, budget_for(params, m + static_cast<size_t>(drafted) + 1)))
-                         : 0;
+    const int next_budget = budget_for(params, m + static_cast<size_t>(drafted) + 1);
+    const int more = drafted == best_budget ? std::min(params.lookahead, 1 + std::max(0, next_budget)) : 0;
     std::vector<Position> visited;
     Draft walked = draft_path(best_at, drafted + more, params, pattern, m, &visited);
     if (more > 0) {
@@ -137,7 +136,8 @@ std::vector<Detour> SuffixTree::detours(const Draft& draft, int step_len, const 
       outcomes.push_back(Outcome{reach * share, j, kid.token, Position{kid.node, 1}});
     }
   }
-  std::stable_sort(outcomes.begin(), outcomes.end(), [](const Outcome& a, const Outcome& b) { return a.prob > b.prob; });
+  std::stable_sort(outcomes.begin(), outcomes.end(),
+                   [](const Outcome& a, const Outcome& b) { return a.prob > b.prob; });
   std::vector<Detour> found;
   std::vector<int32_t> path;
   for (const Outcome& outcome : outcomes) {
