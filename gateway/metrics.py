@@ -70,6 +70,12 @@ class GatewayMetrics:
         self._finished = counter("vllm:request_success", "Finished generations by finish reason.",
                                  ["finished_reason"])
         self._errors = counter("speclane:request_errors", "Requests that failed, by error type.", ["error_type"])
+        # taken / (taken + missed) is the next-round hit rate: the steps that skipped the gateway's round trip.
+        self._next_round = counter("speclane:next_round_offers", "Steps offered next-round drafts, by whether the "
+                                   "verifier went on with one of them (taken) or waited for a Verify (missed).",
+                                   ["outcome"])
+        for outcome in ("taken", "missed"):  # both at 0 from the start, so a rate is defined
+            self._next_round.labels(model_name, outcome)
         self._prompt_tokens = counter("vllm:prompt_tokens", "Prompt tokens of generations.")
         self._generation_tokens = counter("vllm:generation_tokens", "Generated tokens returned.")
         self._running = Gauge("vllm:num_requests_running", "Generations in flight.", labels,
@@ -123,6 +129,9 @@ class GatewayMetrics:
         self._accepted_tokens.labels(model).inc(num_accepted)
         for position in range(num_accepted):
             self._accepted_per_pos.labels(model, str(position)).inc()
+
+    def record_next_round(self, taken: bool) -> None:
+        self._next_round.labels(self.model_name, "taken" if taken else "missed").inc()
 
     def record_step_times(self, times: StepTimes) -> None:
         for name, part in self._step_parts.items():

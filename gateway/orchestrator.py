@@ -151,6 +151,8 @@ class Orchestrator:
                 # The last step's tokens go out (detokenized, streamed) while the verifier runs this one.
                 yield _delta(result, speculation=usage)
                 result = await _checked(verifier.answer())
+                if offered:
+                    self._metrics.record_next_round(result.next_round_hit)
                 usage += _step_usage(result, source, ran_ahead)
                 if source == HEAD:
                     worth = head_step_worth(result, self._policy.draft_token_cost)

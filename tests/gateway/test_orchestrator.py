@@ -358,6 +358,11 @@ async def test_a_detour_lets_the_verifier_go_on_after_a_rejected_draft_token(rig
         assert (detour.bonus_token_id, list(detour.draft.token_ids)) == (target_tokens(2, 1)[0], target_tokens(3, 3))
     else:
         assert usage.next_round_steps == 0 and verifier.offers
+    text = gw.metrics.render().decode()
+    taken = usage.next_round_steps
+    assert f'speclane:next_round_offers_total{{model_name="{MODEL_NAME}",outcome="taken"}} {taken}.0' in text
+    missed = len(verifier.offers) - taken
+    assert f'speclane:next_round_offers_total{{model_name="{MODEL_NAME}",outcome="missed"}} {missed}.0' in text
 
 
 async def test_without_the_policy_no_next_round_is_offered_and_the_drafter_drafts_k():
