@@ -263,7 +263,7 @@ def _continuations_after(step: common_pb2.Draft, drafted: common_pb2.Draft,
     from `drafted` (drafted from the same committed tokens, further ahead):
     "all of it accepted, then the drafter's next token" where `drafted` goes on
     past `step`, then each detour that leaves `step` where `drafted` does.
-    None for trees."""
+    Nothing for trees."""
     if drafted.parents:
         return []
     n, tokens = len(step.token_ids), list(step.token_ids)
