@@ -11,6 +11,8 @@ import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
 
+from verifier_service.batch_invariant import segment_attention
+
 ATTENTION_NAME = "speclane_ragged"
 
 
@@ -20,11 +22,16 @@ def ragged_attention(module, query, key, value, attention_mask, scaling=None, dr
     batch = kwargs["speclane_batch"]
     layer = module.layer_idx
     out = torch.empty_like(query)
-    for seg, offset, mask in zip(batch.segments, batch.offsets, batch.masks):
+    for i, (seg, offset, mask) in enumerate(zip(batch.segments, batch.offsets, batch.masks)):
         new = slice(offset, offset + seg.num_tokens)
         keys, values = batch.store.write(seg.slot, layer, seg.start, key[0, :, new], value[0, :, new])
+        if batch.key_orders is not None:
+            out[0, :, new] = segment_attention(query[0, :, new], keys, values, seg.start, batch.key_orders[i],
+                                                scaling if scaling is not None else query.shape[-1] ** -0.5)
+            continue
+        end = seg.start + seg.num_tokens
         out[:, :, new] = F.scaled_dot_product_attention(
-            query[:, :, new], keys[None], values[None], attn_mask=mask, scale=scaling,
+            query[:, :, new], keys[None, :, :end], values[None, :, :end], attn_mask=mask, scale=scaling,
             enable_gqa=keys.shape[0] != query.shape[1],
         )
     return out.transpose(1, 2), None

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from verifier_service.batch_invariant import KeyOrder, key_order
 from verifier_service.kv_store import KVOp
 from verifier_service.tree import ancestor_mask, depths
 
@@ -75,9 +76,11 @@ class ForwardBatch:
     segments: tuple[Segment, ...]
     offsets: list[int]  # start of each segment in the packed row
     masks: list[torch.Tensor | None]
+    key_orders: list[KeyOrder] | None = None  # with batch-invariant attention, which needs no masks
 
 
-def prepare(plan: StepPlan, store, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, ForwardBatch]:
+def prepare(plan: StepPlan, store, device, batch_invariant: bool = False
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, ForwardBatch]:
     """input_ids [1, T], position_ids [1, T], logit row indices, and the ForwardBatch."""
     positions: list[int] = []
     offsets: list[int] = []
@@ -91,5 +94,9 @@ def prepare(plan: StepPlan, store, device) -> tuple[torch.Tensor, torch.Tensor, 
     ids = torch.tensor([plan.input_ids], dtype=torch.long, device=device)
     pos = torch.tensor([positions], dtype=torch.long, device=device)
     keep = torch.tensor(rows, dtype=torch.long, device=device)
-    batch = ForwardBatch(store, plan.segments, offsets, [segment_mask(s, device) for s in plan.segments])
+    if batch_invariant:
+        batch = ForwardBatch(store, plan.segments, offsets, [None] * len(plan.segments),
+                             [key_order(s.num_pending, s.parents, device) for s in plan.segments])
+    else:
+        batch = ForwardBatch(store, plan.segments, offsets, [segment_mask(s, device) for s in plan.segments])
     return ids, pos, keep, batch

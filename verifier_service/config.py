@@ -21,6 +21,7 @@ from verifier_service.heads.shipped import shipped_head, shipped_heads
 ENV_PREFIX = "SPECLANE_VERIFIER_"
 DEVICE_PATTERN = re.compile(r"^(auto|cpu|cuda(:\d+)?|npu(:\d+)?)$")
 DTYPES = ("float32", "bfloat16", "float16")  # torch dtype names
+BATCH_INVARIANT_MODES = ("auto", "on", "off")
 HEAD_INT8 = "int8"  # a head's linear weights in int8 over bf16 activations (heads/int8.py)
 MAX_SEED = 2**64  # torch seeds are uint64
 DEFAULT_MAX_DRAFT_TOKENS = 256
@@ -40,6 +41,10 @@ class VerifierConfig:
                                      "AVX512-BF16 or AMX; else --dtype's), float32, bfloat16, float16 or int8 (int8 "
                                      "linear weights over bf16, CPU only). The head only proposes, so its dtype never "
                                      "changes the output")
+    batch_invariant: str = option("auto", "compute every token as a plain decode step would, whatever else its "
+                                          "pass holds, so that speculation never changes a greedy output: auto (on "
+                                          "for bfloat16/float16 where the start-up check finds this platform's "
+                                          "kernels allow it), on (refuse to start where they do not) or off")
     threads: int = option(0, "torch intra-op CPU threads per rank; 0 means 1 (decode is memory-bound)")
     tensor_parallel_size: int = option(1, "ranks the model is split over (gloo on CPU, nccl on CUDA, hccl on "
                                           "Ascend); rank 0 serves gRPC")
@@ -94,7 +99,8 @@ class VerifierConfig:
             object.__setattr__(self, "model_name", served_name(self.model))
         if not DEVICE_PATTERN.match(self.device):
             raise ValueError(f"device must be auto, cpu, cuda[:N] or npu[:N], got {self.device!r}")
-        for name, allowed in (("dtype", ("auto", *DTYPES)), ("head_dtype", ("auto", *DTYPES, HEAD_INT8))):
+        for name, allowed in (("dtype", ("auto", *DTYPES)), ("head_dtype", ("auto", *DTYPES, HEAD_INT8)),
+                              ("batch_invariant", BATCH_INVARIANT_MODES)):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}")
         if self.threads < 0:

@@ -108,19 +108,28 @@ class MeasuredLinear(nn.Module):
         return out if self.bias is None else out + self.bias
 
 
+def replace_linears(model: nn.Module, replacement) -> None:
+    """Replaces every nn.Linear in `model` with replacement(linear)."""
+    targets = [(parent, name, child) for parent in model.modules()
+               for name, child in parent.named_children() if type(child) is nn.Linear]
+    for parent, name, child in targets:
+        setattr(parent, name, replacement(child))
+
+
 def add_measured_linears(model: nn.Module) -> int:
     """Replaces every nn.Linear in `model` with a MeasuredLinear, its ways
     timed once per weight shape; returns the bytes added (transposed copies)."""
-    targets = [(parent, name, child) for parent in model.modules()
-               for name, child in parent.named_children() if type(child) is nn.Linear]
     ways: dict[tuple[int, int], tuple[int, ...]] = {}
     scratch = torch.zeros(_SCRATCH_BYTES // 4)
-    for parent, name, child in targets:
-        shape = tuple(child.weight.shape)
+
+    def measured(linear: nn.Linear) -> MeasuredLinear:
+        shape = tuple(linear.weight.shape)
         if shape not in ways:  # timed on a transposed copy made for the timing
-            weight = child.weight.detach()
+            weight = linear.weight.detach()
             ways[shape] = fastest_ways(way_seconds(weight, weight.t().contiguous(), scratch))
-        setattr(parent, name, MeasuredLinear(child, ways[shape]))
+        return MeasuredLinear(linear, ways[shape])
+
+    replace_linears(model, measured)
     return sum(module.weight_t.nbytes for module in model.modules()
                if isinstance(module, MeasuredLinear) and module.weight_t is not None)
 

@@ -57,17 +57,19 @@ class KVStore:
 
     def write(self, slot: int, layer: int, start: int, keys: torch.Tensor, values: torch.Tensor):
         """Stores `keys`/`values` [kv_heads, n, head_dim] at rows start..start+n of
-        the slot; returns views of rows 0..start+n (the attention's keys and values)."""
+        the slot; returns the slot's whole tensors [kv_heads, capacity, head_dim]
+        (rows past start + n hold zeros or an earlier step's values)."""
         layers = self._slots.setdefault(slot, [None] * self.num_layers)
         end = start + keys.shape[1]
         current = layers[layer]
         if current is None or current[0].shape[1] < end:
             capacity = round_up(end, self.block_size)
-            grown = tuple(t.new_empty(t.shape[0], capacity, t.shape[2]) for t in (keys, values))
+            # Zeros, not empty: batch-invariant attention weights rows past the end by 0, and 0 * NaN is NaN.
+            grown = tuple(t.new_zeros(t.shape[0], capacity, t.shape[2]) for t in (keys, values))
             if current is not None:
                 for old, new in zip(current, grown):
                     new[:, :start] = old[:, :start]
             layers[layer] = current = grown
         current[0][:, start:end] = keys
         current[1][:, start:end] = values
-        return current[0][:, :end], current[1][:, :end]
+        return current

@@ -10,6 +10,7 @@ from transformers import AutoModelForCausalLM
 
 from verifier_service.attention import register as register_attention
 from verifier_service.batch import StepPlan, prepare
+from verifier_service.batch_invariant import make_invariant
 from verifier_service.cpu_linear import add_measured_linears, measures_linear_ways
 from verifier_service.distributed import TensorParallel
 from verifier_service.kv_store import KVStore
@@ -35,7 +36,8 @@ class ModelRunner:
     """Loads the model once and runs StepPlans."""
 
     def __init__(self, model_dir: str, device: str, dtype: torch.dtype, *, block_size: int = 64,
-                 tp: TensorParallel | None = None, max_model_len: int = 0, trust_remote_code: bool = False):
+                 tp: TensorParallel | None = None, max_model_len: int = 0, trust_remote_code: bool = False,
+                 batch_invariant: str = "auto"):
         self.model_dir = model_dir
         self.device = torch.device(device)
         self.dtype = dtype
@@ -49,6 +51,9 @@ class ModelRunner:
         transposed_bytes = (add_measured_linears(self.model)
                             if measures_linear_ways(self.device, dtype, tp is not None) else 0)
         text_config = self.model.config.get_text_config()
+        _, kv_heads, head_dim = kv_geometry(text_config)
+        self.batch_invariant = make_invariant(batch_invariant, self.model, self.device, dtype, tp is not None,
+                                              (text_config.num_attention_heads, kv_heads, head_dim))
         self.tp_size = tp.world_size if tp is not None else 1
         layers, kv_heads, head_dim = kv_geometry(text_config, self.tp_size)
         self.kv_bytes_per_token = 2 * layers * kv_heads * head_dim * torch.finfo(dtype).bits // 8
@@ -64,7 +69,8 @@ class ModelRunner:
         log.info("model_loaded", model=os.path.basename(os.path.normpath(model_dir)), device=str(self.device),
                  dtype=str(dtype).removeprefix("torch."), vocab_size=self.vocab_size,
                  max_context_len=self.max_context_len, eos_token_ids=list(self.eos_token_ids),
-                 tensor_parallel_size=self.tp_size, rank=tp.rank if tp else 0, transposed_weight_bytes=transposed_bytes)
+                 tensor_parallel_size=self.tp_size, rank=tp.rank if tp else 0, transposed_weight_bytes=transposed_bytes,
+                 batch_invariant=self.batch_invariant)
 
     def execute(self, plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Runs a plan (on every rank); returns fp32 logits [rows, vocab] in
@@ -80,7 +86,7 @@ class ModelRunner:
             self.store.apply(op)
         if not plan.segments:
             return torch.empty(0, self.vocab_size), None
-        ids, positions, rows, batch = prepare(plan, self.store, self.device)
+        ids, positions, rows, batch = prepare(plan, self.store, self.device, self.batch_invariant)
         out = self.model(input_ids=ids, position_ids=positions, use_cache=False, logits_to_keep=rows,
                          speclane_batch=batch, output_hidden_states=bool(self.feature_layers))
         features = None

@@ -27,6 +27,14 @@ def children(parents) -> list[list[int]]:
     return result
 
 
+def ancestors(parents) -> list[list[int]]:
+    """Each node's path from the root's child down to the node itself."""
+    result: list[list[int]] = []
+    for i, parent in enumerate(parents):
+        result.append((result[parent] if parent >= 0 else []) + [i])
+    return result
+
+
 def ancestor_mask(parents) -> torch.Tensor:
     """[k, k] bool: node i may attend node j when j is i or one of its ancestors."""
     k = len(parents)

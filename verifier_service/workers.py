@@ -53,7 +53,8 @@ def build_runner(config: VerifierConfig, device: str, tp: TensorParallel | None)
         check_shardable(model_config.get_text_config(), tp.world_size)
         device = rank_device(device, tp.rank)
     return ModelRunner(config.model, device, resolve_dtype(config.dtype, device), block_size=config.kv_block_size,
-                       tp=tp, max_model_len=config.max_model_len, trust_remote_code=config.trust_remote_code)
+                       tp=tp, max_model_len=config.max_model_len, trust_remote_code=config.trust_remote_code,
+                       batch_invariant=config.batch_invariant)
 
 
 def warm_up(engine: Engine) -> None:

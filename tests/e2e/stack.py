@@ -119,14 +119,14 @@ class Stack:
 
 
 def start_stack(model_dir: pathlib.Path, log_dir: pathlib.Path, speculative_config: str = "",
-                tls_dir: pathlib.Path | None = None, num_verifiers: int = 1) -> Stack:
+                tls_dir: pathlib.Path | None = None, num_verifiers: int = 1, dtype: str = "auto") -> Stack:
     """With `tls_dir` (made by `speclane certs`): mTLS between the services, TLS on the
     gateway's gRPC port and HTTPS, each service with its own certificate."""
     drafter = DrafterConfig(address=f"127.0.0.1:{free_port()}", **tls_fields(tls_dir, "drafter"))
     # As `speclane serve`: the verifier loads the head a head method names.
     verifier, *more_verifiers = (
         VerifierConfig(model=str(model_dir), model_name="smollm2-135m-instruct", address=f"127.0.0.1:{free_port()}",
-                       speculative_config=speculative_config,
+                       speculative_config=speculative_config, dtype=dtype,
                        **tls_fields(tls_dir, "verifier"))
         for _ in range(num_verifiers))
     gateway_tls = tls_fields(tls_dir, "gateway")

@@ -41,8 +41,8 @@ def tiny_target(model_dir, tmp_path_factory):
     return path
 
 
-def start(target, log_dir, speculative_config: dict):
-    return start_stack(target, log_dir, speculative_config=json.dumps(speculative_config))
+def start(target, log_dir, speculative_config: dict, dtype: str = "auto"):
+    return start_stack(target, log_dir, speculative_config=json.dumps(speculative_config), dtype=dtype)
 
 
 def assert_lossless(address, prompts, methods, k):
@@ -99,6 +99,19 @@ def test_the_shipped_eagle3_head_keeps_greedy_output_and_is_accepted(eagle3_stac
     hybrid = totals["hybrid"]
     assert sum(u.head_steps for u in hybrid) > 0
     assert all(u.head_steps + u.drafter_steps <= u.verify_steps for u in hybrid)
+
+
+def test_a_bf16_target_verifies_the_heads_trees_without_changing_greedy_output(model_dir, tmp_path, prompts):
+    # bf16 products and attention round a 17-token pass apart from a plain step unless the verifier runs
+    # batch-invariant (auto for bf16): without it, most of these outputs changed.
+    stack = start(model_dir, tmp_path, {"method": "eagle3", "num_speculative_tokens": 4, "eagle_topk": 4,
+                                        "draft_token_cost": 0}, dtype="bfloat16")
+    try:
+        eagle3 = assert_lossless(stack.gateway.grpc_address, prompts, ["eagle3"], 4)["eagle3"]
+        assert '"batch_invariant": true' in (tmp_path / "verifier.log").read_text()
+    finally:
+        stack.stop()
+    assert sum(u.draft_tokens for u in eagle3) > 4 * sum(u.head_steps for u in eagle3)  # trees, wider than chains
 
 
 def test_the_shipped_eagle_head_is_named_by_method_alone(model_dir, tmp_path, prompts):

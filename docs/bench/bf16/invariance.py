@@ -44,10 +44,12 @@ def generate(engine, prompts, drafts_from=None) -> list[list[int]]:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--batch-invariant", default="auto", choices=("auto", "on", "off"))
     args = parser.parse_args()
     torch.set_num_threads(1)
     model_dir = str(resolve_model(DEFAULT_MODEL))
-    engine = Engine(ModelRunner(model_dir, "cpu", getattr(torch, args.dtype)), KVPool(200_000, 64, False))
+    engine = Engine(ModelRunner(model_dir, "cpu", getattr(torch, args.dtype),
+                         batch_invariant=args.batch_invariant), KVPool(200_000, 64, False))
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     conversations = humaneval(12, 0, 1) + sharegpt(12, 0, 1) + code_edit(6, 0, 1)
     prompts = [tokenizer.apply_chat_template([{"role": "user", "content": c.turns[0]}], add_generation_prompt=True,

@@ -19,12 +19,14 @@ from verifier_service.sequence import Draft, GenerationParams
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--batch-invariant", default="auto", choices=("auto", "on", "off"))
     parser.add_argument("--sequences", type=int, default=1)
     parser.add_argument("--context", type=int, default=500)
     parser.add_argument("--k", default="0,1,3,8,24", help="draft lengths")
     args = parser.parse_args()
     torch.set_num_threads(1)  # as the verifier runs by default
-    runner = ModelRunner(str(resolve_model(DEFAULT_MODEL)), "cpu", getattr(torch, args.dtype))
+    runner = ModelRunner(str(resolve_model(DEFAULT_MODEL)), "cpu", getattr(torch, args.dtype),
+                         batch_invariant=args.batch_invariant)
     engine = Engine(runner, KVPool(200_000, 64, False))
     params = GenerationParams(max_new_tokens=100_000, ignore_eos=True)
     seqs = [engine.open(f"s{i}", [(j * 7919 + i * 31) % runner.vocab_size for j in range(args.context)], params)

@@ -1,0 +1,133 @@
+"""Batch-invariant bf16 passes: a token verified in a draft tree, beside other
+sequences, gets the bits a plain decode step gives it, so speculation cannot
+change a greedy choice; and the mode is chosen as --batch-invariant says."""
+
+import pytest
+import torch
+from torch import nn
+
+from tests.verifier.conftest import BLOCK
+from verifier_service import batch_invariant
+from verifier_service.batch_invariant import (
+    PaddedLinear,
+    holds_on,
+    key_order,
+    make_invariant,
+    make_linears_invariant,
+    segment_attention,
+    spread_values,
+)
+from verifier_service.engine import Engine
+from verifier_service.kv_pool import KVPool
+from verifier_service.model_runner import ModelRunner
+from verifier_service.sequence import Draft, GenerationParams
+
+CPU = torch.device("cpu")
+SMOLLM2_SIZES = (9, 3, 64)  # heads, kv heads, head dim
+# An EAGLE-2 tree of 4 levels of 4: each level's nodes under one node of the level above, not the first.
+WIDE_TREE = (-1, -1, -1, -1, 1, 1, 1, 1, 6, 6, 6, 6, 8, 8, 8, 8)
+needs_invariant_bf16 = pytest.mark.skipif(not holds_on(CPU, torch.bfloat16, SMOLLM2_SIZES),
+                                          reason="this CPU's bf16 kernels are not batch-invariant")
+
+
+def test_a_tree_node_attends_the_pending_tokens_then_its_path_in_sequence_order():
+    order = key_order(1, (-1, -1, 1, 2), CPU)  # nodes b, c under the root; d under c; e under d
+    assert order.is_tree
+    assert order.columns.tolist() == [[0, 1, 2, 3, 4], [0, 1, 2, 3, 4], [0, 2, 1, 3, 4], [0, 2, 3, 1, 4],
+                                      [0, 2, 3, 4, 1]]
+    assert order.attends.sum(dim=1).tolist() == [1, 2, 2, 3, 4]
+
+
+@needs_invariant_bf16
+@pytest.mark.parametrize("num_pending,parents", [(1, (-1, -1, 0, 0, 1, 2, 4, 4)), (1, WIDE_TREE), (6, ()), (70, ())],
+                         ids=["tree", "wide-tree", "chain", "prompt-chunk"])
+def test_each_query_gets_the_bits_of_its_own_plain_decode(num_pending, parents):
+    generator = torch.Generator().manual_seed(1)
+    heads, kv_heads, dim, start, capacity = 9, 3, 64, 90, 192
+    n = num_pending + len(parents)
+    query, keys, values = (spread_values(generator, CPU, torch.bfloat16, *shape)
+                           for shape in ((heads, n, dim), (kv_heads, capacity, dim), (kv_heads, capacity, dim)))
+    order = key_order(num_pending, parents, CPU)
+    out = segment_attention(query, keys, values, start, order, dim ** -0.5)
+    for i in range(n):
+        attended = start + order.columns[i, :int(order.attends[i].sum())]
+        index = torch.cat([torch.arange(start), attended])
+        plain_keys, plain_values = (torch.cat([t[:, index], torch.zeros_like(t[:, :i + 1])], dim=1)
+                                    for t in (keys, values))
+        plain = segment_attention(query[:, i:i + 1], plain_keys, plain_values, len(index) - 1,
+                                  key_order(1, (), CPU), dim ** -0.5)
+        assert torch.equal(plain[:, 0], out[:, i]), f"query {i}"
+
+
+def greedy(engine: Engine, prompt, steps: int, tree_from=None, companion=None):
+    """Greedy tokens and top-5 logprobs; with `tree_from` (a plain output) each step
+    verifies a tree of 16 whose right path (the next 4 tokens) runs among wrong
+    siblings, beside another sequence's plain step."""
+    seq = engine.open("s", prompt, GenerationParams(max_new_tokens=steps, ignore_eos=True, logprobs=5))
+    other = engine.open("o", companion, GenerationParams(max_new_tokens=10_000, ignore_eos=True)) if companion else None
+    tokens, logprobs = [], []
+    while len(tokens) < steps:
+        draft = Draft()
+        if tree_from is not None and len(tree_from) - len(tokens) >= 4:
+            right = tree_from[len(tokens):len(tokens) + 4]
+            # Levels of 4 siblings, the right token at a sibling that moves from step to step.
+            at = len(tokens) % 4
+            ids, parents, parent = [], [], -1
+            for level, token in enumerate(right):
+                ids += [token if j == at else (token + 7 * (j + 1)) % 64 for j in range(4)]
+                parents += [parent] * 4
+                parent = 4 * level + at
+            draft = Draft(token_ids=tuple(ids), parents=tuple(parents))
+        steps_now = [(seq, draft)] + ([(other, Draft())] if other else [])
+        result = engine.run_together(steps_now)[0]
+        tokens += result.token_ids
+        logprobs += result.logprobs
+    engine.close(seq)
+    if other:
+        engine.close(other)
+    return tokens[:steps], logprobs[:steps]
+
+
+@needs_invariant_bf16
+def test_a_bf16_model_verifies_trees_with_the_bits_of_plain_decoding(tiny_model_dir):
+    runner = ModelRunner(tiny_model_dir, "cpu", torch.bfloat16, block_size=BLOCK, batch_invariant="on")
+    engine = Engine(runner, KVPool(4096, BLOCK, False))
+    prompt = [5, 9, 14, 3, 22, 40, 7, 19, 33]
+    plain_tokens, plain_logprobs = greedy(engine, prompt, 24)
+    tokens, logprobs = greedy(engine, prompt, 24, tree_from=plain_tokens, companion=[8, 1, 30, 12])
+    assert tokens == plain_tokens
+    assert logprobs == plain_logprobs  # the logits' bits, not only their argmax
+
+
+def test_the_mode_follows_the_flag_the_dtype_and_the_start_up_check(monkeypatch):
+    def mode(flag, dtype=torch.bfloat16, tensor_parallel=False):
+        return make_invariant(flag, nn.Sequential(nn.Linear(64, 64)), CPU, dtype, tensor_parallel, SMOLLM2_SIZES)
+
+    monkeypatch.setattr(batch_invariant, "holds_on", lambda *args: True)
+    assert mode("auto")
+    assert not mode("auto", torch.float32)  # fp32 stays as it was
+    assert not mode("auto", tensor_parallel=True)  # not covered
+    assert not mode("off")
+    with pytest.raises(ValueError, match="tensor parallelism"):
+        mode("on", tensor_parallel=True)
+    monkeypatch.setattr(batch_invariant, "holds_on", lambda *args: False)
+    assert not mode("auto")
+    with pytest.raises(ValueError, match="start-up check"):
+        mode("on")
+
+
+@needs_invariant_bf16
+def test_linear_layers_are_padded_to_the_rows_their_kernels_need_and_compute_the_same():
+    model = nn.Sequential(nn.Linear(576, 1536), nn.Linear(1536, 576)).bfloat16()
+    x = torch.randn(5, 576).bfloat16()
+    before = model(x)
+    assert make_linears_invariant(model)
+    assert all(isinstance(layer, PaddedLinear) for layer in model)
+    assert torch.equal(model(x), before)  # five rows: no padding
+    assert torch.equal(model(x[:1])[0], model(x)[0])  # one row, padded: the bits it gets among five
+
+
+def test_an_order_without_a_tree_needs_no_reordering():
+    order = key_order(3, (), CPU)
+    assert not order.is_tree
+    assert order.attends.tolist() == [[True, False, False], [True, True, False], [True, True, True]]

@@ -1,0 +1,223 @@
+"""Batch-invariant attention and linear layers: a token's values do not depend
+on what else its pass computes (other sequences, its own draft tree, how long
+a prompt chunk is).
+
+Speculation is lossless only if a verify pass computes each token as a plain
+decode step would. In fp32 the kernels differ in the last bits, far below a
+greedy choice; in bf16 by enough to flip one: a bf16 target changed 16 of 20
+greedy outputs under speculation. Measured on x86 CPUs with torch 2.13
+(oneDNN): a bf16 product gives each row the same bits whatever the number of
+rows once there are a few (fewer take other kernel paths), and each element
+the same bits whatever the number of columns; an fp32 softmax gives a row's
+values the same bits whatever -inf entries follow them. SDPA does not, so
+attention is written here in those operations. Whether they hold on a
+platform is checked when the model loads (`holds_on`, `fewest_rows`)."""
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from verifier_service.cpu_linear import replace_linears
+from verifier_service.tree import ancestors
+
+
+@dataclass(frozen=True)
+class KeyOrder:
+    """Per query of a segment, the new keys it attends, in the order a plain
+    decode holds them (the pending tokens causally, then its tree path), and
+    the keys it does not attend after them: `columns` [n, n] (a permutation
+    per row) and `attends` [n, n] (True for the first ones of each row)."""
+
+    columns: torch.Tensor
+    attends: torch.Tensor
+    is_tree: bool
+
+
+def key_order(num_pending: int, parents: tuple[int, ...], device) -> KeyOrder:
+    if not parents:  # every query's keys are in sequence order already
+        causal = torch.ones(num_pending, num_pending, dtype=torch.bool).tril()
+        return KeyOrder(torch.arange(num_pending).expand(num_pending, -1).to(device), causal.to(device), False)
+    n = num_pending + len(parents)
+    rows = [list(range(num_pending)) + [num_pending + a for a in path] for path in ancestors(parents)]
+    rows = [list(range(i + 1)) for i in range(num_pending)] + rows
+    columns = [row + sorted(set(range(n)) - set(row)) for row in rows]
+    attends = torch.arange(n)[None, :] < torch.tensor([len(row) for row in rows])[:, None]
+    return KeyOrder(torch.tensor(columns, device=device), attends.to(device), True)
+
+
+def _at_least_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
+    """A product of few rows can take another kernel path than one of many;
+    padded with copies of its first row, it takes the many-row path."""
+    missing = rows - x.shape[-2]
+    return torch.cat([x, x[..., :1, :].expand(*x.shape[:-2], missing, x.shape[-1])], dim=-2) if missing > 0 else x
+
+
+# A prompt chunk's queries go this many at a time, so that their fp32 scores stay in the caches (a 500-token
+# prefill took 0.5 s less so here). A query's values do not depend on the others.
+_QUERY_CHUNK = 64
+# Values are weighted in blocks of this many sequence positions, the blocks' products summed in fp32 one after
+# another: a bf16 product sums neighbouring keys in pairs, so a tree path with its siblings' zeros between its
+# keys would sum otherwise than the plain decode that holds the path's keys side by side.
+_KEY_BLOCK = 64
+_MIN_ROWS = 2  # attention's products of fewer rows are padded
+
+
+def segment_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int, order: KeyOrder,
+                      scaling: float) -> torch.Tensor:
+    """query [heads, n, d] for a segment's new tokens; keys/values the slot's
+    whole [kv_heads, capacity, d] tensors (contiguous: a view of their first
+    rows would be copied by every product), the new tokens' at start..start+n;
+    returns [heads, n, d]. Each query's scores are laid out by sequence position
+    (its tree path moved to where a plain decode has it) with -inf after them,
+    softmaxed in fp32, and weight the values laid out the same way."""
+    heads, n, dim = query.shape
+    if n > _QUERY_CHUNK and not order.is_tree:
+        return torch.cat([segment_attention(query[:, a:a + _QUERY_CHUNK], keys, values, start + a,
+                                            KeyOrder(order.columns[a:a + _QUERY_CHUNK, a:a + _QUERY_CHUNK],
+                                                     order.attends[a:a + _QUERY_CHUNK, a:a + _QUERY_CHUNK], False),
+                                            scaling)
+                          for a in range(0, n, _QUERY_CHUNK)], dim=1)
+    kv_heads, capacity, _ = keys.shape
+    group = heads // kv_heads
+    grouped = query.reshape(kv_heads, group * n, dim)  # heads h = j * group + g share kv head j
+    scores = (_at_least_rows(grouped, _MIN_ROWS) @ keys.transpose(1, 2))[:, :group * n].float().mul_(scaling)
+    scores = scores.view(kv_heads, group, n, capacity)
+    new = scores[..., start:start + n]
+    if order.is_tree:
+        new.copy_(new.gather(-1, order.columns.expand(kv_heads, group, n, n)))
+    if n > 1:
+        new.masked_fill_(~order.attends, float("-inf"))
+    scores[..., start + n:] = float("-inf")
+    out = _weighted_values(torch.softmax(scores, dim=-1).to(values.dtype), values, start, order)
+    return out.to(query.dtype).reshape(heads, n, dim)
+
+
+def _weighted_values(probs: torch.Tensor, values: torch.Tensor, start: int, order: KeyOrder) -> torch.Tensor:
+    """probs [kv_heads, group, n, capacity], each query's keys in sequence order;
+    returns the fp32 weighted sums [kv_heads, group, n, d], summed block by block."""
+    kv_heads, group, n, capacity = probs.shape
+    dim = values.shape[-1]
+    length = -(-capacity // _KEY_BLOCK) * _KEY_BLOCK
+    if length != capacity:  # zero probabilities over zero values
+        probs, values = F.pad(probs, (0, length - capacity)), F.pad(values, (0, 0, 0, length - capacity))
+    # Blocks before the one holding the new tokens are in sequence order for every query alike.
+    shared = start // _KEY_BLOCK * _KEY_BLOCK if order.is_tree else length
+    blocks = []
+    if shared:
+        weights = probs[..., :shared].reshape(kv_heads, group * n, shared // _KEY_BLOCK, _KEY_BLOCK).transpose(1, 2)
+        products = _at_least_rows(weights, _MIN_ROWS) @ values[:, :shared].view(kv_heads, -1, _KEY_BLOCK, dim)
+        blocks.append(products[..., :group * n, :].reshape(kv_heads, -1, group, n, dim))
+    if order.is_tree:  # each query's own values from there: the cached ones, its path, then the rest
+        rest = torch.arange(start + n, length, device=probs.device).expand(n, -1)
+        index = torch.cat([torch.arange(shared, start, device=probs.device).expand(n, -1), start + order.columns,
+                           rest], dim=1)
+        own = values[:, index].view(kv_heads, n, -1, _KEY_BLOCK, dim)
+        weights = probs[..., shared:].transpose(1, 2).reshape(kv_heads, n, group, -1, _KEY_BLOCK).transpose(2, 3)
+        products = (_at_least_rows(weights, _MIN_ROWS) @ own)[..., :group, :]
+        blocks.append(products.permute(0, 2, 3, 1, 4))
+    # cumsum adds the blocks in sequence order; a plain step's store, longer or shorter, only adds zeros.
+    return (torch.cat(blocks, dim=1) if len(blocks) > 1 else blocks[0]).float().cumsum(dim=1)[:, -1]
+
+
+class PaddedLinear(nn.Module):
+    """nn.Linear's computation with inputs of fewer than `min_rows` rows padded."""
+
+    def __init__(self, linear: nn.Linear, min_rows: int):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight, self.bias = linear.weight, linear.bias
+        self.min_rows = min_rows
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features)
+        out = F.linear(_at_least_rows(rows, self.min_rows), self.weight, self.bias)[:rows.shape[0]]
+        return out.reshape(*x.shape[:-1], self.out_features)
+
+
+def spread_values(generator: torch.Generator, device: torch.device, dtype: torch.dtype, *shape: int) -> torch.Tensor:
+    """Values of scales 2^-8 to 2^8: their sums round differently in every order,
+    so that a kernel path summing in another order shows in the rounded output."""
+    scale = torch.exp2(torch.randint(-8, 9, shape, generator=generator).float())
+    return (torch.randn(*shape, generator=generator) * scale).to(device, dtype)
+
+
+_PADDINGS = (1, 2, 3, 4, 8, 16)
+
+
+def fewest_rows(weight: torch.Tensor) -> int | None:
+    """The fewest rows (1: no padding) a product with `weight` must have for every
+    row to get the bits it gets in products of up to 64 rows (checked on random
+    rows), or None where no padding in _PADDINGS does."""
+    x = spread_values(torch.Generator().manual_seed(0), weight.device, weight.dtype, 64, weight.shape[1])
+    with torch.inference_mode():
+        for min_rows in _PADDINGS:
+            alone = torch.cat([F.linear(_at_least_rows(x[i:i + 1], min_rows), weight)[:1] for i in range(64)])
+            if all(torch.equal(F.linear(x[:rows], weight), alone[:rows])
+                   for rows in sorted({min_rows, 5, 6, 17, 33, 64}) if rows >= min_rows):
+                return min_rows
+    return None
+
+
+def make_linears_invariant(model: nn.Module) -> bool:
+    """Pads each nn.Linear's inputs to the rows its weight's shape needs (the
+    most fewest_rows finds for any layer of that shape: whether a kernel path
+    shows depends on the weights too); False, changing nothing, where some
+    layer has no such padding."""
+    paddings: dict[tuple[int, int], int] = {}
+    for module in model.modules():
+        if type(module) is nn.Linear:
+            shape, needed = tuple(module.weight.shape), fewest_rows(module.weight.detach())
+            if needed is None:
+                return False
+            paddings[shape] = max(paddings.get(shape, 0), needed)
+    replace_linears(model, lambda linear: PaddedLinear(linear, paddings[tuple(linear.weight.shape)]))
+    return True
+
+
+def make_invariant(mode: str, model: nn.Module, device: torch.device, dtype: torch.dtype, tensor_parallel: bool,
+                   sizes: tuple[int, int, int]) -> bool:
+    """Applies --batch-invariant's mode to a loaded model (its linear layers
+    padded where the checks pass); returns whether its passes are invariant.
+    fp32 is left as it is under auto (its kernels' differences stay below a
+    greedy choice); tensor parallelism shards nn.Linear by type and reduces
+    across ranks, so it is not covered."""
+    if mode == "off" or (mode == "auto" and (dtype == torch.float32 or tensor_parallel)):
+        return False
+    holds = not tensor_parallel and holds_on(device, dtype, sizes) and make_linears_invariant(model)
+    if mode == "on" and not holds:
+        raise ValueError(f"--batch-invariant on: this platform's {str(dtype).removeprefix('torch.')} kernels on "
+                         f"{device.type} are not batch-invariant" + (" under tensor parallelism" if tensor_parallel
+                                                                    else " (start-up check)"))
+    return holds
+
+
+def holds_on(device: torch.device, dtype: torch.dtype, sizes: tuple[int, int, int]) -> bool:
+    """Whether this platform's kernels give the invariance the module relies on,
+    tried on random data of the model's sizes (heads, kv heads, head dim): a
+    tree's attention against each node's plain decode. (Products with the
+    weights are checked per shape by fewest_rows.)"""
+    heads, kv_heads, dim = sizes
+    generator = torch.Generator().manual_seed(0)
+
+    def rand(*shape):
+        return spread_values(generator, device, dtype, *shape)
+
+    parents = (-1, -1, -1, -1, 1, 1, 1, 1, 6, 6, 6, 6, 8, 8, 8, 8)  # each path among its siblings
+    start, n, capacity = 100, 1 + len(parents), 128
+    query, keys, values = rand(heads, n, dim), rand(kv_heads, capacity, dim), rand(kv_heads, capacity, dim)
+    order = key_order(1, parents, device)
+    with torch.inference_mode():
+        out = segment_attention(query, keys, values, start, order, dim ** -0.5)
+        for i in range(n):
+            attended = order.columns[i, :int(order.attends[i].sum())] + start
+            index = torch.cat([torch.arange(start, device=device), attended])
+            # Another capacity too: a plain step's store is seldom as long as the verify pass's.
+            plain_keys, plain_values = (torch.cat([t[:, index], torch.zeros_like(t[:, :i + 1])], dim=1)
+                                        for t in (keys, values))
+            plain = segment_attention(query[:, i:i + 1], plain_keys, plain_values, len(index) - 1,
+                                      key_order(1, (), device), dim ** -0.5)
+            if not torch.equal(plain[:, 0], out[:, i]):
+                return False
+    return True
