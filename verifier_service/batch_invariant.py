@@ -40,8 +40,8 @@ def key_order(num_pending: int, parents: tuple[int, ...], device) -> KeyOrder:
         causal = torch.ones(num_pending, num_pending, dtype=torch.bool).tril()
         return KeyOrder(torch.arange(num_pending).expand(num_pending, -1).to(device), causal.to(device), False)
     n = num_pending + len(parents)
-    rows = [list(range(num_pending)) + [num_pending + a for a in path] for path in ancestors(parents)]
-    rows = [list(range(i + 1)) for i in range(num_pending)] + rows
+    rows = ([list(range(i + 1)) for i in range(num_pending)]
+            + [list(range(num_pending)) + [num_pending + a for a in path] for path in ancestors(parents)])
     columns = [row + sorted(set(range(n)) - set(row)) for row in rows]
     attends = torch.arange(n)[None, :] < torch.tensor([len(row) for row in rows])[:, None]
     return KeyOrder(torch.tensor(columns, device=device), attends.to(device), True)
@@ -205,19 +205,27 @@ def holds_on(device: torch.device, dtype: torch.dtype, sizes: tuple[int, int, in
         return spread_values(generator, device, dtype, *shape)
 
     parents = (-1, -1, -1, -1, 1, 1, 1, 1, 6, 6, 6, 6, 8, 8, 8, 8)  # each path among its siblings
-    start, n, capacity = 100, 1 + len(parents), 128
+    n, capacity = 1 + len(parents), 128
     query, keys, values = rand(heads, n, dim), rand(kv_heads, capacity, dim), rand(kv_heads, capacity, dim)
-    order = key_order(1, parents, device)
+    return not differing_from_plain_decode(query, keys, values, 100, key_order(1, parents, device))
+
+
+def differing_from_plain_decode(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int,
+                                order: KeyOrder) -> list[int]:
+    """The queries of a segment (segment_attention's arguments) whose values
+    differ from a plain decode step's, each over a store of just its own keys."""
+    dim = query.shape[-1]
     with torch.inference_mode():
         out = segment_attention(query, keys, values, start, order, dim ** -0.5)
-        for i in range(n):
+        differing = []
+        for i in range(query.shape[1]):
             attended = order.columns[i, :int(order.attends[i].sum())] + start
-            index = torch.cat([torch.arange(start, device=device), attended])
+            index = torch.cat([torch.arange(start, device=keys.device), attended])
             # Another capacity too: a plain step's store is seldom as long as the verify pass's.
             plain_keys, plain_values = (torch.cat([t[:, index], torch.zeros_like(t[:, :i + 1])], dim=1)
                                         for t in (keys, values))
             plain = segment_attention(query[:, i:i + 1], plain_keys, plain_values, len(index) - 1,
-                                      key_order(1, (), device), dim ** -0.5)
+                                      key_order(1, (), keys.device), dim ** -0.5)
             if not torch.equal(plain[:, 0], out[:, i]):
-                return False
-    return True
+                differing.append(i)
+    return differing

@@ -51,11 +51,10 @@ class ModelRunner:
         transposed_bytes = (add_measured_linears(self.model)
                             if measures_linear_ways(self.device, dtype, tp is not None) else 0)
         text_config = self.model.config.get_text_config()
-        _, kv_heads, head_dim = kv_geometry(text_config)
-        self.batch_invariant = make_invariant(batch_invariant, self.model, self.device, dtype, tp is not None,
-                                              (text_config.num_attention_heads, kv_heads, head_dim))
         self.tp_size = tp.world_size if tp is not None else 1
         layers, kv_heads, head_dim = kv_geometry(text_config, self.tp_size)
+        self.batch_invariant = make_invariant(batch_invariant, self.model, self.device, dtype, tp is not None,
+                                              (text_config.num_attention_heads, kv_heads, head_dim))
         self.kv_bytes_per_token = 2 * layers * kv_heads * head_dim * torch.finfo(dtype).bits // 8
         self.store = KVStore(layers, block_size)
         # Hidden states a draft head reads (indices into transformers' hidden_states); () when no head.

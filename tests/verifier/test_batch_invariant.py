@@ -10,11 +10,11 @@ from tests.verifier.conftest import BLOCK
 from verifier_service import batch_invariant
 from verifier_service.batch_invariant import (
     PaddedLinear,
+    differing_from_plain_decode,
     holds_on,
     key_order,
     make_invariant,
     make_linears_invariant,
-    segment_attention,
     spread_values,
 )
 from verifier_service.engine import Engine
@@ -47,16 +47,7 @@ def test_each_query_gets_the_bits_of_its_own_plain_decode(num_pending, parents):
     n = num_pending + len(parents)
     query, keys, values = (spread_values(generator, CPU, torch.bfloat16, *shape)
                            for shape in ((heads, n, dim), (kv_heads, capacity, dim), (kv_heads, capacity, dim)))
-    order = key_order(num_pending, parents, CPU)
-    out = segment_attention(query, keys, values, start, order, dim ** -0.5)
-    for i in range(n):
-        attended = start + order.columns[i, :int(order.attends[i].sum())]
-        index = torch.cat([torch.arange(start), attended])
-        plain_keys, plain_values = (torch.cat([t[:, index], torch.zeros_like(t[:, :i + 1])], dim=1)
-                                    for t in (keys, values))
-        plain = segment_attention(query[:, i:i + 1], plain_keys, plain_values, len(index) - 1,
-                                  key_order(1, (), CPU), dim ** -0.5)
-        assert torch.equal(plain[:, 0], out[:, i]), f"query {i}"
+    assert differing_from_plain_decode(query, keys, values, start, key_order(num_pending, parents, CPU)) == []
 
 
 def greedy(engine: Engine, prompt, steps: int, tree_from=None, companion=None):
