@@ -122,7 +122,7 @@ class GatewayConfig:
         object.__setattr__(self, "speculation_next_round", _switch(values, "next_round_drafts", True))
         object.__setattr__(self, "speculation_adaptive_draft_length",
                            _switch(values, "adaptive_draft_length", False))
-        object.__setattr__(self, "speculation_break_even", _switch(values, "break_even_drafts", False))
+        object.__setattr__(self, "speculation_break_even", _switch(values, "break_even_drafts", True))
 
 
 def _switch(values: dict, key: str, default: bool) -> bool:

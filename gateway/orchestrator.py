@@ -125,6 +125,7 @@ class Orchestrator:
                 withheld += result.token_ids
                 asked = time.perf_counter()
                 drafted = step_drafted = _NO_DRAFT  # all the drafter drafted; its part for this step
+                step_limit = drafter_limit
                 # A step with no drafter draft to verify does not ask for one: its tokens
                 # go with the next request for a draft (or the last), which spares the
                 # drafter's and the gateway's work per step where drafts do not pay.
@@ -133,7 +134,7 @@ class Orchestrator:
                     drafted = await _next_draft(proposer, withheld, result.committed_len)
                     withheld = []
                     step_drafted = _step_part(drafted)
-                    drafter_limit = self._policy.paying_draft_tokens(running, drafter_limit, acceptance, step_drafted)
+                    step_limit = self._policy.paying_draft_tokens(running, drafter_limit, acceptance, step_drafted)
                 drafter_seconds = time.perf_counter() - asked
                 predicted = _predicted_draft(prediction, result, limit)
                 ran_ahead = result.next_round_hit  # the verifier already verifies one of `offered`
@@ -142,8 +143,10 @@ class Orchestrator:
                 elif limit == 0:  # a head's draft is not shortened here: only switched off
                     source, draft = NONE, _NO_DRAFT
                 else:
-                    source, draft = _pick_draft(speculation.method, predicted, _cut(step_drafted, 0, drafter_limit),
+                    source, draft = _pick_draft(speculation.method, predicted, _cut(step_drafted, 0, step_limit),
                                                 hybrid)
+                # The offers keep the limit before this step's draft was judged: a step cut short
+                # by its own tokens' confidences says nothing of the drafts after it.
                 offered = (_continuations_after(draft, drafted, drafter_limit) if lookahead and source == DRAFTER
                            and limit > 0 else [])
                 sent = time.perf_counter()

@@ -18,7 +18,8 @@ from dataclasses import dataclass
 
 from drafter_service.engine import DraftEngine, draft_from_core
 from drafter_service.service import draft_to_proto
-from gateway.orchestrator import _continuations_after, _step_part, _taken
+from gateway.break_even import MethodAcceptance, RequestAcceptance
+from gateway.orchestrator import _NO_DRAFT, LoopPolicy, _continuations_after, _cut, _step_part, _taken
 from speclane.speculation import DrafterLimits, SpeculationSettings
 
 
@@ -43,27 +44,40 @@ class Replayed:
 
 
 def replay(traces: list[Trace], settings: SpeculationSettings, token_cost: float,
-           next_round: bool = True) -> Replayed:
-    """Decodes every trace with the drafter's drafts under `settings` (suffix or ngram) and counts what it costs."""
+           next_round: bool = True, break_even: bool = False) -> Replayed:
+    """Decodes every trace with the drafter's drafts under `settings` (suffix or ngram) and counts what it costs;
+    with `break_even`, each draft cut where it stops paying at `token_cost`, as the gateway's break_even_drafts."""
     limits = DrafterLimits()
     engine = DraftEngine(limits.max_tree_depth, limits.max_cached_requests)
     k = settings.num_speculative_tokens
     # As the gateway asks: each draft going on past its step, for the drafter's guess of the bonus token and k more.
     lookahead = min(k + 1, limits.max_speculative_tokens) if next_round else 0
+    policy = LoopPolicy(draft_token_costs=((1, token_cost),), break_even=break_even)
+    method_acceptance = MethodAcceptance()
     result = Replayed()
     for trace in traces:
         out = trace.output
         seq_id = engine.start(trace.prompt, settings, tenant="", lookahead=lookahead)
-        position, committed, offered = 1, list(out[:1]), []
+        acceptance = RequestAcceptance(method_acceptance) if break_even else None
+        position, withheld, offered = 1, list(out[:1]), []
         while position < len(out):
             committed_len = len(trace.prompt) + position
-            drafted = draft_to_proto(draft_from_core(engine.core.step([seq_id], [committed])[0]), committed_len)
-            taken = _taken(offered, committed_len, committed[-1])
-            draft = taken or _step_part(drafted)
+            taken = _taken(offered, committed_len, withheld[-1])
+            limit = step_limit = policy.paying_draft_tokens(1, k, acceptance)
+            drafted = step = _NO_DRAFT
+            if limit > 0 or taken is not None:  # as the gateway: a step that drafts nothing asks for nothing
+                core_draft = engine.core.step([seq_id], [withheld])[0]
+                drafted, withheld = draft_to_proto(draft_from_core(core_draft), committed_len), []
+                step = _step_part(drafted)
+                step_limit = policy.paying_draft_tokens(1, limit, acceptance, step)
+            draft = taken or _cut(step, 0, step_limit)
             result.next_round_steps += taken is not None
-            offered = _continuations_after(draft, drafted, k) if next_round else []
+            offered = _continuations_after(draft, drafted, limit) if next_round else []
             accepted = _accepted(draft.token_ids, out[position:])
+            if acceptance is not None:
+                acceptance.observe(len(draft.token_ids), accepted, draft.confidences)
             committed = list(out[position:position + accepted + 1])
+            withheld += committed
             position += len(committed)
             result.steps += 1
             result.drafted += len(draft.token_ids)
@@ -135,6 +149,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--draft-token-cost", type=float, default=0.17,
                         help="a draft token's verify cost relative to a plain step (the verifier logs its own)")
     parser.add_argument("--no-next-round", action="store_true", help="replay without next-round drafts")
+    parser.add_argument("--break-even", action="store_true",
+                        help="cut both methods' drafts where they stop paying, as break_even_drafts does")
 
 
 def run(args) -> int:
@@ -145,18 +161,19 @@ def run(args) -> int:
     floats = lambda text: [float(value) for value in text.split(",")]  # noqa: E731
     grid = [(k, factor, floor) for k in (int(value) for value in args.k.split(","))
             for factor in floats(args.max_spec_factor) for floor in floats(args.min_token_prob)]
-    cost, next_round = args.draft_token_cost, not args.no_next_round
+    cost, next_round, break_even = args.draft_token_cost, not args.no_next_round, args.break_even
     names = list(traces)
     print(f"suffix decoding's estimated decode speed / n-gram lookup's (k={args.ngram_k}), draft token cost "
-          f"{cost:.2f}, next round {'on' if next_round else 'off'}")
+          f"{cost:.2f}, next round {'on' if next_round else 'off'}, break-even cut {'on' if break_even else 'off'}")
     print("| k | max_spec_factor | min_token_prob | " + " | ".join(names) + " | worst |")
     print("|---|---|---|" + "---|" * (len(names) + 1))
     ngram = SpeculationSettings(method="ngram", num_speculative_tokens=args.ngram_k)
-    reference = {name: replay(traces[name], ngram, cost, next_round).speed for name in names}
+    reference = {name: replay(traces[name], ngram, cost, next_round, break_even).speed for name in names}
     for k, factor, floor in grid:
         suffix = SpeculationSettings(method="suffix", num_speculative_tokens=k,
                                      suffix_decoding_max_spec_factor=factor, suffix_decoding_min_token_prob=floor)
-        ratios = [replay(traces[name], suffix, cost, next_round).speed / reference[name] for name in names]
+        ratios = [replay(traces[name], suffix, cost, next_round, break_even).speed / reference[name]
+                  for name in names]
         print(f"| {k} | {factor:g} | {floor:g} | " + " | ".join(f"{r:.3f}" for r in ratios)
               + f" | {min(ratios):.3f} |")
     return 0

@@ -46,6 +46,14 @@ def test_detours_let_steps_after_a_rejected_draft_run_on_an_offer(monkeypatch):
     assert with_detours.tokens == without.tokens
 
 
+def test_the_break_even_cut_stops_drafts_that_keep_failing():
+    # "1 2" goes on with a new token each time, so every draft after it is rejected at once.
+    trace = Trace(prompt=(1, 2, 3, 4) * 5, output=sum(((1, 2, 100 + i) for i in range(12)), ()))
+    drafting, cut = (replay([trace], NGRAM, token_cost=0.5, break_even=on) for on in (False, True))
+    assert cut.tokens == drafting.tokens
+    assert cut.drafted < drafting.drafted / 2 and cut.speed > drafting.speed
+
+
 def test_the_suffix_budget_knob_changes_the_drafts():
     short, long = (replay([COPY], SpeculationSettings(num_speculative_tokens=16,
                                                       suffix_decoding_max_spec_factor=factor),

@@ -328,6 +328,20 @@ async def test_a_step_cut_short_by_the_drafters_budget_still_offers_the_path_bey
     assert list(continuation.draft.token_ids) == target_tokens(4, 3)
 
 
+async def test_a_step_judged_by_the_break_even_cut_still_offers_k_tokens_beyond_it():
+    """The cut judges a step's own draft (2 tokens here); the offer after it is
+    another step's draft and keeps k, as without the cut."""
+    verifier, drafter = FakeVerifier(accept=8, step_seconds=0.02), FakeDrafter(draft_len=7)
+    drafter.step_len, drafter.confidences = 2, [0.9] * 7
+    policy = LoopPolicy(next_round=True, draft_token_costs=((1, 0.2),), break_even=True)
+    async with gateway([verifier], drafter, policy=policy) as gw:
+        deltas = await collect(gw, lookahead())
+    assert tokens_of(deltas) == target_tokens(0, 30)
+    assert len(verifier.drafts[0]) == 2
+    [continuation] = verifier.offers[0].continuations
+    assert list(continuation.draft.token_ids) == target_tokens(4, 3)
+
+
 @pytest.mark.parametrize("miss", ["draft rejected", "bonus guessed wrong"])
 async def test_a_next_round_miss_falls_back_to_a_verify_and_loses_nothing(miss):
     verifier = FakeVerifier(accept=2 if miss == "draft rejected" else 8, step_seconds=0.02)
@@ -551,8 +565,8 @@ def test_next_round_drafts_are_on_unless_the_speculative_config_turns_them_off()
     assert not off.speculation_next_round and off.unused_speculation_keys == () and off.speculation.method == "ngram"
     with pytest.raises(ValueError, match="next_round_drafts must be true or false"):
         GatewayConfig(speculative_config='{"next_round_drafts": 1}')
-    assert not GatewayConfig().speculation_break_even
-    assert GatewayConfig(speculative_config='{"break_even_drafts": true}').speculation_break_even
+    assert GatewayConfig().speculation_break_even
+    assert not GatewayConfig(speculative_config='{"break_even_drafts": false}').speculation_break_even
     assert not GatewayConfig().speculation_adaptive_draft_length
     assert GatewayConfig(speculative_config='{"adaptive_draft_length": true}').speculation_adaptive_draft_length
     with pytest.raises(ValueError, match="adaptive_draft_length must be true or false"):
