@@ -55,17 +55,11 @@ class LoopPolicy:
         """A step's draft length limit, k at most, with `num_running` sequences on its verifier."""
         return min([k, *(limit for at_least, limit in self.draft_tokens_by_load if num_running >= at_least)])
 
-    def paying_draft_tokens(self, num_running: int, limit: int, acceptance: RequestAcceptance | None,
-                            drafted: common_pb2.Draft | None = None) -> int:
-        """How much of a drafter's draft (not a head's: see generate) pays for its
-        verification: before the drafter is asked, then of the draft it gave
-        (judged again only by its confidences, where it is a chain that has them)."""
-        if acceptance is None or (drafted is not None and (drafted.parents or not drafted.confidences)):
+    def paying_draft_tokens(self, num_running: int, limit: int, acceptance: RequestAcceptance | None) -> int:
+        """How much of a drafter's draft (not a head's: see generate) pays for its verification."""
+        if acceptance is None:
             return limit
-        threshold = token_cost_at(self.draft_token_costs, num_running)
-        if drafted is None:
-            return acceptance.length_before_drafting(threshold, limit)
-        return acceptance.worthwhile_length(threshold, min(limit, len(drafted.confidences)), drafted.confidences)
+        return acceptance.worthwhile_length(token_cost_at(self.draft_token_costs, num_running), limit)
 
 
 class Orchestrator:
@@ -125,7 +119,6 @@ class Orchestrator:
                 withheld += result.token_ids
                 asked = time.perf_counter()
                 drafted = step_drafted = _NO_DRAFT  # all the drafter drafted; its part for this step
-                step_limit = drafter_limit
                 # A step with no drafter draft to verify does not ask for one: its tokens
                 # go with the next request for a draft (or the last), which spares the
                 # drafter's and the gateway's work per step where drafts do not pay.
@@ -134,7 +127,6 @@ class Orchestrator:
                     drafted = await _next_draft(proposer, withheld, result.committed_len)
                     withheld = []
                     step_drafted = _step_part(drafted)
-                    step_limit = self._policy.paying_draft_tokens(running, drafter_limit, acceptance, step_drafted)
                 drafter_seconds = time.perf_counter() - asked
                 predicted = _predicted_draft(prediction, result, limit)
                 ran_ahead = result.next_round_hit  # the verifier already verifies one of `offered`
@@ -143,10 +135,8 @@ class Orchestrator:
                 elif limit == 0:  # a head's draft is not shortened here: only switched off
                     source, draft = NONE, _NO_DRAFT
                 else:
-                    source, draft = _pick_draft(speculation.method, predicted, _cut(step_drafted, 0, step_limit),
+                    source, draft = _pick_draft(speculation.method, predicted, _cut(step_drafted, 0, drafter_limit),
                                                 hybrid)
-                # The offers keep the limit before this step's draft was judged: a step cut short
-                # by its own tokens' confidences says nothing of the drafts after it.
                 offered = (_continuations_after(draft, drafted, drafter_limit) if lookahead and source == DRAFTER
                            and limit > 0 else [])
                 sent = time.perf_counter()
@@ -166,8 +156,7 @@ class Orchestrator:
                     if adaptive is not None:
                         adaptive.observe(result.num_draft_tokens, result.num_accepted_draft_tokens)
                     if acceptance is not None:
-                        acceptance.observe(result.num_draft_tokens, result.num_accepted_draft_tokens,
-                                           draft.confidences)
+                        acceptance.observe(result.num_draft_tokens, result.num_accepted_draft_tokens)
                 output += result.token_ids
                 self._record_step(result, source, drafter_seconds, time.perf_counter() - sent)
             if drafter is not None:  # the tokens it has not been sent: the last steps', or all of them

@@ -63,19 +63,17 @@ def replay(traces: list[Trace], settings: SpeculationSettings, token_cost: float
         while position < len(out):
             committed_len = len(trace.prompt) + position
             taken = _taken(offered, committed_len, withheld[-1])
-            limit = step_limit = policy.paying_draft_tokens(1, k, acceptance)
-            drafted = step = _NO_DRAFT
+            limit = policy.paying_draft_tokens(1, k, acceptance)
+            drafted = _NO_DRAFT
             if limit > 0 or taken is not None:  # as the gateway: a step that drafts nothing asks for nothing
                 core_draft = engine.core.step([seq_id], [withheld])[0]
                 drafted, withheld = draft_to_proto(draft_from_core(core_draft), committed_len), []
-                step = _step_part(drafted)
-                step_limit = policy.paying_draft_tokens(1, limit, acceptance, step)
-            draft = taken or _cut(step, 0, step_limit)
+            draft = taken or _cut(_step_part(drafted), 0, limit)
             result.next_round_steps += taken is not None
             offered = _continuations_after(draft, drafted, limit) if next_round else []
             accepted = _accepted(draft.token_ids, out[position:])
             if acceptance is not None:
-                acceptance.observe(len(draft.token_ids), accepted, draft.confidences)
+                acceptance.observe(len(draft.token_ids), accepted)
             committed = list(out[position:position + accepted + 1])
             withheld += committed
             position += len(committed)

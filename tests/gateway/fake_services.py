@@ -159,7 +159,6 @@ class FakeDrafter(drafter_pb2_grpc.DrafterServicer):
         self.detour_at: int | None = None
         self.detour_token: int | None = None
         self.lookaheads: list[int] = []  # per session, its Start.num_lookahead_tokens
-        self.confidences: list[float] = []  # of each draft's first tokens, as suffix decoding reports them
         self.params: list[drafter_pb2.ProposerParams] = []  # per session, as started
         self.fail: tuple[grpc.StatusCode, int] | None = None  # abort with this code at this step
         self.sessions = 0
@@ -205,8 +204,7 @@ class FakeDrafter(drafter_pb2_grpc.DrafterServicer):
                         token_ids=target_tokens(generated + at + 1, k)))
                     tokens[at] = 999
                 yield drafter_pb2.SessionResponse(draft=common_pb2.Draft(
-                    token_ids=tokens, confidences=self.confidences[:len(tokens)], committed_len=committed_len,
-                    step_len=step_len, detours=detours))
+                    token_ids=tokens, committed_len=committed_len, step_len=step_len, detours=detours))
 
 
 @contextlib.asynccontextmanager

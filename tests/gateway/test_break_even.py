@@ -2,13 +2,7 @@
 
 import pytest
 
-from gateway.break_even import (
-    EXPLORE_EVERY,
-    ConfidenceCounts,
-    MethodAcceptance,
-    PositionCounts,
-    RequestAcceptance,
-)
+from gateway.break_even import EXPLORE_EVERY, MethodAcceptance, PositionCounts, RequestAcceptance
 
 
 def test_counts_are_conditional_on_every_earlier_token_accepted():
@@ -51,27 +45,3 @@ def test_a_new_request_starts_from_what_its_method_has_seen():
     for _ in range(4):
         fresh.observe(num_draft_tokens=4, num_accepted=4)  # this one's drafts land: its own record wins
     assert fresh.worthwhile_length(0.3, limit=4) == 4
-
-
-def test_confidence_counts_record_each_token_with_every_token_before_it():
-    counts = ConfidenceCounts()
-    counts.observe((0.95, 0.55, 0.52, 0.31), num_draft_tokens=3, num_accepted=1)  # the 4th was cut: not verified
-    counts.observe((0.58,), num_draft_tokens=1, num_accepted=1)
-    assert counts.rate(0.9, prior=0.0, prior_steps=1.0) == pytest.approx(0.5)  # 1 of 1 with a prior weighing 1
-    assert counts.rate(0.5, prior=0.0, prior_steps=1.0) == pytest.approx(1 / 4)  # 1 of 3 tokens near 0.5
-    assert counts.rate(0.3, prior=0.4, prior_steps=1.0) == pytest.approx(0.4)  # none verified: the prior
-
-
-def test_a_scored_draft_keeps_its_sure_tokens_and_loses_its_unsure_ones():
-    method = MethodAcceptance()
-    request = RequestAcceptance(method)
-    # Tokens the drafter is sure of land, unsure ones do not, wherever they stand in a draft.
-    for confidences, accepted in [((0.9, 0.9, 0.3), 2), ((0.3, 0.3), 0), ((0.9, 0.3), 1)] * 4:
-        request.observe(len(confidences), accepted, confidences)
-    assert request.worthwhile_length(0.36, limit=3, confidences=(0.9, 0.9, 0.9)) == 3
-    assert request.worthwhile_length(0.36, limit=3, confidences=(0.9, 0.3, 0.9)) == 1
-    assert request.worthwhile_length(0.36, limit=3, confidences=(0.3, 0.9, 0.9)) == 0
-    # By position alone the same record cuts every draft after its first token.
-    assert request.worthwhile_length(0.36, limit=3) == 1
-    # A scored method's drafts are judged once drafted, never cut before the drafter is asked.
-    assert method.scored and RequestAcceptance(method).length_before_drafting(0.9, limit=3) == 3

@@ -328,11 +328,11 @@ async def test_a_step_cut_short_by_the_drafters_budget_still_offers_the_path_bey
     assert list(continuation.draft.token_ids) == target_tokens(4, 3)
 
 
-async def test_a_step_judged_by_the_break_even_cut_still_offers_k_tokens_beyond_it():
-    """The cut judges a step's own draft (2 tokens here); the offer after it is
-    another step's draft and keeps k, as without the cut."""
+async def test_with_the_break_even_cut_a_step_cut_short_by_the_budget_still_offers_k_tokens():
+    """The step verifies the drafter's 2 tokens; the offer after it is the next
+    step's draft, held to the cut's limit (k while drafts land), not to 2."""
     verifier, drafter = FakeVerifier(accept=8, step_seconds=0.02), FakeDrafter(draft_len=7)
-    drafter.step_len, drafter.confidences = 2, [0.9] * 7
+    drafter.step_len = 2
     policy = LoopPolicy(next_round=True, draft_token_costs=((1, 0.2),), break_even=True)
     async with gateway([verifier], drafter, policy=policy) as gw:
         deltas = await collect(gw, lookahead())
@@ -459,15 +459,6 @@ async def test_drafts_that_keep_failing_stop_being_sent_and_the_output_stays():
     # A step without a drafter draft asks for none; the drafter still learns every token, in order.
     assert drafter.proposals == len(lengths) - lengths.count(0) + 1  # and the last tokens, handed over
     assert drafter.committed == [target_tokens(0, 12)]
-
-
-async def test_a_draft_with_confidences_is_judged_once_drafted():
-    drafter = FakeDrafter(draft_len=2)
-    drafter.confidences = [0.9, 0.9]  # though the drafter is sure of its rejected tokens
-    lengths = await _draft_lengths_with_every_draft_rejected(drafter)
-    assert lengths[0] == 2 and max(lengths[2:]) == 1 and lengths.count(0) >= 6
-    # Its confidences are what is judged, so the drafter is asked at every step, and its draft cut after.
-    assert drafter.proposals == len(lengths) + 1
 
 
 async def test_drafts_that_land_are_kept_whole_under_load():
