@@ -80,6 +80,11 @@ def write_results(out_dir: pathlib.Path, command: str, settings: dict, runs: Seq
              "TPOT = (e2e - TTFT) / (output tokens - 1), mean over successful requests; TPS = output tokens "
              "per second of wall time; Accept = accepted / drafted tokens; Tok/step = tokens per verify step; "
              "TPOT impr. = (base - spec) / base; TPS impr. = spec / base - 1.", ""]
+    one_wave = [c for c in settings["concurrency"] if settings["num_prompts"] <= c]
+    if one_wave:
+        lines += [f"At concurrency {', '.join(map(str, one_wave))} every conversation starts at once (num_prompts <= "
+                  "concurrency): TPS measures the slowest conversation, not a steady load's throughput; TPOT and "
+                  "more prompts than concurrency tell that.", ""]
     if failures:
         lines += ["Failed requests (not in the averages):", "", *(f"- {line}" for line in failures), ""]
     lines += [f"![{path.stem}]({path.name})" for path in plots]

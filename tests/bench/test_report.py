@@ -48,6 +48,8 @@ def test_results_files_and_plots(tmp_path):
     markdown = md_path.read_text()
     assert command in markdown and markdown_table(rows) in markdown
     assert "![acceptance](acceptance.png)" in markdown
+    # Two prompts: at concurrency 4 all start at once, and TPS is their slowest one's; at 1 they queue.
+    assert "At concurrency 4 every conversation starts at once" in markdown and "At concurrency 1" not in markdown
 
 
 def test_command_line_reproduces_every_setting():
