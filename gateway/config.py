@@ -79,6 +79,9 @@ class GatewayConfig:
     speculation_draft_tokens_by_load: tuple[tuple[int, int], ...] = dataclasses.field(init=False, repr=False)
     # next_round_drafts: offer verifiers the drafter's draft for the step after (where they accept it).
     speculation_next_round: bool = dataclasses.field(init=False, repr=False)
+    # next_round_lookup: true | false | "auto": where the offers miss, the verifier drafts the step itself by prompt
+    # lookup instead of waiting a round trip ("auto": where the wait saved outweighs the tokens lost, as measured).
+    speculation_next_round_lookup: str = dataclasses.field(init=False, repr=False)
     # adaptive_draft_length: each request's draft length follows its acceptance (gateway/draft_length.py).
     speculation_adaptive_draft_length: bool = dataclasses.field(init=False, repr=False)
     # break_even_drafts: a drafter's draft stops where its tokens no longer pay at the load (gateway/break_even.py).
@@ -120,6 +123,7 @@ class GatewayConfig:
         values = speculative_config_values(self.speculative_config)
         object.__setattr__(self, "speculation_draft_tokens_by_load", draft_tokens_by_load(values))
         object.__setattr__(self, "speculation_next_round", _switch(values, "next_round_drafts", True))
+        object.__setattr__(self, "speculation_next_round_lookup", _lookup_mode(values.get("next_round_lookup", "auto")))
         object.__setattr__(self, "speculation_adaptive_draft_length",
                            _switch(values, "adaptive_draft_length", False))
         object.__setattr__(self, "speculation_break_even", _switch(values, "break_even_drafts", True))
@@ -129,6 +133,14 @@ def _switch(values: dict, key: str, default: bool) -> bool:
     value = values.get(key, default)
     if not isinstance(value, bool):
         raise ValueError(f"{key} must be true or false")
+    return value
+
+
+def _lookup_mode(value) -> str:
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    if value != "auto":
+        raise ValueError('next_round_lookup must be true, false or "auto"')
     return value
 
 

@@ -70,11 +70,12 @@ class GatewayMetrics:
         self._finished = counter("vllm:request_success", "Finished generations by finish reason.",
                                  ["finished_reason"])
         self._errors = counter("speclane:request_errors", "Requests that failed, by error type.", ["error_type"])
-        # taken / (taken + missed) is the next-round hit rate: the steps that skipped the gateway's round trip.
+        # taken / (taken + missed) is the next-round hit rate: the steps that skipped the gateway's round trip;
+        # looked_up: steps no offer foresaw that the verifier started with its own prompt lookup.
         self._next_round = counter("speclane:next_round_offers", "Steps offered next-round drafts, by whether the "
-                                   "verifier went on with one of them (taken) or waited for a Verify (missed).",
-                                   ["outcome"])
-        for outcome in ("taken", "missed"):  # both at 0 from the start, so a rate is defined
+                                   "verifier went on with one of them (taken), with a draft it looked up itself "
+                                   "(looked_up), or waited for a Verify (missed).", ["outcome"])
+        for outcome in ("taken", "looked_up", "missed"):  # at 0 from the start, so a rate is defined
             self._next_round.labels(model_name, outcome)
         self._prompt_tokens = counter("vllm:prompt_tokens", "Prompt tokens of generations.")
         self._generation_tokens = counter("vllm:generation_tokens", "Generated tokens returned.")
@@ -130,8 +131,8 @@ class GatewayMetrics:
         for position in range(num_accepted):
             self._accepted_per_pos.labels(model, str(position)).inc()
 
-    def record_next_round(self, taken: bool) -> None:
-        self._next_round.labels(self.model_name, "taken" if taken else "missed").inc()
+    def record_next_round(self, outcome: str) -> None:
+        self._next_round.labels(self.model_name, outcome).inc()
 
     def record_step_times(self, times: StepTimes) -> None:
         for name, part in self._step_parts.items():

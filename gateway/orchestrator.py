@@ -15,18 +15,20 @@ from gateway.drafter_client import DrafterClient, DrafterSession
 from gateway.errors import InvalidRequest, Overloaded, Unavailable
 from gateway.hybrid import REQUEST_WEIGHT, SERVER_WEIGHT, HeadWorth, HybridChoice, head_step_worth
 from gateway.metrics import GatewayMetrics, StepTimes
+from gateway.next_round import continuations_after, cut, offer_outcome, offered_draft, step_part
 from gateway.prediction import PredictionDrafter
+from gateway.round_trip import RoundTrip, looks_up, lookup_loss
 from gateway.types import GenerationRequest, SpeculationUsage, TokenDelta, TokenLogprob
 from gateway.verifier_pool import VerifierPool
 from protos.common.v1 import common_pb2
-from protos.conventions import FINISH_REASON_NAMES, MAX_NEXT_ROUND_CONTINUATIONS
+from protos.conventions import FINISH_REASON_NAMES
 from protos.verifier.v1 import verifier_pb2
 from speclane.speculation import DRAFTER_METHODS, HEAD_METHODS, token_cost_at
 
 log = structlog.get_logger()
 _NO_DRAFT = common_pb2.Draft()
-# Where a step's draft came from.
-PREDICTION, DRAFTER, HEAD, NONE = "prediction", "drafter", "head", "none"
+# Where a step's draft came from; LOOKUP: the verifier's own prompt lookup (NextRound.lookup_tokens).
+PREDICTION, DRAFTER, HEAD, LOOKUP, NONE = "prediction", "drafter", "head", "lookup", "none"
 
 
 @dataclass(frozen=True)
@@ -41,6 +43,8 @@ class LoopPolicy:
     draft_tokens_by_load: tuple[tuple[int, int], ...] = ()
     # Offer the verifiers next-round drafts (they accept them): see generate().
     next_round: bool = False
+    # Let verifiers draft a step whose offers missed by prompt lookup: "on", "off", or "auto" (gateway/round_trip.py).
+    next_round_lookup: str = "off"
     # Adapt each request's draft length to its acceptance (gateway/draft_length.py).
     adaptive_draft_length: bool = False
     # Cut a drafter's draft where its tokens' chance of acceptance no longer pays at the load (gateway/break_even.py).
@@ -75,6 +79,7 @@ class Orchestrator:
         self._acceptance = {method: MethodAcceptance() for method in DRAFTER_METHODS}
         # What the head's steps have been worth, any method's: a hybrid request's prior.
         self._head_worth = HeadWorth(SERVER_WEIGHT)
+        self._round_trips = [RoundTrip() for _ in verifiers.addresses]
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[TokenDelta]:
         """Yields each step's committed tokens; closing the generator aborts the sequence.
@@ -86,7 +91,8 @@ class Orchestrator:
         them is what happens, the verifier starts its draft at once and says so
         (next_round_hit); the loop then sends no Verify, only the offers for the
         step after. The verifier's wait for the loop's round trip is gone from
-        those steps."""
+        those steps. Where that wait is costly (next_round_lookup), the verifier
+        also starts the steps no offer foresaw, with a draft it looks up itself."""
         index, verifier = None, None
         drafter: DrafterSession | None = None
         prediction = PredictionDrafter(request.prediction_token_ids) if request.prediction_token_ids else None
@@ -126,39 +132,51 @@ class Orchestrator:
                 if drafter_limit > 0 or result.next_round_hit:
                     drafted = await _next_draft(proposer, withheld, result.committed_len)
                     withheld = []
-                    step_drafted = _step_part(drafted)
+                    step_drafted = step_part(drafted)
                 drafter_seconds = time.perf_counter() - asked
                 predicted = _predicted_draft(prediction, result, limit)
                 ran_ahead = result.next_round_hit  # the verifier already verifies one of `offered`
-                if ran_ahead:
-                    source, draft = DRAFTER, _taken(offered, result.committed_len, result.token_ids[-1])
+                drafter_draft = cut(step_drafted, 0, drafter_limit)
+                if ran_ahead and result.HasField("lookup_draft"):
+                    source, draft = LOOKUP, result.lookup_draft
+                elif ran_ahead:
+                    source, draft = DRAFTER, offered_draft(offered, result.committed_len, result.token_ids[-1])
                 elif limit == 0:  # a head's draft is not shortened here: only switched off
                     source, draft = NONE, _NO_DRAFT
                 else:
-                    source, draft = _pick_draft(speculation.method, predicted, _cut(step_drafted, 0, drafter_limit),
-                                                hybrid)
-                offered = (_continuations_after(draft, drafted, drafter_limit) if lookahead and source == DRAFTER
+                    source, draft = _pick_draft(speculation.method, predicted, drafter_draft, hybrid)
+                drafted_step = lookahead and source in (DRAFTER, LOOKUP, NONE)  # NONE: the drafter had nothing
+                offered = (continuations_after(draft, drafted, drafter_limit) if drafted_step and source != NONE
                            and limit > 0 else [])
+                round_trip = self._round_trips[index]
+                lookup_tokens = (drafter_limit if drafted_step and looks_up(self._policy.next_round_lookup, round_trip)
+                                 else 0)
                 sent = time.perf_counter()
-                await _checked(_send_step(verifier, result, source, draft, ran_ahead, offered))
+                await _checked(_send_step(verifier, result, source, draft, ran_ahead, offered, lookup_tokens))
                 # The last step's tokens go out (detokenized, streamed) while the verifier runs this one.
                 yield _delta(result, speculation=usage)
                 result = await _checked(verifier.answer())
-                if offered:
-                    self._metrics.record_next_round(result.next_round_hit)
+                if offered or lookup_tokens:
+                    self._metrics.record_next_round(offer_outcome(result))
                 usage += _step_usage(result, source, ran_ahead)
                 if source == HEAD:
                     worth = head_step_worth(result, self._policy.draft_token_cost)
                     self._head_worth.observe(worth)
                     if hybrid is not None:
                         hybrid.head.observe(worth)
-                if source == DRAFTER:
+                if source in (DRAFTER, LOOKUP):
                     if adaptive is not None:
                         adaptive.observe(result.num_draft_tokens, result.num_accepted_draft_tokens)
                     if acceptance is not None:
                         acceptance.observe(result.num_draft_tokens, result.num_accepted_draft_tokens)
                 output += result.token_ids
-                self._record_step(result, source, drafter_seconds, time.perf_counter() - sent)
+                loss = (lookup_loss(list(drafter_draft.token_ids), result.num_accepted_draft_tokens,
+                                    list(result.token_ids)) if source == LOOKUP else None)
+                round_trip.observe_step(len(result.token_ids), loss)
+                # The step after the prefill always waits, and a step the verifier started itself did not wait:
+                # neither tells what a lookup would save (gateway/round_trip.py).
+                self._record_step(index, result, source, drafter_seconds, time.perf_counter() - sent,
+                                  round_trip=not ran_ahead and usage.verify_steps > 1)
             if drafter is not None:  # the tokens it has not been sent: the last steps', or all of them
                 unsent = withheld + list(result.token_ids) if proposer is not None else output
                 self._finish_in_background(drafter, unsent, result.committed_len)
@@ -191,7 +209,8 @@ class Orchestrator:
                 self._verifiers.mark_down(index)
         raise Unavailable("no verifier answered the prefill; retry shortly")
 
-    def _record_step(self, result, source: str, drafter_seconds: float, verifier_seconds: float) -> None:
+    def _record_step(self, index: int, result, source: str, drafter_seconds: float, verifier_seconds: float,
+                     round_trip: bool) -> None:
         """Where a step's time went: waiting for the drafter, and for the
         verifier, split into its own time (forward pass included) and the rest,
         the network's. Metrics always; a debug log line per step."""
@@ -199,6 +218,8 @@ class Orchestrator:
         times = StepTimes(drafter_seconds, verifier_seconds, result.step_seconds, result.forward_seconds,
                           result.head_draft_seconds)
         self._metrics.record_step_times(times)
+        if round_trip:
+            self._round_trips[index].observe_wait(times.network + times.drafter_wait, times.forward)
         log.debug("verify_step", source=source, draft_tokens=result.num_draft_tokens,
                   accepted=result.num_accepted_draft_tokens, **times.milliseconds())
 
@@ -215,11 +236,13 @@ def _delta(result, finish_reason: str | None = None, speculation: SpeculationUsa
 
 
 def _send_step(verifier, last, source: str, draft: common_pb2.Draft | None, ran_ahead: bool,
-               offered: list[verifier_pb2.Continuation]):
+               offered: list[verifier_pb2.Continuation], lookup_tokens: int):
     """Sends a step's draft, or nothing when the verifier already runs it
-    (`ran_ahead`), with `offered` continuations for the step after."""
-    next_round = (verifier_pb2.NextRound(step_committed_len=last.committed_len, continuations=offered)
-                  if offered else None)
+    (`ran_ahead`), with `offered` continuations for the step after, and where
+    none matches, a prompt lookup of up to `lookup_tokens` (0: wait)."""
+    next_round = (verifier_pb2.NextRound(step_committed_len=last.committed_len, continuations=offered,
+                                         lookup_tokens=lookup_tokens)
+                  if offered or lookup_tokens else None)
     if ran_ahead:
         return verifier.send_offer(next_round)
     return verifier.send_verify(draft, use_head_draft=source == HEAD, next_round=next_round)
@@ -230,55 +253,6 @@ def _step_usage(result, source: str, ran_ahead: bool) -> SpeculationUsage:
     return SpeculationUsage(drafted, accepted, 1, *((drafted, accepted) if source == PREDICTION else (0, 0)),
                             drafter_steps=int(source == DRAFTER), head_steps=int(source == HEAD),
                             next_round_steps=int(ran_ahead))
-
-
-def _step_part(draft: common_pb2.Draft) -> common_pb2.Draft:
-    """The step's own draft, of one that goes on past it (Draft.step_len: next-round drafts)."""
-    return _cut(draft, 0, draft.step_len) if draft.step_len else draft
-
-
-def _cut(draft: common_pb2.Draft, start: int, stop: int) -> common_pb2.Draft:
-    """Tokens start..stop of a draft: anywhere in a chain (the drafter drafts past
-    the step when next-round drafts are on), from the start of a tree (its nodes
-    come parents first, so its first nodes are a tree too)."""
-    if start == 0 and len(draft.token_ids) <= stop:
-        return draft
-    confidences = draft.confidences[start:stop]
-    return common_pb2.Draft(token_ids=draft.token_ids[start:stop], parents=draft.parents[start:stop],
-                            confidences=confidences, score=sum(confidences),
-                            committed_len=draft.committed_len + start, source=draft.source)
-
-
-def _continuations_after(step: common_pb2.Draft, drafted: common_pb2.Draft,
-                         k: int) -> list[verifier_pb2.Continuation]:
-    """The drafts of up to k tokens after `step` for its likely outcomes, read
-    from `drafted` (drafted from the same committed tokens, further ahead):
-    "all of it accepted, then the drafter's next token" where `drafted` goes on
-    past `step`, then each detour that leaves `step` where `drafted` does.
-    Nothing for trees."""
-    if drafted.parents:
-        return []
-    n, tokens = len(step.token_ids), list(step.token_ids)
-    offered = []
-    if len(drafted.token_ids) > n + 1 and drafted.token_ids[:n] == tokens:
-        offered.append(verifier_pb2.Continuation(bonus_token_id=drafted.token_ids[n],
-                                                 draft=_cut(drafted, n + 1, n + 1 + k)))
-    for detour in drafted.detours:
-        j = detour.position
-        if j <= n and drafted.token_ids[:j] == tokens[:j] and (j == n or tokens[j] != detour.token_id):
-            confidences = detour.confidences[:k]
-            draft = common_pb2.Draft(token_ids=detour.token_ids[:k], confidences=confidences, score=sum(confidences),
-                                     committed_len=drafted.committed_len + j + 1, source=drafted.source)
-            offered.append(verifier_pb2.Continuation(bonus_token_id=detour.token_id, draft=draft))
-    return offered[:MAX_NEXT_ROUND_CONTINUATIONS]
-
-
-def _taken(offered: list[verifier_pb2.Continuation], committed_len: int,
-           last_token: int) -> common_pb2.Draft | None:
-    """The offered draft for the step's outcome (the sequence length and last
-    token after it), as the verifier picks it; None when none was offered."""
-    return next((c.draft for c in offered if c.draft.committed_len == committed_len
-                 and c.bonus_token_id == last_token), None)
 
 
 def _pick_draft(method: str, predicted: common_pb2.Draft | None, drafted: common_pb2.Draft,

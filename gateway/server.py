@@ -86,6 +86,7 @@ async def run(config: GatewayConfig) -> None:
     policy = LoopPolicy(draft_token_costs=token_costs,
                         draft_tokens_by_load=config.speculation_draft_tokens_by_load,
                         next_round=config.speculation_next_round and info.accepts_next_round,
+                        next_round_lookup=config.speculation_next_round_lookup,
                         adaptive_draft_length=config.speculation_adaptive_draft_length,
                         break_even=config.speculation_break_even)
     orchestrator = Orchestrator(verifiers, drafter, metrics, policy)

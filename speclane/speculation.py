@@ -22,10 +22,11 @@ METHOD_ALIASES = {"deepseek_mtp": "mtp"}  # vLLM's older name
 VERIFIER_KEYS = ("model", "draft_tensor_parallel_size", "draft_model_config", "shared_storage_path",
                  "draft_token_cost", "eagle_topk", "num_draft_tokens")
 # --speculative-config keys the gateway applies server-wide: vLLM's load cut-off, and ours:
-# draft lengths by load, whether the gateway offers verifiers next-round drafts (default on), and
-# whether drafts stop where their tokens no longer pay at the verifier's load (default off).
+# draft lengths by load, whether the gateway offers verifiers next-round drafts (default on) and lets them
+# look a missed step's draft up themselves (default "auto"), and whether drafts stop where their tokens no
+# longer pay at the verifier's load (default on).
 GATEWAY_KEYS = ("speculative_disable_by_batch_size", "num_speculative_tokens_by_batch_size", "next_round_drafts",
-                "adaptive_draft_length", "break_even_drafts")
+                "next_round_lookup", "adaptive_draft_length", "break_even_drafts")
 # vLLM's method that only captures hidden states in the verifier: the sequences themselves are not speculated.
 CAPTURE_METHOD = "extract_hidden_states"
 MAX_SPECULATIVE_TOKENS = 64

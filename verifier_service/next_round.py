@@ -2,11 +2,13 @@
 one per likely outcome. When a step ends in one of them (its draft accepted up
 to a given token, then the expected bonus or correction token), the verifier
 starts that continuation at once instead of waiting a round trip for the
-client's next Verify."""
+client's next Verify. A client may also let it draft by prompt lookup where
+no offer matches (NextRound.lookup_tokens)."""
 
 from dataclasses import dataclass
 
 from verifier_service.errors import InvalidRequest
+from verifier_service.prompt_lookup import lookup_draft
 from verifier_service.sequence import Draft, FinishReason, StepResult
 
 
@@ -14,6 +16,12 @@ from verifier_service.sequence import Draft, FinishReason, StepResult
 class Continuation:
     bonus_token_id: int
     draft: Draft  # committed_len: the sequence length after the bonus token
+
+
+@dataclass(frozen=True)
+class NextStep:
+    draft: Draft
+    looked_up: bool  # drafted by prompt lookup, no continuation matching
 
 
 class NextRound:
@@ -24,16 +32,19 @@ class NextRound:
     def __init__(self):
         self._step_committed_len = -1
         self._continuations: tuple[Continuation, ...] = ()
+        self._lookup_tokens = 0
 
-    def offer(self, step_committed_len: int, continuations: tuple[Continuation, ...]) -> None:
+    def offer(self, step_committed_len: int, continuations: tuple[Continuation, ...], lookup_tokens: int = 0) -> None:
         if any(c.draft.committed_len == 0 for c in continuations):
             raise InvalidRequest("a continuation's draft needs its committed_len")
         self._step_committed_len, self._continuations = step_committed_len, continuations
+        self._lookup_tokens = lookup_tokens
 
-    def take(self, step_committed_len: int, result: StepResult) -> Draft | None:
-        """The continuation to verify next, after the step that started at
-        `step_committed_len` gave `result`; None when no offer matches. An offer
-        for this step is used up either way."""
+    def take(self, step_committed_len: int, result: StepResult, tokens: list[int]) -> NextStep | None:
+        """The step to run next, after the step that started at `step_committed_len`
+        gave `result` and left the sequence at `tokens`: the matching continuation,
+        else a prompt lookup where the offer allows one; None: wait for a Verify.
+        An offer for this step is used up either way."""
         offered, self._continuations = self._continuations, ()
         if self._step_committed_len != step_committed_len or result.finish_reason is not FinishReason.NONE:
             return None
@@ -42,5 +53,8 @@ class NextRound:
         for continuation in offered:
             if (continuation.draft.committed_len == result.committed_len
                     and continuation.bonus_token_id == result.token_ids[-1]):
-                return continuation.draft
+                return NextStep(continuation.draft, looked_up=False)
+        if self._lookup_tokens:
+            draft = Draft(tuple(lookup_draft(tokens, self._lookup_tokens)), committed_len=result.committed_len)
+            return NextStep(draft, looked_up=True)
         return None

@@ -78,6 +78,9 @@ def continuations_from_proto(message: verifier_pb2.NextRound, max_tokens: int) -
     if len(message.continuations) > MAX_NEXT_ROUND_CONTINUATIONS:
         raise InvalidRequest(f"a next round may offer at most {MAX_NEXT_ROUND_CONTINUATIONS} continuations, "
                              f"this one offers {len(message.continuations)}")
+    if message.lookup_tokens > max_tokens:
+        raise InvalidRequest(f"a next round may look up at most {max_tokens} tokens (--max-draft-tokens); "
+                             f"this one asks for {message.lookup_tokens}")
     return tuple(Continuation(c.bonus_token_id, draft_from_proto(c.draft, max_tokens)) for c in message.continuations)
 
 
@@ -189,10 +192,15 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
                 while step is not None:
                     started_at = result.committed_len  # the answer before this step
                     result, seconds = await step
-                    draft = next_round.take(started_at, result)
+                    # The sequence has no step in flight here, so its tokens are settled.
+                    taken = next_round.take(started_at, result, seq.tokens)
                     # Started before this answer goes out: the model thread need not wait for it.
-                    step = self._step(seq, draft) if draft is not None else None
+                    step = self._step(seq, taken.draft) if taken is not None else None
                     timing = verifier_pb2.SessionResponse(step_seconds=seconds, next_round_hit=step is not None)
+                    if taken is not None and taken.looked_up:
+                        timing.lookup_draft.CopyFrom(common_pb2.Draft(token_ids=taken.draft.token_ids,
+                                                                      committed_len=taken.draft.committed_len,
+                                                                      source="lookup"))
                     yield self._answer(seq, result, timing)
         except InvalidRequest as exc:
             status = grpc.StatusCode.INVALID_ARGUMENT, str(exc)
@@ -221,7 +229,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
                 if request.WhichOneof("kind") == "next_round":
                     message = request.next_round
                     next_round.offer(message.step_committed_len,
-                                     continuations_from_proto(message, self.max_draft_tokens))
+                                     continuations_from_proto(message, self.max_draft_tokens), message.lookup_tokens)
                 else:
                     inbox.put_nowait(request)
             inbox.put_nowait(None)

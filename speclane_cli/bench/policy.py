@@ -19,7 +19,8 @@ from dataclasses import dataclass
 from drafter_service.engine import DraftEngine, draft_from_core
 from drafter_service.service import draft_to_proto
 from gateway.break_even import MethodAcceptance, RequestAcceptance
-from gateway.orchestrator import _NO_DRAFT, LoopPolicy, _continuations_after, _cut, _step_part, _taken
+from gateway.next_round import continuations_after, cut, offered_draft, step_part
+from gateway.orchestrator import _NO_DRAFT, LoopPolicy
 from speclane.speculation import DrafterLimits, SpeculationSettings
 
 
@@ -62,15 +63,15 @@ def replay(traces: list[Trace], settings: SpeculationSettings, token_cost: float
         position, withheld, offered = 1, list(out[:1]), []
         while position < len(out):
             committed_len = len(trace.prompt) + position
-            taken = _taken(offered, committed_len, withheld[-1])
+            taken = offered_draft(offered, committed_len, withheld[-1])
             limit = policy.paying_draft_tokens(1, k, acceptance)
             drafted = _NO_DRAFT
             if limit > 0 or taken is not None:  # as the gateway: a step that drafts nothing asks for nothing
                 core_draft = engine.core.step([seq_id], [withheld])[0]
                 drafted, withheld = draft_to_proto(draft_from_core(core_draft), committed_len), []
-            draft = taken or _cut(_step_part(drafted), 0, limit)
+            draft = taken or cut(step_part(drafted), 0, limit)
             result.next_round_steps += taken is not None
-            offered = _continuations_after(draft, drafted, limit) if next_round else []
+            offered = continuations_after(draft, drafted, limit) if next_round else []
             accepted = _accepted(draft.token_ids, out[position:])
             if acceptance is not None:
                 acceptance.observe(len(draft.token_ids), accepted)

@@ -37,9 +37,11 @@ def stack(model_dir, tmp_path_factory):
     gateway = GatewayConfig(
         model=str(model_dir), served_model_name=MODEL, port=free_port(), grpc_address=f"127.0.0.1:{free_port()}",
         drafter_address=drafter.address, verifier_addresses=(verifier.address,),
-        # The break-even cut learns how long drafts pay from all requests, so one tenant's
-        # could shorten another's (lengths only); the accepted counts below are compared exactly.
-        speculative_config='{"method": "suffix", "num_speculative_tokens": 8, "break_even_drafts": false}',
+        # The break-even cut learns how long drafts pay from all requests, so one tenant's could shorten
+        # another's (lengths only), and the verifier's own lookups engage by timing; the accepted counts
+        # below are compared exactly.
+        speculative_config='{"method": "suffix", "num_speculative_tokens": 8, "break_even_drafts": false, '
+                           '"next_round_lookup": false}',
         api_keys_file=str(keys),
         max_request_body_bytes=BODY_LIMIT, max_tokens_limit=MAX_TOKENS, protect_metrics=True,
         draft_timeout_ms=5000,  # a busy test host must not skip drafts: the counts below are compared exactly

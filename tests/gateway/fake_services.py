@@ -133,11 +133,16 @@ class FakeVerifier(verifier_pb2_grpc.VerifierServicer):
                     continuation = None if finished or offer is None else next(
                         (c for c in offer.continuations if c.draft.committed_len == prompt_len + generated
                          and c.bonus_token_id == tokens[-1]), None)
+                    looked_up = None  # a prompt lookup, where no continuation matches: the next target tokens
+                    if continuation is None and not finished and offer is not None and offer.lookup_tokens:
+                        looked_up = common_pb2.Draft(token_ids=target_tokens(generated, offer.lookup_tokens),
+                                                     committed_len=prompt_len + generated, source="lookup")
+                        continuation = verifier_pb2.Continuation(draft=looked_up)
                     yield verifier_pb2.SessionResponse(
                         token_ids=tokens, num_accepted_draft_tokens=accepted, committed_len=prompt_len + generated,
                         finish_reason=common_pb2.FINISH_REASON_LENGTH if finished
                         else common_pb2.FINISH_REASON_UNSPECIFIED,
-                        num_draft_tokens=verified, next_round_hit=continuation is not None)
+                        num_draft_tokens=verified, next_round_hit=continuation is not None, lookup_draft=looked_up)
         finally:
             reader.cancel()
 

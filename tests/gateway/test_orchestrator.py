@@ -9,6 +9,7 @@ import pytest
 
 from gateway.errors import InvalidRequest, Overloaded, Unavailable
 from gateway.orchestrator import LoopPolicy
+from gateway.round_trip import EXPLORE_EVERY, RoundTrip, looks_up, lookup_loss
 from gateway.types import SpeculationUsage
 from protos.common.v1 import common_pb2
 from protos.gateway.v1 import gateway_pb2
@@ -379,6 +380,73 @@ async def test_a_detour_lets_the_verifier_go_on_after_a_rejected_draft_token(rig
     assert f'speclane:next_round_offers_total{{model_name="{MODEL_NAME}",outcome="missed"}} {missed}.0' in text
 
 
+@pytest.mark.parametrize("mode", ["on", "off"])
+async def test_with_next_round_lookup_the_verifier_starts_a_step_no_offer_foresaw(mode):
+    """Every offer misses (each draft is rejected after 2 tokens); with lookups on,
+    the verifier starts each such step with a draft it looked up itself, and the
+    loop then offers continuations after that draft rather than sending a Verify."""
+    verifier, drafter = FakeVerifier(accept=2, step_seconds=0.02), FakeDrafter(draft_len=7)
+    async with gateway([verifier], drafter, policy=LoopPolicy(next_round=True, next_round_lookup=mode)) as gw:
+        deltas = await collect(gw, lookahead())
+    assert tokens_of(deltas) == target_tokens(0, 30)
+    usage = deltas[-1].speculation
+    text = gw.metrics.render().decode()
+    looked_up = f'speclane:next_round_offers_total{{model_name="{MODEL_NAME}",outcome="looked_up"}}'
+    if mode == "off":
+        assert usage.next_round_steps == 0 and all(offer.lookup_tokens == 0 for offer in verifier.offers)
+        assert f"{looked_up} 0.0" in text
+        return
+    # Only the first step after the prefill waits for a Verify.
+    assert usage.next_round_steps == usage.verify_steps - 1 > 0
+    assert f"{looked_up} {usage.next_round_steps}.0" in text
+    assert verifier.offers[0].lookup_tokens == 3  # up to k
+    # The step after a looked-up draft is offered the drafter's continuations after it: the fake's
+    # lookup drafts the target's tokens, as the drafter does, so "all accepted" follows that draft.
+    after_lookup = verifier.offers[1]
+    assert after_lookup.step_committed_len == len(PROMPT) + 4
+    assert [list(c.draft.token_ids) for c in after_lookup.continuations] == [target_tokens(8, 3)]
+
+
+def test_auto_looks_drafts_up_where_the_wait_they_save_outweighs_the_tokens_they_lose():
+    local, link = RoundTrip(), RoundTrip()
+    for _ in range(40):
+        local.observe_wait(0.001, 0.070)  # 1.4%: one host
+        link.observe_wait(0.008, 0.070)  # 11%: a 5 ms link
+        link.observe_step(4, None)
+    assert not looks_up("auto", local) and looks_up("auto", link)
+    assert looks_up("on", local) and not looks_up("off", link)
+    assert not looks_up("auto", RoundTrip())  # nothing measured yet
+    # Lookups that lose a token a step against the drafter's drafts (a quarter of the step's 4)
+    # cost more than the 11% they save; one step in EXPLORE_EVERY still looks up, to measure again.
+    for _ in range(100):
+        link.observe_step(3, 1)
+    assert not looks_up("auto", link)
+    for _ in range(EXPLORE_EVERY):
+        link.observe_step(3, None)
+    assert looks_up("auto", link)
+    # Losing a tenth of a token a step, the same wait pays.
+    for _ in range(100):
+        link.observe_step(4, 0.1)
+    assert looks_up("auto", link)
+
+
+def test_a_lookups_loss_is_what_the_drafters_draft_foresaw_of_the_committed_tokens_beyond_it():
+    committed = [5, 6, 7, 8]  # the lookup's 3 tokens accepted, then the target's
+    assert lookup_loss([5, 6, 7, 8, 9], 3, committed) == 1  # foresaw all 4: at least 1 more
+    assert lookup_loss([5, 6], 3, committed) == -1
+    assert lookup_loss([], 3, committed) == -3 and lookup_loss([5, 6, 7], 3, committed) == 0
+
+
+def test_next_round_lookup_is_auto_unless_the_speculative_config_sets_it():
+    from gateway.config import GatewayConfig
+
+    assert GatewayConfig().speculation_next_round_lookup == "auto"
+    assert GatewayConfig(speculative_config='{"next_round_lookup": true}').speculation_next_round_lookup == "on"
+    assert GatewayConfig(speculative_config='{"next_round_lookup": false}').speculation_next_round_lookup == "off"
+    with pytest.raises(ValueError, match="next_round_lookup must be true, false or"):
+        GatewayConfig(speculative_config='{"next_round_lookup": "always"}')
+
+
 async def test_without_the_policy_no_next_round_is_offered_and_the_drafter_drafts_k():
     verifier, drafter = FakeVerifier(accept=8), FakeDrafter(draft_len=7)
     async with gateway([verifier], drafter) as gw:
@@ -386,46 +454,6 @@ async def test_without_the_policy_no_next_round_is_offered_and_the_drafter_draft
     assert tokens_of(deltas) == target_tokens(0, 30)
     assert (drafter.params[0].num_speculative_tokens, drafter.lookaheads[0]) == (3, 0) and not verifier.offers
     assert deltas[-1].speculation.next_round_steps == 0
-
-
-def test_a_continuation_is_read_from_the_longer_draft_where_it_goes_on_past_the_step():
-    from gateway.orchestrator import _continuations_after, _cut
-
-    drafted = common_pb2.Draft(token_ids=[1, 2, 3, 4, 5, 6], confidences=[1, 1, .5, .5, .5, .25], committed_len=10)
-    step = _cut(drafted, 0, 2)
-    assert list(step.token_ids) == [1, 2] and step.score == 2 and step.committed_len == 10
-    [continuation] = _continuations_after(step, drafted, k=2)
-    assert continuation.bonus_token_id == 3
-    assert list(continuation.draft.token_ids) == [4, 5] and continuation.draft.committed_len == 13
-    assert list(continuation.draft.confidences) == [.5, .5]
-    assert _continuations_after(common_pb2.Draft(token_ids=[1, 7]), drafted, k=2) == []  # drafted something else
-    assert _continuations_after(_cut(drafted, 0, 5), drafted, k=2) == []  # nothing after the bonus
-    tree = common_pb2.Draft(token_ids=[1, 2, 3, 4], parents=[-1, 0, 0, 1], confidences=[1, .5, .5, .25])
-    cut = _cut(tree, 0, 3)  # a load or adaptive limit holds for trees too
-    assert (list(cut.token_ids), list(cut.parents), cut.score) == ([1, 2, 3], [-1, 0, 0], 2)
-    assert _continuations_after(_cut(tree, 0, 1), tree, k=2) == []
-
-
-def test_detours_are_offered_for_the_outcomes_of_the_step_that_is_verified():
-    from gateway.orchestrator import _continuations_after, _cut
-
-    def detour(position, token):
-        return common_pb2.Detour(position=position, token_id=token, token_ids=[20 + token, 21, 22],
-                                 confidences=[1, .5, .25])
-
-    drafted = common_pb2.Draft(token_ids=[1, 2, 3, 4, 5], confidences=[1, 1, .5, .5, .5], committed_len=10,
-                               step_len=3, detours=[detour(0, 7), detour(2, 8), detour(3, 9), detour(4, 6)])
-    step = _cut(drafted, 0, 2)  # cut by the gateway below the drafter's step of 3
-    offered = _continuations_after(step, drafted, k=2)
-    # The path on (bonus 3), then the detours at positions 0 and 2 (2 is now the bonus's position).
-    assert [(c.bonus_token_id, c.draft.committed_len) for c in offered] == [(3, 13), (7, 11), (8, 13)]
-    assert list(offered[1].draft.token_ids) == [27, 21] and list(offered[1].draft.confidences) == [1, .5]
-    assert offered[1].draft.score == 1.5
-    # The verifier runs an offered draft: detours leaving it where the drafted path does still apply.
-    running = common_pb2.Draft(token_ids=[1, 2, 8], committed_len=10)
-    assert [c.bonus_token_id for c in _continuations_after(running, drafted, k=2)] == [7]
-    assert len(_continuations_after(drafted, common_pb2.Draft(
-        token_ids=[1], detours=[detour(0, 100 + i) for i in range(12)]), k=2)) == 8  # one NextRound's worth
 
 
 # Adaptive draft length

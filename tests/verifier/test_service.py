@@ -21,6 +21,7 @@ from verifier_service.async_engine import AsyncEngine
 from verifier_service.config import DEFAULT_MAX_DRAFT_TOKENS, VerifierConfig
 from verifier_service.draft_cost import BATCH_SIZES
 from verifier_service.model_runner import ModelRunner
+from verifier_service.prompt_lookup import lookup_draft
 from verifier_service.sequence import Draft
 from verifier_service.service import VerifierServicer, add_to_server, params_from_proto
 
@@ -132,10 +133,11 @@ def wrong(token: int) -> int:
     return (token + 1) % VOCAB
 
 
-def next_round(step_committed_len: int, *continuations: tuple[int, list[int], int]) -> verifier_pb2.SessionRequest:
+def next_round(step_committed_len: int, *continuations: tuple[int, list[int], int],
+               lookup_tokens: int = 0) -> verifier_pb2.SessionRequest:
     """Offers (bonus token, draft, draft's committed_len) continuations for the step starting at that length."""
     return verifier_pb2.SessionRequest(next_round=verifier_pb2.NextRound(
-        step_committed_len=step_committed_len, continuations=[
+        step_committed_len=step_committed_len, lookup_tokens=lookup_tokens, continuations=[
             verifier_pb2.Continuation(bonus_token_id=bonus, draft=common_pb2.Draft(token_ids=draft, committed_len=at))
             for bonus, draft, at in continuations]))
 
@@ -189,6 +191,37 @@ def test_a_next_round_offer_that_matches_runs_without_a_verify_and_a_miss_waits_
     asyncio.run(main())
 
 
+def test_where_no_offer_matches_a_next_round_with_lookups_runs_the_verifiers_own_draft(tiny_model_dir, engine):
+    prompt = list(range(VOCAB))  # every token occurs in it, so a lookup always finds a match
+    sampling = verifier_pb2.SamplingParams(max_new_tokens=12, ignore_eos=True)
+    seq = engine.open("ref", prompt, params_from_proto(verifier_pb2.Prefill(sampling=sampling)))
+    expected = engine.prefill(seq).token_ids
+    while not seq.finished:
+        expected += engine.verify(seq, Draft()).token_ids
+    start = len(prompt) + 1
+    looked_up = lookup_draft(prompt + expected[:5], 4)
+    assert looked_up
+
+    async def main():
+        async with running_verifier(tiny_model_dir) as (channel, _):
+            await wait_serving(channel)
+            call = verifier_pb2_grpc.VerifierStub(channel).Session()
+            await call.write(prefill(prompt, sampling))
+            await call.read()
+            # The only continuation offered expects another bonus token: it misses.
+            await call.write(next_round(start, (wrong(expected[4]), [1, 2], start + 4), lookup_tokens=4))
+            await call.write(verify(expected[1:4], committed_len=start))
+            step = await call.read()
+            assert list(step.token_ids) == expected[1:5] and step.next_round_hit
+            assert list(step.lookup_draft.token_ids) == looked_up and step.lookup_draft.committed_len == start + 4
+            ran_ahead = await call.read()  # no Verify sent: the looked-up draft verified, greedy output unchanged
+            accepted = ran_ahead.num_accepted_draft_tokens
+            assert list(ran_ahead.token_ids) == expected[5:6 + accepted]
+            assert ran_ahead.num_draft_tokens == len(looked_up) and not ran_ahead.HasField("lookup_draft")
+
+    asyncio.run(main())
+
+
 BAD_SESSIONS = {
     "verify first": ([verify([1])], "first message of a session must be prefill"),
     "empty prompt": ([prefill(prompt=[])], "empty"),
@@ -207,6 +240,7 @@ BAD_SESSIONS = {
     "too many continuations": ([prefill(), next_round(8, *[(1, [2], 10)] * 9)], "at most 8 continuations"),
     "continuation without its length": ([prefill(), next_round(8, (1, [2], 0))], "needs its committed_len"),
     "continuation too long": ([prefill(), next_round(8, (1, [2] * (DEFAULT_MAX_DRAFT_TOKENS + 1), 10))], "at most"),
+    "lookup too long": ([prefill(), next_round(8, lookup_tokens=DEFAULT_MAX_DRAFT_TOKENS + 1)], "look up at most"),
 }
 
 

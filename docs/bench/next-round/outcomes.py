@@ -12,7 +12,7 @@ import sys
 
 from drafter_service.engine import DraftEngine, draft_from_core
 from drafter_service.service import draft_to_proto
-from gateway.orchestrator import _continuations_after, _step_part, _taken
+from gateway.next_round import continuations_after, offered_draft, step_part
 from speclane.speculation import SpeculationSettings
 from speclane_cli.bench.policy import _accepted, load
 
@@ -41,11 +41,11 @@ def main() -> None:
             committed_len = len(trace.prompt) + position
             fresh = draft_from_core(engine.core.step([seq_id], [committed])[0])
             drafted = draft_to_proto(fresh if detours else dataclasses.replace(fresh, detours=()), committed_len)
-            taken = _taken(offered, committed_len, committed[-1])
+            taken = offered_draft(offered, committed_len, committed[-1])
             if missed is not None:
                 outcomes["ran on an offer" if taken is not None else missed] += 1
-            draft = taken or _step_part(drafted)
-            offered = _continuations_after(draft, drafted, K) if draft.token_ids else []
+            draft = taken or step_part(drafted)
+            offered = continuations_after(draft, drafted, K) if draft.token_ids else []
             accepted = _accepted(draft.token_ids, out[position:])
             missed = why_missed(draft, offered, accepted, committed_len)
             committed = list(out[position:position + accepted + 1])

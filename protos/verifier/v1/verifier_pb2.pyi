@@ -71,12 +71,14 @@ class Verify(_message.Message):
     def __init__(self, draft: _Optional[_Union[_common_pb2.Draft, _Mapping]] = ..., use_head_draft: _Optional[bool] = ...) -> None: ...
 
 class NextRound(_message.Message):
-    __slots__ = ("step_committed_len", "continuations")
+    __slots__ = ("step_committed_len", "continuations", "lookup_tokens")
     STEP_COMMITTED_LEN_FIELD_NUMBER: _ClassVar[int]
     CONTINUATIONS_FIELD_NUMBER: _ClassVar[int]
+    LOOKUP_TOKENS_FIELD_NUMBER: _ClassVar[int]
     step_committed_len: int
     continuations: _containers.RepeatedCompositeFieldContainer[Continuation]
-    def __init__(self, step_committed_len: _Optional[int] = ..., continuations: _Optional[_Iterable[_Union[Continuation, _Mapping]]] = ...) -> None: ...
+    lookup_tokens: int
+    def __init__(self, step_committed_len: _Optional[int] = ..., continuations: _Optional[_Iterable[_Union[Continuation, _Mapping]]] = ..., lookup_tokens: _Optional[int] = ...) -> None: ...
 
 class Continuation(_message.Message):
     __slots__ = ("bonus_token_id", "draft")
@@ -97,7 +99,7 @@ class SessionRequest(_message.Message):
     def __init__(self, prefill: _Optional[_Union[Prefill, _Mapping]] = ..., verify: _Optional[_Union[Verify, _Mapping]] = ..., next_round: _Optional[_Union[NextRound, _Mapping]] = ...) -> None: ...
 
 class SessionResponse(_message.Message):
-    __slots__ = ("token_ids", "num_accepted_draft_tokens", "committed_len", "finish_reason", "num_draft_tokens", "logprobs", "queue_seconds", "prefill_seconds", "head_draft", "forward_seconds", "step_seconds", "next_round_hit", "head_draft_seconds")
+    __slots__ = ("token_ids", "num_accepted_draft_tokens", "committed_len", "finish_reason", "num_draft_tokens", "logprobs", "queue_seconds", "prefill_seconds", "head_draft", "forward_seconds", "step_seconds", "next_round_hit", "head_draft_seconds", "lookup_draft")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_ACCEPTED_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COMMITTED_LEN_FIELD_NUMBER: _ClassVar[int]
@@ -111,6 +113,7 @@ class SessionResponse(_message.Message):
     STEP_SECONDS_FIELD_NUMBER: _ClassVar[int]
     NEXT_ROUND_HIT_FIELD_NUMBER: _ClassVar[int]
     HEAD_DRAFT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    LOOKUP_DRAFT_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     num_accepted_draft_tokens: int
     committed_len: int
@@ -124,7 +127,8 @@ class SessionResponse(_message.Message):
     step_seconds: float
     next_round_hit: bool
     head_draft_seconds: float
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., num_accepted_draft_tokens: _Optional[int] = ..., committed_len: _Optional[int] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., num_draft_tokens: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., queue_seconds: _Optional[float] = ..., prefill_seconds: _Optional[float] = ..., head_draft: _Optional[_Union[_common_pb2.Draft, _Mapping]] = ..., forward_seconds: _Optional[float] = ..., step_seconds: _Optional[float] = ..., next_round_hit: _Optional[bool] = ..., head_draft_seconds: _Optional[float] = ...) -> None: ...
+    lookup_draft: _common_pb2.Draft
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., num_accepted_draft_tokens: _Optional[int] = ..., committed_len: _Optional[int] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., num_draft_tokens: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., queue_seconds: _Optional[float] = ..., prefill_seconds: _Optional[float] = ..., head_draft: _Optional[_Union[_common_pb2.Draft, _Mapping]] = ..., forward_seconds: _Optional[float] = ..., step_seconds: _Optional[float] = ..., next_round_hit: _Optional[bool] = ..., head_draft_seconds: _Optional[float] = ..., lookup_draft: _Optional[_Union[_common_pb2.Draft, _Mapping]] = ...) -> None: ...
 
 class TokenLogprob(_message.Message):
     __slots__ = ("logprob", "top_token_ids", "top_logprobs")
