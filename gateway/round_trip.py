@@ -37,7 +37,7 @@ class RoundTrip:
         self.wait_seconds += self.weight * (wait_seconds - self.wait_seconds)
         self.forward_seconds += self.weight * (forward_seconds - self.forward_seconds)
 
-    def observe_step(self, tokens: int, looked_up_loss: int | None) -> None:
+    def observe_step(self, tokens: int, looked_up_loss: float | None) -> None:
         """A step's committed tokens, and with a lookup what it lost against the drafter's draft."""
         self.tokens_per_step += self.weight * (tokens - self.tokens_per_step)
         if looked_up_loss is None:

@@ -130,7 +130,9 @@ def faulty(model_dir, tmp_path_factory):
     gateway = GatewayConfig(
         model=str(model_dir), served_model_name=MODEL, port=free_port(), grpc_address=f"127.0.0.1:{free_port()}",
         drafter_address=drafter.address, verifier_addresses=(link.address,),
-        speculative_config='{"method": "suffix", "num_speculative_tokens": 8}', verifier_timeout_s=STEP_DEADLINE_S,
+        # No verifier lookups: with the drafter down they still draft, and a probe below asks if the drafter does.
+        speculative_config='{"method": "suffix", "num_speculative_tokens": 8, "next_round_lookup": false}',
+        verifier_timeout_s=STEP_DEADLINE_S,
         # A busy 2-core host may delay a draft past the 200 ms default, which would end a drafter
         # session early and upset the session counts; a killed drafter fails at once anyway.
         draft_timeout_ms=2000,

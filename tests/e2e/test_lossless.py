@@ -72,7 +72,7 @@ def test_speculation_accepts_tokens_on_repetitive_code(client, name):
 @pytest.fixture(scope="module")
 def lookup_gateway(stack, tmp_path_factory):
     """A second gateway over the stack's drafter and verifier that always lets the verifier
-    draft a step no next-round offer foresaw by prompt lookup ("auto" does so only across hosts)."""
+    draft a step no next-round offer foresaw by prompt lookup ("auto" does where it measures that it pays)."""
     speculation = {**json.loads(stack.gateway.speculative_config), "next_round_lookup": True}
     gateway = dataclasses.replace(stack.gateway, port=free_port(), grpc_address=f"127.0.0.1:{free_port()}",
                                   speculative_config=json.dumps(speculation))
