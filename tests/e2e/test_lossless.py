@@ -1,17 +1,10 @@
 """Greedy output with speculation equals greedy output without, token for token,
 through the real drafter, verifier and gateway processes."""
 
-import dataclasses
-import json
-import re
-import urllib.request
-
 import pytest
 
 from gateway.client import GenerationClient
-from speclane.net import free_port
 from tests.e2e.prompts import code_edit_messages, humaneval_messages, sharegpt_messages
-from tests.e2e.stack import Stack
 
 pytestmark = pytest.mark.e2e
 MAX_TOKENS = 40
@@ -68,32 +61,3 @@ def test_speculation_accepts_tokens_on_repetitive_code(client, name):
     else:
         assert result.usage.next_round_steps == 0
 
-
-@pytest.fixture(scope="module")
-def lookup_gateway(stack, tmp_path_factory):
-    """A second gateway over the stack's drafter and verifier that always lets the verifier
-    draft a step no next-round offer foresaw by prompt lookup ("auto" does where it measures that it pays)."""
-    speculation = {**json.loads(stack.gateway.speculative_config), "next_round_lookup": True}
-    gateway = dataclasses.replace(stack.gateway, port=free_port(), grpc_address=f"127.0.0.1:{free_port()}",
-                                  speculative_config=json.dumps(speculation))
-    running = Stack(stack.drafter, stack.verifier, gateway, tmp_path_factory.mktemp("lookup-gateway"))
-    running.start_service("gateway")
-    try:
-        running.wait_ready()
-        yield running
-    finally:
-        running.stop()
-
-
-def test_steps_the_verifier_drafts_itself_leave_greedy_output_unchanged(client, lookup_gateway, prompts):
-    requests = [code_edit_messages(), *prompts["humaneval"][:3], *prompts["sharegpt"][:3]]
-    with GenerationClient(lookup_gateway.gateway.grpc_address) as looking_up:
-        for messages in requests:
-            result = looking_up.generate(messages=messages, max_tokens=64, temperature=0.0,
-                                         speculation=SPECULATION["suffix"])
-            plain = client.generate(messages=messages, max_tokens=64, temperature=0.0,
-                                    speculation=SPECULATION["none"])
-            assert result.token_ids == plain.token_ids
-    metrics = urllib.request.urlopen(lookup_gateway.base_url.removesuffix("/v1") + "/metrics").read().decode()
-    looked_up = re.search(r'speclane:next_round_offers_total\{model_name="[^"]+",outcome="looked_up"\} (\S+)', metrics)
-    assert float(looked_up.group(1)) > 0
