@@ -175,8 +175,8 @@ class Orchestrator:
                 round_trip.observe_step(len(result.token_ids), loss)
                 # The step after the prefill always waits, and a step the verifier started itself did not wait:
                 # neither tells what a lookup would save (gateway/round_trip.py).
-                self._record_step(index, result, source, drafter_seconds, time.perf_counter() - sent,
-                                  round_trip=not ran_ahead and usage.verify_steps > 1)
+                self._record_step(result, source, drafter_seconds, time.perf_counter() - sent,
+                                  round_trip if not ran_ahead and usage.verify_steps > 1 else None)
             if drafter is not None:  # the tokens it has not been sent: the last steps', or all of them
                 unsent = withheld + list(result.token_ids) if proposer is not None else output
                 self._finish_in_background(drafter, unsent, result.committed_len)
@@ -209,17 +209,18 @@ class Orchestrator:
                 self._verifiers.mark_down(index)
         raise Unavailable("no verifier answered the prefill; retry shortly")
 
-    def _record_step(self, index: int, result, source: str, drafter_seconds: float, verifier_seconds: float,
-                     round_trip: bool) -> None:
+    def _record_step(self, result, source: str, drafter_seconds: float, verifier_seconds: float,
+                     round_trip: RoundTrip | None) -> None:
         """Where a step's time went: waiting for the drafter, and for the
         verifier, split into its own time (forward pass included) and the rest,
-        the network's. Metrics always; a debug log line per step."""
+        the network's. Metrics always; a debug log line per step; the wait into
+        `round_trip` where the step measures it."""
         self._metrics.record_verify_step(result.num_draft_tokens, result.num_accepted_draft_tokens)
         times = StepTimes(drafter_seconds, verifier_seconds, result.step_seconds, result.forward_seconds,
                           result.head_draft_seconds)
         self._metrics.record_step_times(times)
-        if round_trip:
-            self._round_trips[index].observe_wait(times.network + times.drafter_wait, times.forward)
+        if round_trip is not None:
+            round_trip.observe_wait(times.network + times.drafter_wait, times.forward)
         log.debug("verify_step", source=source, draft_tokens=result.num_draft_tokens,
                   accepted=result.num_accepted_draft_tokens, **times.milliseconds())
 

@@ -13,6 +13,8 @@ for the same step and sees how much of it the target wrote."""
 
 from dataclasses import dataclass
 
+from speclane.tokens import common_prefix
+
 # Below this share of a forward pass the round trip is not worth a lookup whatever it loses.
 MIN_WAIT_SHARE = 0.02
 # While lookups do not pay, one step in this many still looks up, so their loss is measured again.
@@ -61,7 +63,4 @@ def looks_up(mode: str, round_trip: RoundTrip) -> bool:
 def lookup_loss(drafter_draft: list[int], looked_up_accepted: int, committed: list[int]) -> int:
     """How many more tokens the drafter's draft for a looked-up step would have had accepted: the
     committed tokens it foresaw (all of them at most, so a loss is never overstated) minus the lookup's."""
-    foreseen = 0
-    while foreseen < min(len(drafter_draft), len(committed)) and drafter_draft[foreseen] == committed[foreseen]:
-        foreseen += 1
-    return foreseen - looked_up_accepted
+    return common_prefix(drafter_draft, committed) - looked_up_accepted

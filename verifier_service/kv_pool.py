@@ -12,6 +12,7 @@ in `ops` and reach every rank with the next forward pass.
 from collections import OrderedDict
 from dataclasses import dataclass
 
+from speclane.tokens import common_prefix
 from verifier_service.kv_store import Free, KVOp
 
 
@@ -19,14 +20,6 @@ from verifier_service.kv_store import Free, KVOp
 class Reuse:
     slot: int
     num_tokens: int  # cached tokens shared with the new prompt
-
-
-def common_prefix(a, b) -> int:
-    n = min(len(a), len(b))
-    for i in range(n):
-        if a[i] != b[i]:
-            return i
-    return n
 
 
 class KVPool:

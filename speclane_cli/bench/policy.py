@@ -22,6 +22,7 @@ from gateway.break_even import MethodAcceptance, RequestAcceptance
 from gateway.next_round import continuations_after, cut, offered_draft, step_part
 from gateway.orchestrator import _NO_DRAFT, LoopPolicy
 from speclane.speculation import DrafterLimits, SpeculationSettings
+from speclane.tokens import common_prefix
 
 
 @dataclass(frozen=True)
@@ -72,7 +73,7 @@ def replay(traces: list[Trace], settings: SpeculationSettings, token_cost: float
             draft = taken or cut(step_part(drafted), 0, limit)
             result.next_round_steps += taken is not None
             offered = continuations_after(draft, drafted, limit) if next_round else []
-            accepted = _accepted(draft.token_ids, out[position:])
+            accepted = common_prefix(draft.token_ids, out[position:])
             if acceptance is not None:
                 acceptance.observe(len(draft.token_ids), accepted)
             committed = list(out[position:position + accepted + 1])
@@ -85,14 +86,6 @@ def replay(traces: list[Trace], settings: SpeculationSettings, token_cost: float
         engine.end(seq_id)
         result.tokens += len(out) - 1
     return result
-
-
-def _accepted(draft, target) -> int:
-    """Greedy verification: the draft's longest prefix the target wrote."""
-    count = 0
-    while count < min(len(draft), len(target)) and draft[count] == target[count]:
-        count += 1
-    return count
 
 
 def record(path: pathlib.Path, datasets: list[str], num_prompts: int, max_turns: int, max_tokens: int,

@@ -14,7 +14,8 @@ from drafter_service.engine import DraftEngine, draft_from_core
 from drafter_service.service import draft_to_proto
 from gateway.next_round import continuations_after, offered_draft, step_part
 from speclane.speculation import SpeculationSettings
-from speclane_cli.bench.policy import _accepted, load
+from speclane.tokens import common_prefix
+from speclane_cli.bench.policy import load
 from verifier_service.prompt_lookup import lookup_draft
 
 K = 24
@@ -39,15 +40,15 @@ def replay(traces, max_cached_requests: int) -> collections.Counter:
                     counts["ran on an offer"] += 1
                 else:
                     looked_up = lookup_draft(list(trace.prompt) + list(out[:position]), K)
-                    drafter_accepted = _accepted(step.token_ids, out[position:])
-                    lookup_accepted = _accepted(looked_up, out[position:])
+                    drafter_accepted = common_prefix(step.token_ids, out[position:])
+                    lookup_accepted = common_prefix(looked_up, out[position:])
                     counts["missed"] += 1
                     counts["missed, same draft"] += looked_up == list(step.token_ids)
                     counts["drafter accepted"] += drafter_accepted
                     counts["lookup accepted"] += lookup_accepted
             draft = taken or step
             offered = continuations_after(draft, drafted, K) if draft.token_ids else []
-            accepted = _accepted(draft.token_ids, out[position:])
+            accepted = common_prefix(draft.token_ids, out[position:])
             committed = list(out[position:position + accepted + 1])
             position += len(committed)
         engine.end(seq_id)

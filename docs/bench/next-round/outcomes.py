@@ -14,7 +14,8 @@ from drafter_service.engine import DraftEngine, draft_from_core
 from drafter_service.service import draft_to_proto
 from gateway.next_round import continuations_after, offered_draft, step_part
 from speclane.speculation import SpeculationSettings
-from speclane_cli.bench.policy import _accepted, load
+from speclane.tokens import common_prefix
+from speclane_cli.bench.policy import load
 
 K = 24
 
@@ -46,7 +47,7 @@ def main() -> None:
                 outcomes["ran on an offer" if taken is not None else missed] += 1
             draft = taken or step_part(drafted)
             offered = continuations_after(draft, drafted, K) if draft.token_ids else []
-            accepted = _accepted(draft.token_ids, out[position:])
+            accepted = common_prefix(draft.token_ids, out[position:])
             missed = why_missed(draft, offered, accepted, committed_len)
             committed = list(out[position:position + accepted + 1])
             position += len(committed)
