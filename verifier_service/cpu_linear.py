@@ -2,22 +2,28 @@
 measured fastest for that many rows.
 
 A verify pass feeds a few to a few dozen tokens (one sequence's draft, or a
-batch of decodes). There are three ways to compute x W^T with a BLAS, and
-which is fastest depends on the CPU, its BLAS and the rows, by up to 4x:
-- `F.linear(x, W)`, PyTorch's own;
+batch of decodes). There are four ways to compute x W^T, and which is fastest
+depends on the CPU, its libraries and the rows, by up to 4x:
+- `F.linear(x, W)`, PyTorch's own (MKL's GEMM, which repacks W on every call);
 - `x @ W_t`, with a second copy of the weight laid out [in, out];
-- `(W @ x^T)^T`, the weight as the left operand.
-On one x86 CPU (torch 2.13, SmolLM2's MLP projection) F.linear won up to 3
-rows and x @ W_t from 4 (4 rows 240 against 160 µs). On an AMD EPYC with one
-thread the vocabulary projection took, at 1 / 2 / 4 / 8 rows, 11.2 / 24.6 /
-18.6 / 20.2 ms with F.linear, 5.5 / 13.4 / 25.9 / 28.4 with x @ W_t and
-11.4 / 5.9 / 8.3 / 13.8 with the weight on the left. So each weight shape's
-way is measured when the model loads, per row count; the transposed copy is
-kept only where it is chosen for some row count.
+- `(W @ x^T)^T`, the weight as the left operand;
+- oneDNN's product with W reordered once, at load, into its blocked layout.
+On an AMD EPYC with one thread the vocabulary projection took, at 1 / 2 / 4 / 8
+rows, 11.2 / 24.6 / 18.6 / 20.2 ms with F.linear, 5.5 / 13.4 / 25.9 / 28.4 with
+x @ W_t and 11.4 / 5.9 / 8.3 / 13.8 with the weight on the left.
+
+So the ways are measured when the model loads, per weight shape and row count,
+in sweeps over all the model's linear layers in a pass's order: each weight then
+comes from memory as in a pass. Timed alone, a weight stays in a large last-level
+cache (260 MB on one Xeon) and the ranking changes: there the reordered way lost
+to x @ W_t weight by weight, and made whole passes of 5-17 rows 11-16% faster.
+An extra layout is kept only where some row count uses it.
 """
 
 import bisect
+import math
 import time
+from collections import defaultdict
 
 import torch
 import torch.nn.functional as F
@@ -30,82 +36,118 @@ _CLEAR_WIN = 0.9
 # The weight-first way competes only up to this many rows: from 8 rows, whole passes ran slower
 # with it (one sequence and 8 draft tokens: 138-143 against 129 ms) though its single products timed faster.
 _WEIGHT_FIRST_MAX_ROWS = 6
-# Written between timings to evict the weights: larger than a server CPU's last-level cache.
-_SCRATCH_BYTES = 64 << 20
 
 
-def by_linear(x: torch.Tensor, weight: torch.Tensor, weight_t: torch.Tensor | None) -> torch.Tensor:
-    return F.linear(x, weight)
+def by_linear(x: torch.Tensor, linear: "MeasuredLinear") -> torch.Tensor:
+    return F.linear(x, linear.weight)
 
 
-def by_transposed(x: torch.Tensor, weight: torch.Tensor, weight_t: torch.Tensor | None) -> torch.Tensor:
-    return x @ weight_t
+def by_transposed(x: torch.Tensor, linear: "MeasuredLinear") -> torch.Tensor:
+    return x @ linear.weight_t
 
 
-def by_weight_first(x: torch.Tensor, weight: torch.Tensor, weight_t: torch.Tensor | None) -> torch.Tensor:
+def by_weight_first(x: torch.Tensor, linear: "MeasuredLinear") -> torch.Tensor:
     # Contiguous: a strided output sends attention's inputs down a slower path (no flash kernel).
-    return (weight @ x.t()).t().contiguous()
+    return (linear.weight @ x.t()).t().contiguous()
+
+
+def by_reordered(x: torch.Tensor, linear: "MeasuredLinear") -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, linear.weight_reordered, None, "none", [], "")
 
 
 # The ways, by the index MeasuredLinear.ways holds; by_linear first: the default.
-WAYS = (by_linear, by_transposed, by_weight_first)
+WAYS = (by_linear, by_transposed, by_weight_first, by_reordered)
 
 
-def _best_seconds(way, x: torch.Tensor, weight: torch.Tensor, weight_t: torch.Tensor, repeats: int,
-                  scratch: torch.Tensor) -> float:
-    way(x, weight, weight_t)  # a first call pays one-time costs
-    times = []
-    for _ in range(repeats):
-        scratch.add_(1)  # out of the caches, as in a pass, which reads each weight once
-        started = time.perf_counter()
-        way(x, weight, weight_t)
-        times.append(time.perf_counter() - started)
-    return min(times)
+def reorders() -> bool:
+    """Whether this PyTorch can keep a weight in oneDNN's layout (x86 builds)."""
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
 
 
-def way_seconds(weight: torch.Tensor, weight_t: torch.Tensor, scratch: torch.Tensor,
-                repeats: int = 3) -> tuple[tuple[float, ...], ...]:
-    """For each of MEASURED_ROWS, each way's time (in WAYS' order; best of
-    `repeats`, the weights first pushed out of the caches by writing `scratch`)."""
-    with torch.inference_mode():
-        return tuple(tuple(_best_seconds(way, x, weight, weight_t, repeats, scratch) for way in WAYS)
-                     for x in (torch.randn(rows, weight.shape[1], dtype=weight.dtype) for rows in MEASURED_ROWS))
-
-
-def fastest_ways(seconds: tuple[tuple[float, ...], ...], candidates: tuple[int, ...] = tuple(range(len(WAYS)))
-                 ) -> tuple[int, ...]:
-    """Per row count of `seconds` (way_seconds', by MEASURED_ROWS), the fastest
-    of the `candidates` (indices into WAYS) where it beats F.linear by a clear
-    margin: a near tie, which timing noise could decide either way, keeps
-    PyTorch's own. The weight-first way only up to _WEIGHT_FIRST_MAX_ROWS."""
-    chosen = []
-    for rows, times in zip(MEASURED_ROWS, seconds):
-        allowed = [way for way in candidates if WAYS[way] is not by_weight_first or rows <= _WEIGHT_FIRST_MAX_ROWS]
-        fastest = min(allowed, key=times.__getitem__)
-        chosen.append(fastest if times[fastest] < _CLEAR_WIN * times[0] else 0)
-    return tuple(chosen)
+def competes(way, rows: int) -> bool:
+    return ((way is not by_weight_first or rows <= _WEIGHT_FIRST_MAX_ROWS)
+            and (way is not by_reordered or reorders()))
 
 
 class MeasuredLinear(nn.Module):
     """nn.Linear's computation, the rows of each pass multiplied in the way
-    `ways` (indices into WAYS, per MEASURED_ROWS) says is fastest. Holds
-    weight_t = W.T (contiguous) only where by_transposed is among them."""
+    `ways` (indices into WAYS, per MEASURED_ROWS) says is fastest. Holds the
+    layouts those ways read beside the weight: weight_t = W.T (contiguous) and
+    weight_reordered (oneDNN's), each only where a way of `ways` reads it."""
 
-    def __init__(self, linear: nn.Linear, ways: tuple[int, ...]):
+    def __init__(self, linear: nn.Linear, ways: tuple[int, ...] = (0,) * len(MEASURED_ROWS)):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight, self.bias = linear.weight, linear.bias
+        self.weight_t: torch.Tensor | None = None
+        self.weight_reordered: torch.Tensor | None = None
+        self.use(ways)
+
+    def use(self, ways: tuple[int, ...]) -> None:
+        """Multiplies by `ways` from now on, holding the layouts they read."""
         self.ways = ways
-        uses_transposed = WAYS.index(by_transposed) in ways
-        self.weight_t = (nn.Parameter(linear.weight.detach().t().contiguous(), requires_grad=False)
-                         if uses_transposed else None)
+        self.hold_layouts(ways)
+
+    def hold_layouts(self, ways) -> None:
+        """Adds the layouts the `ways` (indices into WAYS) read; drops the others."""
+        used = {WAYS[way] for way in ways}
+        weight = self.weight.detach()
+        if by_transposed not in used:
+            self.weight_t = None
+        elif self.weight_t is None:
+            self.weight_t = weight.t().contiguous()
+        if by_reordered not in used:
+            self.weight_reordered = None
+        elif self.weight_reordered is None:
+            self.weight_reordered = torch.ops.mkldnn._reorder_linear_weight(weight, None)
+
+    def layout_bytes(self) -> int:
+        """Memory the extra layouts hold (the reordered one counted at the weight's size)."""
+        return (self.weight.nbytes if self.weight_t is not None else 0) + \
+            (self.weight.nbytes if self.weight_reordered is not None else 0)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // self.in_features
         way = WAYS[self.ways[max(bisect.bisect_right(MEASURED_ROWS, rows) - 1, 0)]]
-        out = way(x.reshape(rows, self.in_features), self.weight, self.weight_t)
-        out = out.reshape(*x.shape[:-1], self.out_features)
+        out = way(x.reshape(rows, self.in_features), self).reshape(*x.shape[:-1], self.out_features)
         return out if self.bias is None else out + self.bias
+
+
+def sweep_seconds(linears: list[MeasuredLinear], repeats: int = 2) -> dict[tuple[int, int], list[list[float]]]:
+    """Per weight shape, per MEASURED_ROWS, each way's time (inf where it does
+    not compete): the sum over the layers of that shape in one sweep of all
+    `linears` in order, the best of `repeats` sweeps. The layers must hold
+    every layout."""
+    seconds = defaultdict(lambda: [[math.inf] * len(WAYS) for _ in MEASURED_ROWS])
+    one_per_shape = list({tuple(linear.weight.shape): linear for linear in linears}.values())
+    with torch.inference_mode():
+        for r, rows in enumerate(MEASURED_ROWS):
+            inputs = {n: torch.randn(rows, n) for n in {linear.in_features for linear in linears}}
+            ways = [(w, way) for w, way in enumerate(WAYS) if competes(way, rows)]
+            for _, way in ways:  # a first call per shape pays one-time costs (oneDNN builds a kernel per shape)
+                for linear in one_per_shape:
+                    way(inputs[linear.in_features], linear)
+            for _ in range(repeats):
+                for w, way in ways:
+                    sweep = defaultdict(float)
+                    for linear in linears:
+                        started = time.perf_counter()
+                        way(inputs[linear.in_features], linear)
+                        sweep[tuple(linear.weight.shape)] += time.perf_counter() - started
+                    for shape, took in sweep.items():
+                        seconds[shape][r][w] = min(seconds[shape][r][w], took)
+    return dict(seconds)
+
+
+def fastest_ways(seconds: list[list[float]]) -> tuple[int, ...]:
+    """Per row count of `seconds` (one shape's, by MEASURED_ROWS), the fastest
+    way where it beats F.linear by a clear margin: a near tie, which timing
+    noise could decide either way, keeps PyTorch's own."""
+    chosen = []
+    for times in seconds:
+        fastest = min(range(len(WAYS)), key=times.__getitem__)
+        chosen.append(fastest if times[fastest] < _CLEAR_WIN * times[0] else 0)
+    return tuple(chosen)
 
 
 def replace_linears(model: nn.Module, replacement) -> None:
@@ -117,21 +159,18 @@ def replace_linears(model: nn.Module, replacement) -> None:
 
 
 def add_measured_linears(model: nn.Module) -> int:
-    """Replaces every nn.Linear in `model` with a MeasuredLinear, its ways
-    timed once per weight shape; returns the bytes added (transposed copies)."""
-    ways: dict[tuple[int, int], tuple[int, ...]] = {}
-    scratch = torch.zeros(_SCRATCH_BYTES // 4)
-
-    def measured(linear: nn.Linear) -> MeasuredLinear:
-        shape = tuple(linear.weight.shape)
-        if shape not in ways:  # timed on a transposed copy made for the timing
-            weight = linear.weight.detach()
-            ways[shape] = fastest_ways(way_seconds(weight, weight.t().contiguous(), scratch))
-        return MeasuredLinear(linear, ways[shape])
-
-    replace_linears(model, measured)
-    return sum(module.weight_t.nbytes for module in model.modules()
-               if isinstance(module, MeasuredLinear) and module.weight_t is not None)
+    """Replaces every nn.Linear in `model` with a MeasuredLinear using the
+    ways measured fastest for its shape; returns the bytes the kept layouts add.
+    While measuring, every layer holds every layout (three times the weights)."""
+    replace_linears(model, MeasuredLinear)
+    linears = [module for module in model.modules() if isinstance(module, MeasuredLinear)]
+    every_way = tuple(i for i, way in enumerate(WAYS) if competes(way, 1))
+    for linear in linears:
+        linear.hold_layouts(every_way)
+    ways = {shape: fastest_ways(times) for shape, times in sweep_seconds(linears).items()}
+    for linear in linears:
+        linear.use(ways[tuple(linear.weight.shape)])
+    return sum(linear.layout_bytes() for linear in linears)
 
 
 def measures_linear_ways(device: torch.device, dtype: torch.dtype, tensor_parallel: bool) -> bool:

@@ -48,8 +48,8 @@ class ModelRunner:
         model = AutoModelForCausalLM.from_pretrained(model_dir, **kwargs)
         self.model = (model if tp is not None else model.to(self.device)).eval()
         # A pass's rows multiply up to 4x faster in the way timed fastest for their count on a CPU (cpu_linear.py).
-        transposed_bytes = (add_measured_linears(self.model)
-                            if measures_linear_ways(self.device, dtype, tp is not None) else 0)
+        layout_bytes = (add_measured_linears(self.model)
+                        if measures_linear_ways(self.device, dtype, tp is not None) else 0)
         text_config = self.model.config.get_text_config()
         self.tp_size = tp.world_size if tp is not None else 1
         layers, kv_heads, head_dim = kv_geometry(text_config, self.tp_size)
@@ -68,7 +68,7 @@ class ModelRunner:
         log.info("model_loaded", model=os.path.basename(os.path.normpath(model_dir)), device=str(self.device),
                  dtype=str(dtype).removeprefix("torch."), vocab_size=self.vocab_size,
                  max_context_len=self.max_context_len, eos_token_ids=list(self.eos_token_ids),
-                 tensor_parallel_size=self.tp_size, rank=tp.rank if tp else 0, transposed_weight_bytes=transposed_bytes,
+                 tensor_parallel_size=self.tp_size, rank=tp.rank if tp else 0, weight_layout_bytes=layout_bytes,
                  batch_invariant=self.batch_invariant)
 
     def execute(self, plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor | None]:

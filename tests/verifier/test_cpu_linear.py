@@ -11,10 +11,12 @@ from verifier_service.cpu_linear import (
     add_measured_linears,
     fastest_ways,
     measures_linear_ways,
-    way_seconds,
+    reorders,
+    sweep_seconds,
 )
 
 CYCLING = tuple(i % len(WAYS) for i in range(len(MEASURED_ROWS)))  # F.linear at 1 row, W_t at 2, W first at 3, ...
+INF = float("inf")
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 13, 100])
@@ -25,6 +27,7 @@ def test_a_measured_linear_computes_what_the_linear_did_at_any_number_of_rows(ro
     expected = linear(x)
     measured = MeasuredLinear(linear, CYCLING)
     assert measured.weight_t.is_contiguous() and measured.weight_t.shape == (8, 5)
+    assert measured.weight_reordered is not None
     out = measured(x)
     assert out.is_contiguous()  # a strided output would slow attention down
     torch.testing.assert_close(out, expected)
@@ -34,9 +37,9 @@ def test_each_row_count_takes_the_way_measured_for_it_or_the_largest_count_below
     used = []
 
     def recorder(index):
-        def way(x, weight, weight_t):
+        def way(x, linear):
             used.append(index)
-            return WAYS[index](x, weight, weight_t)
+            return WAYS[index](x, linear)
         return way
 
     linear = MeasuredLinear(nn.Linear(8, 5, bias=False), CYCLING)
@@ -52,29 +55,54 @@ def test_each_row_count_takes_the_way_measured_for_it_or_the_largest_count_below
     assert way_for(1000) == CYCLING[-1]
 
 
-def test_the_transposed_copy_is_kept_only_where_a_row_count_uses_it():
-    assert MeasuredLinear(nn.Linear(8, 5), (0, 2) * 6).weight_t is None
-    assert MeasuredLinear(nn.Linear(8, 5), (0, 1) * 6).weight_t is not None
+def test_each_layout_is_held_only_while_a_row_count_uses_it():
+    measured = MeasuredLinear(nn.Linear(8, 5))
+    assert measured.weight_t is None and measured.weight_reordered is None and measured.layout_bytes() == 0
+    measured.use((0, 1) * 6)
+    assert measured.weight_t is not None and measured.weight_reordered is None
+    assert measured.layout_bytes() == measured.weight.nbytes
+    measured.use((3, 2) * 6)
+    assert measured.weight_t is None and measured.weight_reordered is not None
 
 
-def test_every_way_is_timed_at_every_measured_row_count():
-    weight = torch.randn(16, 8)
-    seconds = way_seconds(weight, weight.t().contiguous(), torch.zeros(1024), repeats=1)
-    assert len(seconds) == len(MEASURED_ROWS) and all(len(times) == len(WAYS) for times in seconds)
-    assert all(t > 0 for times in seconds for t in times)
+def test_a_sweep_times_every_competing_way_at_every_row_count_summed_per_shape(monkeypatch):
+    calls = []
+
+    def recorder(index):
+        def way(x, linear):
+            calls.append((index, x.shape[0], tuple(linear.weight.shape)))
+            return WAYS[0](x, linear)
+        return way
+
+    monkeypatch.setattr(cpu_linear, "WAYS", tuple(recorder(i) for i in range(len(WAYS))))
+    monkeypatch.setattr(cpu_linear, "competes", lambda way, rows: way is not cpu_linear.WAYS[2] or rows <= 6)
+    linears = [MeasuredLinear(nn.Linear(8, 5)), MeasuredLinear(nn.Linear(8, 5)), MeasuredLinear(nn.Linear(5, 8))]
+    seconds = sweep_seconds(linears, repeats=2)
+    assert set(seconds) == {(5, 8), (8, 5)}
+    for shape, per_rows in seconds.items():
+        for rows, times in zip(MEASURED_ROWS, per_rows):
+            assert (times[2] == INF) == (rows > 6)
+            assert all(0 < t < INF for i, t in enumerate(times) if i != 2)
+            for way in range(len(WAYS)):  # one warm-up call per shape, then every layer of it in each of 2 sweeps
+                expected = 0 if (way == 2 and rows > 6) else 1 + 2 * (2 if shape == (5, 8) else 1)
+                assert calls.count((way, rows, shape)) == expected
 
 
-def test_another_way_replaces_f_linear_only_by_a_clear_margin_and_among_the_candidates():
-    seconds = ((1.0, 0.5, 0.7), (1.0, 0.95, 0.99), (1.0, 0.8, 0.3))
-    assert fastest_ways(seconds) == (1, 0, 2)  # the 5% win is a near tie
-    assert fastest_ways(seconds, candidates=(0, 1)) == (1, 0, 1)
+def test_another_way_replaces_f_linear_only_by_a_clear_margin():
+    seconds = [[1.0, 0.5, 0.7, INF], [1.0, 0.95, 0.99, 0.97], [1.0, 0.8, 0.3, 0.4], [1.0, 0.8, INF, 0.6]]
+    assert fastest_ways(seconds) == (1, 0, 2, 3)  # the 5% win is a near tie
 
 
-def test_the_weight_first_way_serves_only_passes_of_a_few_rows():
-    weight_first_fastest = ((1.0, 0.8, 0.3),) * len(MEASURED_ROWS)
-    chosen = dict(zip(MEASURED_ROWS, fastest_ways(weight_first_fastest)))
-    assert chosen[2] == chosen[6] == WAYS.index(cpu_linear.by_weight_first)
-    assert chosen[8] == chosen[64] == WAYS.index(cpu_linear.by_transposed)
+def test_the_weight_first_way_competes_only_for_passes_of_a_few_rows():
+    assert cpu_linear.competes(cpu_linear.by_weight_first, 6)
+    assert not cpu_linear.competes(cpu_linear.by_weight_first, 8)
+    assert cpu_linear.competes(cpu_linear.by_transposed, 64)
+
+
+def test_the_reordered_way_competes_only_where_onednn_reorders(monkeypatch):
+    assert reorders()  # the x86 CPU build CI runs
+    monkeypatch.setattr(cpu_linear, "reorders", lambda: False)
+    assert not cpu_linear.competes(cpu_linear.by_reordered, 4)
 
 
 def test_every_linear_of_a_tied_model_is_replaced_and_the_logits_stay():
@@ -87,9 +115,12 @@ def test_every_linear_of_a_tied_model_is_replaced_and_the_logits_stay():
         expected = model(ids).logits
     added = add_measured_linears(model)
     assert not any(type(module) is nn.Linear for module in model.modules())
-    kept = [module.weight_t for module in model.modules() if isinstance(module, MeasuredLinear)
-            and module.weight_t is not None]
-    assert added == sum(weight_t.nbytes for weight_t in kept)
+    measured = [module for module in model.modules() if isinstance(module, MeasuredLinear)]
+    assert added == sum(module.layout_bytes() for module in measured)
+    for module in measured:  # each holds just the layouts its ways read
+        ways = {WAYS[way] for way in module.ways}
+        assert (module.weight_t is not None) == (cpu_linear.by_transposed in ways)
+        assert (module.weight_reordered is not None) == (cpu_linear.by_reordered in ways)
     assert model.get_input_embeddings().weight is model.get_output_embeddings().weight  # still tied
     with torch.inference_mode():
         torch.testing.assert_close(model(ids).logits, expected)
