@@ -65,6 +65,7 @@ def reorders() -> bool:
 
 
 def competes(way, rows: int) -> bool:
+    """Whether `way` is timed, and may be chosen, for passes of `rows` rows."""
     return ((way is not by_weight_first or rows <= _WEIGHT_FIRST_MAX_ROWS)
             and (way is not by_reordered or reorders()))
 
@@ -103,8 +104,7 @@ class MeasuredLinear(nn.Module):
 
     def layout_bytes(self) -> int:
         """Memory the extra layouts hold (the reordered one counted at the weight's size)."""
-        return (self.weight.nbytes if self.weight_t is not None else 0) + \
-            (self.weight.nbytes if self.weight_reordered is not None else 0)
+        return self.weight.nbytes * ((self.weight_t is not None) + (self.weight_reordered is not None))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // self.in_features
