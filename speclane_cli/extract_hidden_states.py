@@ -36,6 +36,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--max-new-tokens", type=int, default=256, help="length limit of a regenerated reply")
     parser.add_argument("--max-prompt-tokens", type=int, default=512, help="skip longer prompts")
     parser.add_argument("--batch-size", type=int, default=8, help="prompts regenerated together")
+    parser.add_argument("--no-hidden-states", action="store_true",
+                        help="write tokens and loss masks alone; speclane train-head then runs the target as it "
+                             "trains (on an accelerator, cheaper than a dump 500x the size)")
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda[:N] or npu[:N]")
     parser.add_argument("--threads", type=int, default=0, help="CPU threads (0: torch's default)")
 
@@ -93,5 +96,5 @@ def run(args) -> int:
     extract(resolve_model(args.model), conversations(args.dataset, skip, args.replies), args.output,
             source=f"{args.dataset}[{skip}:]", layers=layers, replies=args.replies, max_samples=args.max_samples,
             max_new_tokens=args.max_new_tokens, max_prompt_tokens=args.max_prompt_tokens, max_tokens=args.max_tokens,
-            batch_size=args.batch_size, device=pick_device(args.device))
+            batch_size=args.batch_size, device=pick_device(args.device), with_hidden_states=not args.no_hidden_states)
     return 0

@@ -13,7 +13,7 @@ from verifier_service.heads.checkpoint import build_head, read_head
 from verifier_service.heads.eagle3 import default_aux_layers
 from verifier_service.heads.extract import extract, read_shard, shard_paths
 from verifier_service.heads.layer import HeadKV
-from verifier_service.heads.train import TrainingTimeTestKV, load_target, make_head, train
+from verifier_service.heads.train import TrainingTimeTestKV, load_target, make_head, sequence_loss, train
 
 DRAFT_VOCAB = 64
 
@@ -124,3 +124,46 @@ def test_training_time_test_sees_what_serving_drafts_see(kind, target_dir):
                     position = torch.tensor([chain + step - 1])
                     hidden = head(tokens[chain + step:chain + step + 1], hidden, position, serving)
                 torch.testing.assert_close(trained[step - 1][chain], hidden[0], rtol=1e-4, atol=1e-4)
+
+
+def test_a_batch_counts_what_its_sequences_count_alone(target_dir):
+    """Padding changes nothing: each sequence's hits and positions in a batch are its own alone."""
+    torch.manual_seed(0)
+    target = load_target(target_dir, "cpu")
+    head = make_head("eagle3", target, torch.arange(DRAFT_VOCAB)).eval()
+    lm_rows, width = target.lm_head[:DRAFT_VOCAB], 3 * target.shape.hidden_size
+    lengths = (14, 9)
+    sequences = [(torch.randint(0, DRAFT_VOCAB, (n,)), torch.rand(n) < 0.7, torch.randn(n, width),
+                  torch.randn(n, target.shape.hidden_size)) for n in lengths]
+    batch = [torch.zeros(2, 14, *t.shape[1:], dtype=t.dtype) for t in sequences[0]]
+    for row, tensors in enumerate(sequences):
+        for padded, t in zip(batch, tensors, strict=True):
+            padded[row, :len(t)] = t
+    with torch.no_grad():
+        alone = [sequence_loss(head, lm_rows, *(t[None] for t in tensors), ttt_steps=3) for tensors in sequences]
+        loss, hits, counted = sequence_loss(head, lm_rows, *batch, ttt_steps=3)
+        one_step = [sequence_loss(head, lm_rows, *(t[None] for t in tensors), ttt_steps=1) for tensors in sequences]
+        batch_one_step = sequence_loss(head, lm_rows, *batch, ttt_steps=1)
+    assert counted == [a + b for a, b in zip(alone[0][2], alone[1][2], strict=True)] and sum(counted) > 0
+    assert hits == [a + b for a, b in zip(alone[0][1], alone[1][1], strict=True)]
+    # One step's loss is the mean over the batch's counted positions.
+    (loss_a, _, (n_a,)), (loss_b, _, (n_b,)) = one_step
+    torch.testing.assert_close(batch_one_step[0], (loss_a * n_a + loss_b * n_b) / (n_a + n_b))
+
+
+def test_a_dump_of_tokens_alone_trains_online_as_a_full_dump_does(target_dir, tmp_path):
+    """Without hidden states in the shards, the target computes them per batch: the
+    same batches give the same losses as training on a dump that stored them."""
+    for name, with_hidden_states in (("full", True), ("tokens", False)):
+        extract(target_dir, CONVERSATIONS, tmp_path / name, source="test", max_new_tokens=24, batch_size=5,
+                with_hidden_states=with_hidden_states)
+    assert all(read_shard(path)[2] is None for path in shard_paths(tmp_path / "tokens"))
+    assert json.loads((tmp_path / "tokens" / "meta.json").read_text())["layers"] == []
+    results = {name: train("eagle3", tmp_path / name, target_dir, tmp_path / f"head-{name}", epochs=4, lr=3e-3,
+                           draft_vocab=DRAFT_VOCAB, ttt_steps=2, batch_size=3, log_every=1)
+               for name in ("full", "tokens")}
+    online, offline = results["tokens"], results["full"]
+    assert (online["online"], offline["online"], online["steps"]) == (True, False, 4 * 2)
+    assert online["final_loss"] < online["initial_loss"]
+    # The full dump stores bf16 states; online ones are fp32: close, not equal.
+    assert online["initial_loss"] == pytest.approx(offline["initial_loss"], rel=0.02)

@@ -44,24 +44,30 @@ def pick_device(requested: str) -> str:
     return resolve_device(requested)
 
 
-def write_shard(path, token_ids: torch.Tensor, loss_mask: torch.Tensor, hidden_states: torch.Tensor,
+def write_shard(path, token_ids: torch.Tensor, loss_mask: torch.Tensor, hidden_states: torch.Tensor | None,
                 metadata: dict) -> None:
     """One sequence: token_ids [N], loss_mask [N] (1 where the head learns),
-    hidden_states [N, layers, H] stored as bf16. Written to a temporary name and
-    renamed, so a reader (or a resumed dump) never sees half a shard."""
+    hidden_states [N, layers, H] stored as bf16 (None: a dump of tokens alone). Written
+    to a temporary name and renamed, so a reader (or a resumed dump) never sees half a shard."""
     path = pathlib.Path(path)
     tmp = path.with_name(f".{path.name}.tmp")
-    tensors = {"token_ids": token_ids.to(torch.int64).contiguous(), "loss_mask": loss_mask.to(torch.uint8).contiguous(),
-               "hidden_states": hidden_states.to(torch.bfloat16).contiguous()}
+    tensors = {"token_ids": token_ids.to(torch.int64).contiguous(), "loss_mask": loss_mask.to(torch.uint8).contiguous()}
+    if hidden_states is not None:
+        tensors["hidden_states"] = hidden_states.to(torch.bfloat16).contiguous()
     save_file(tensors, str(tmp), metadata={k: str(v) for k, v in metadata.items()})
     os.replace(tmp, path)
 
 
-def read_shard(path) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict]:
-    """token_ids, loss_mask (bool), hidden_states, metadata."""
+def read_shard(path) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, dict]:
+    """token_ids, loss_mask (bool), hidden_states (None in a dump of tokens alone), metadata."""
     with safe_open(str(path), "pt") as f:
-        return (f.get_tensor("token_ids"), f.get_tensor("loss_mask").bool(), f.get_tensor("hidden_states"),
-                f.metadata() or {})
+        hidden = f.get_tensor("hidden_states") if "hidden_states" in f.keys() else None
+        return f.get_tensor("token_ids"), f.get_tensor("loss_mask").bool(), hidden, f.metadata() or {}
+
+
+def shard_length(path) -> int:
+    with safe_open(str(path), "pt") as f:
+        return f.get_slice("token_ids").get_shape()[0]
 
 
 def shard_paths(directory) -> list[pathlib.Path]:
@@ -134,12 +140,18 @@ def conversation_ids(tokenizer, messages: list[dict], max_tokens: int) -> tuple[
     return ids[:max_tokens], mask[:max_tokens]
 
 
-@torch.inference_mode()
+@torch.no_grad()  # not inference_mode: training feeds these to a head it differentiates
+def hidden_states_of(decoder, token_ids: torch.Tensor, layers: tuple[int, ...]) -> torch.Tensor:
+    """hidden_states [B, N, len(layers), H] of one forward over token_ids [B, N]
+    (the decoder alone: the logits are not needed). Right padding changes no
+    earlier position: attention is causal."""
+    out = decoder(token_ids, output_hidden_states=True)
+    return torch.stack([out.hidden_states[i] for i in layers], dim=2)
+
+
 def capture(model, token_ids: list[int], layers: tuple[int, ...]) -> torch.Tensor:
-    """hidden_states [N, len(layers), H] of one forward over the whole sequence
-    (the decoder alone: the logits are not needed)."""
-    out = model.get_decoder()(torch.tensor([token_ids], device=model.device), output_hidden_states=True)
-    return torch.stack([out.hidden_states[i][0] for i in layers], dim=1).cpu()
+    """hidden_states [N, len(layers), H] of one sequence, on the CPU."""
+    return hidden_states_of(model.get_decoder(), torch.tensor([token_ids], device=model.device), layers)[0].cpu()
 
 
 REPLIES = ("regenerate", "dataset")
@@ -147,11 +159,15 @@ REPLIES = ("regenerate", "dataset")
 
 def extract(model_dir, conversations: Iterable[list[dict]], output, *, source: str, layers: tuple[int, ...] = (),
             replies: str = "regenerate", max_samples: int | None = None, max_new_tokens: int = 256,
-            max_prompt_tokens: int = 512, max_tokens: int = 1024, batch_size: int = 8, device: str = "cpu") -> dict:
+            max_prompt_tokens: int = 512, max_tokens: int = 1024, batch_size: int = 8, device: str = "cpu",
+            with_hidden_states: bool = True) -> dict:
     """Writes up to `max_samples` shards (conversation k -> k.safetensors, counting
     only prompts that fit) plus meta.json into `output`; returns a summary.
     "regenerate" answers each conversation's first prompt (`max_prompt_tokens`,
-    `max_new_tokens`); "dataset" keeps the whole conversation, cut at `max_tokens`."""
+    `max_new_tokens`); "dataset" keeps the whole conversation, cut at `max_tokens`.
+    `with_hidden_states=False`: tokens and loss masks alone (meta.json's layers
+    empty); train.py then runs the target itself, which on an accelerator costs
+    less than reading a dump 500x the size."""
     if replies not in REPLIES:
         raise ValueError(f"replies must be one of {REPLIES}, got {replies!r}")
     output = pathlib.Path(output)
@@ -161,7 +177,7 @@ def extract(model_dir, conversations: Iterable[list[dict]], output, *, source: s
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device).eval()
     num_layers = model.config.num_hidden_layers
-    layers = tuple(layers) or default_layers(num_layers)
+    layers = (tuple(layers) or default_layers(num_layers)) if with_hidden_states else ()
     if not all(0 <= i <= num_layers for i in layers):
         raise ValueError(f"layers must be within 0..{num_layers} (hidden_states indices), got {layers}")
     meta = {"model": str(model_dir), "layers": list(layers), "hidden_size": model.config.hidden_size,
@@ -178,7 +194,7 @@ def extract(model_dir, conversations: Iterable[list[dict]], output, *, source: s
 
     def write(name: str, ids: list[int], mask: list[int]) -> None:
         write_shard(output / name, torch.tensor(ids), torch.tensor(mask, dtype=torch.uint8),
-                    capture(model, ids, layers), shard_meta)
+                    capture(model, ids, layers) if layers else None, shard_meta)
         summary["written"] += 1
         summary["tokens"] += len(ids)
         summary["reply_tokens"] += sum(mask)
