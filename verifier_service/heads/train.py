@@ -29,7 +29,7 @@ from verifier_service.heads.eagle import EagleHead
 from verifier_service.heads.eagle3 import Eagle3Head, default_aux_layers
 from verifier_service.heads.extract import default_layers, hidden_states_of, read_shard, shard_length, shard_paths
 from verifier_service.heads.head import Head
-from verifier_service.heads.layer import HeadKV, LayerShape
+from verifier_service.heads.layer import LayerShape
 
 log = structlog.get_logger()
 CE_WEIGHT = 0.1  # EAGLE-1's weights: 1.0 * SmoothL1(hidden) + 0.1 * CE(tokens)
@@ -105,23 +105,20 @@ def make_head(kind: str, target: Target, draft_ids: torch.Tensor | None) -> Head
     return head
 
 
-class TrainingTimeTestKV(HeadKV):
+class TrainingTimeTestKV:
     """EAGLE-3's training-time test in one cache, for a batch of `batch` sequences
     whose rows arrive one sequence after another. Step 1 appends an entry per pair
     (target features); step j > 1 one per chain, chain i being the draft that starts
     after pair i, fed the head's own step j-1 output. Chain i's step-j query sees step
     1's entries 0..i of its sequence and its own entries of steps 2..j: what serving's
-    cache holds when drafting token j after committed position i."""
+    cache holds when drafting token j after committed position i. The layer's
+    attention calls `attend` as it calls a HeadKV's; the mask is this cache's own."""
 
     def __init__(self, batch: int = 1):
-        super().__init__()
         self.batch = batch
         self.steps: list[tuple[torch.Tensor, torch.Tensor]] = []  # [batch, kv_heads, n, d] per step
 
-    def __len__(self) -> int:
-        return sum(k.shape[2] for k, _ in self.steps)
-
-    def attend(self, q, k, v, mask):
+    def attend(self, q, k, v, mask=None):
         def per_sequence(x):  # [heads, batch * n, d] -> [batch, heads, n, d]; fp32 as serving's cache
             return x.float().unflatten(1, (self.batch, -1)).transpose(0, 1)
 
@@ -131,8 +128,8 @@ class TrainingTimeTestKV(HeadKV):
         keys = torch.cat([old[:, :, :n] for old, _ in self.steps], 2)
         values = torch.cat([old[:, :, :n] for _, old in self.steps], 2)
         own_chain = [torch.eye(n, dtype=torch.bool, device=q.device)] * (len(self.steps) - 1)
-        mask = torch.cat([torch.ones(n, n, dtype=torch.bool, device=q.device).tril(), *own_chain], 1)
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=k.shape[1] != q.shape[1])
+        visible = torch.cat([torch.ones(n, n, dtype=torch.bool, device=q.device).tril(), *own_chain], 1)
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=visible, enable_gqa=k.shape[1] != q.shape[1])
         return out.transpose(0, 1).flatten(1, 2)
 
 
