@@ -29,9 +29,12 @@ def add_arguments(parser) -> None:
                              "draw their ShareGPT prompts from the first 2000: a head is never measured on its "
                              "training data), else 0")
     parser.add_argument("--replies", choices=REPLIES, default="regenerate",
-                        help="regenerate: the target answers each first prompt itself (slow on a CPU); dataset: "
+                        help="regenerate: the target answers the user turns itself (slow on a CPU); dataset: "
                              "whole conversations as written, teacher-forced (labels are still the target's "
                              "distributions)")
+    parser.add_argument("--turns", type=int, default=1,
+                        help="--replies regenerate: user turns answered per conversation, one after another, the "
+                             "target's own replies before each (as bench serve replays a chat)")
     parser.add_argument("--max-tokens", type=int, default=1024, help="--replies dataset: length limit of a sequence")
     parser.add_argument("--max-new-tokens", type=int, default=256, help="length limit of a regenerated reply")
     parser.add_argument("--max-prompt-tokens", type=int, default=512, help="skip longer prompts")
@@ -43,14 +46,6 @@ def add_arguments(parser) -> None:
     parser.add_argument("--threads", type=int, default=0, help="CPU threads (0: torch's default)")
 
 
-def first_user_turn(messages: list[dict]) -> list[dict]:
-    """The messages up to the first user turn (a leading system prompt stays)."""
-    end = next((i for i, m in enumerate(messages) if m["role"] == "user"), None)
-    if end is None:
-        raise ValueError(f"a conversation without a user turn: {messages!r:.200}")
-    return [{"role": m["role"], "content": m["content"]} for m in messages[:end + 1]]
-
-
 SHAREGPT_HELD_OUT = 4000
 
 
@@ -58,10 +53,8 @@ def default_skip(dataset: str) -> int:
     return SHAREGPT_HELD_OUT if dataset == "sharegpt" else 0
 
 
-def conversations(dataset: str, skip: int, replies: str) -> Iterator[list[dict]]:
-    """Whole conversations for --replies dataset; else each one's first prompt."""
-    whole = itertools.islice(_conversations(dataset), skip, None)
-    return whole if replies == "dataset" else map(first_user_turn, whole)
+def conversations(dataset: str, skip: int) -> Iterator[list[dict]]:
+    return itertools.islice(_conversations(dataset), skip, None)
 
 
 def _conversations(dataset: str) -> Iterator[list[dict]]:
@@ -93,8 +86,9 @@ def run(args) -> int:
     layers = tuple(int(i) for i in args.layers.split(",")) if args.layers else ()
     skip = default_skip(args.dataset) if args.skip is None else args.skip
     # The skip is part of the source: resuming a dump with another one is refused (its shard names would clash).
-    extract(resolve_model(args.model), conversations(args.dataset, skip, args.replies), args.output,
+    extract(resolve_model(args.model), conversations(args.dataset, skip), args.output,
             source=f"{args.dataset}[{skip}:]", layers=layers, replies=args.replies, max_samples=args.max_samples,
             max_new_tokens=args.max_new_tokens, max_prompt_tokens=args.max_prompt_tokens, max_tokens=args.max_tokens,
-            batch_size=args.batch_size, device=pick_device(args.device), with_hidden_states=not args.no_hidden_states)
+            batch_size=args.batch_size, device=pick_device(args.device), with_hidden_states=not args.no_hidden_states,
+            turns=args.turns)
     return 0

@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, PreTr
 
 from speclane_cli.main import main
 from verifier_service.heads import extract as extract_module
-from verifier_service.heads.extract import extract, prompt_ids, read_shard, shard_paths
+from verifier_service.heads.extract import Dialogue, extract, prompt_ids, read_shard, shard_paths
 
 CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
           "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
@@ -75,6 +75,59 @@ def test_shards_hold_the_targets_greedy_reply_and_its_hidden_states(target_dir, 
             torch.testing.assert_close(hidden[:, column].float(), reference[layer][0], rtol=2e-2, atol=2e-2)
         assert metadata["layers"] == "1,4,8"
     assert json.loads((tmp_path / "meta.json").read_text())["layers"] == list(LAYERS)
+
+
+def reply_spans(loss_mask: torch.Tensor) -> list[tuple[int, int]]:
+    edges = torch.diff(loss_mask.int(), prepend=torch.zeros(1, dtype=torch.int), append=torch.zeros(1, dtype=torch.int))
+    return list(zip(torch.nonzero(edges == 1).flatten().tolist(), torch.nonzero(edges == -1).flatten().tolist(),
+                    strict=True))
+
+
+def test_later_user_turns_are_answered_after_the_targets_own_replies(target_dir, tmp_path):
+    conversations = [[*c, {"role": "assistant", "content": "The data set's reply."},
+                      {"role": "user", "content": "And then?"}, {"role": "assistant", "content": "Not kept."},
+                      {"role": "user", "content": "A third turn, not asked."}] for c in CONVERSATIONS]
+    extract(target_dir, conversations, tmp_path, source="test", layers=LAYERS, max_new_tokens=3, batch_size=2,
+            turns=2)
+    tokenizer = AutoTokenizer.from_pretrained(target_dir)
+    model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+    turns_seen = []
+    for path, messages in zip(shard_paths(tmp_path), conversations, strict=True):
+        token_ids, loss_mask, hidden, _ = read_shard(path)
+        spans = reply_spans(loss_mask)
+        turns_seen.append(len(spans))
+        context = []
+        for (start, end), user in zip(spans, (messages[0], messages[2]), strict=False):
+            # each reply is the target's greedy reply to the prompt rendered whole, its own replies in it
+            assert token_ids[:start].tolist() == prompt_ids(tokenizer, [*context, user])
+            with torch.no_grad():
+                greedy = model.generate(token_ids[None, :start], max_new_tokens=3, do_sample=False)[0, start:]
+            assert token_ids[start:end].tolist() == greedy.tolist()
+            context += [user, {"role": "assistant", "content": tokenizer.decode(greedy, skip_special_tokens=True)}]
+        assert end == len(token_ids) and hidden.shape[0] == len(token_ids)
+        assert "data set" not in tokenizer.decode(token_ids) and "third" not in tokenizer.decode(token_ids)
+    assert set(turns_seen) <= {1, 2} and 2 in turns_seen
+    assert json.loads((tmp_path / "meta.json").read_text())["turns"] == 2
+    with pytest.raises(ValueError, match="turns 2"):  # a resumed dump keeps its turns
+        extract(target_dir, conversations, tmp_path, source="test", layers=LAYERS, max_new_tokens=3)
+
+
+def test_a_dialogue_ends_where_the_template_rewrites_an_earlier_turn(target_dir):
+    tokenizer = AutoTokenizer.from_pretrained(target_dir)
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"},
+                {"role": "assistant", "content": "Hello"}, {"role": "user", "content": "How are you?"}]
+    dialogue = Dialogue.of(messages, turns=5)
+    assert dialogue.messages == messages[:1] and dialogue.users == [messages[1], messages[3]]
+    prompt = dialogue.next_prompt(tokenizer, max_prompt_tokens=512)
+    assert prompt == prompt_ids(tokenizer, messages[:2])
+    reply = tokenizer("Hello<|im_end|>", add_special_tokens=False)["input_ids"]
+    dialogue.answer(tokenizer, prompt, reply)
+    assert dialogue.mask == [0] * len(prompt) + [1] * len(reply)
+    assert dialogue.next_prompt(tokenizer, max_prompt_tokens=len(dialogue.ids)) is None  # too long
+    assert dialogue.next_prompt(tokenizer, max_prompt_tokens=512)[:len(dialogue.ids)] == dialogue.ids
+    # a template that hides earlier replies (as Qwen3's drops their thinking): turn 2 would not see turn 1's reply
+    tokenizer.chat_template = CHATML.replace("{{ m['content'] }}", "{{ '' if m['role'] == 'assistant' else m['content'] }}")
+    assert dialogue.next_prompt(tokenizer, max_prompt_tokens=512) is None
 
 
 def test_dataset_replies_keep_whole_conversations_teacher_forced(target_dir, tmp_path):
@@ -155,8 +208,9 @@ def test_command_line_with_a_jsonl_file_and_default_layers(target_dir, tmp_path)
                     + json.dumps({"prompt": "Count to three."}) + "\n")
     output = tmp_path / "dump"
     assert main(["extract-hidden-states", "--model", target_dir, "--dataset", str(data), "--output", str(output),
-                 "--max-new-tokens", "4", "--threads", "1"]) == 0
-    assert json.loads((output / "meta.json").read_text())["layers"] == [2, 4, 5, 8]  # 2, L/2, L-3, L
+                 "--max-new-tokens", "4", "--threads", "1", "--turns", "2"]) == 0
+    meta = json.loads((output / "meta.json").read_text())
+    assert (meta["layers"], meta["turns"]) == ([2, 4, 5, 8], 2)  # 2, L/2, L-3, L
     tokenizer = AutoTokenizer.from_pretrained(target_dir)
     prompts = [token_ids[~loss_mask].tolist() for token_ids, loss_mask, _, _ in map(read_shard, shard_paths(output))]
     assert prompts == [  # the first user turn and what precedes it; not the data set's reply

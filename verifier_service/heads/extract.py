@@ -2,7 +2,9 @@
 
 Two sources of replies. "regenerate": each prompt's reply is the target's own
 (greedy), so the head learns what the target says; decoding makes it slow on a
-CPU (SmolLM2-135M, 2 cores: 75 tokens/s). "dataset": the conversation's own
+CPU (SmolLM2-135M, 2 cores: 75 tokens/s). Later user turns are answered in
+turn, the target's own replies before them, as a chat server replays a
+conversation. "dataset": the conversation's own
 turns, all of them, teacher-forced in one forward (about 10x faster); the head
 still learns the target, since training's labels are the target's
 distributions at each position, not the data's tokens (EAGLE trained this way).
@@ -15,6 +17,7 @@ import os
 import pathlib
 import time
 from collections.abc import Iterable
+from dataclasses import dataclass, field
 
 import structlog
 import torch
@@ -80,11 +83,13 @@ def _check_meta(output: pathlib.Path, meta: dict) -> None:
     path = output / "meta.json"
     if path.exists():
         old = json.loads(path.read_text())
-        keys = ("model", "layers", "source", "replies")
+        keys = ("model", "layers", "source", "replies", "turns")
+        old.setdefault("turns", 1 if old.get("replies") == "regenerate" else None)  # dumps from before turns
         if tuple(old.get(k) for k in keys) != tuple(meta[k] for k in keys):
             raise ValueError(f"{output} holds a dump of {old.get('model')} layers {old.get('layers')} from "
-                             f"{old.get('source')}; not adding {meta['model']} layers {meta['layers']} from "
-                             f"{meta['source']}")
+                             f"{old.get('source')} ({old.get('replies')} replies, turns {old.get('turns')}); not "
+                             f"adding {meta['model']} layers {meta['layers']} from {meta['source']} "
+                             f"({meta['replies']} replies, turns {meta['turns']})")
     path.write_text(json.dumps(meta, indent=2) + "\n")
 
 
@@ -114,6 +119,62 @@ def generate_replies(model, prompts: list[list[int]], max_new_tokens: int, pad_i
         end = next((i + 1 for i, token in enumerate(row) if token in eos_ids), len(row))
         replies.append(row[:end])
     return replies
+
+
+@dataclass
+class Dialogue:
+    """A conversation being answered by the target: its next user turns, and the
+    token ids so far with 1 in the loss mask on the target's replies."""
+
+    messages: list[dict]  # what precedes the next user turn, the target's replies in it
+    users: list[dict]
+    ids: list[int] = field(default_factory=list)
+    mask: list[int] = field(default_factory=list)
+
+    @classmethod
+    def of(cls, messages: list[dict], turns: int) -> "Dialogue":
+        """The first `turns` user turns of `messages`; what comes before the first
+        (a system prompt) stays, the data set's replies go."""
+        first = next((i for i, m in enumerate(messages) if m["role"] == "user"), None)
+        if first is None:
+            raise ValueError(f"a conversation without a user turn: {messages!r:.200}")
+        plain = [{"role": m["role"], "content": m["content"]} for m in messages]
+        return cls(plain[:first], [m for m in plain[first:] if m["role"] == "user"][:turns])
+
+    def next_prompt(self, tokenizer, max_prompt_tokens: int) -> list[int] | None:
+        """The ids of the next turn's prompt as the chat template renders it, or None
+        when there is none, it is too long, or it does not begin with the ids so far
+        (a template that rewrites earlier turns, or a reply whose text tokenizes
+        otherwise): the head must learn each reply in the context that produced it."""
+        if not self.users:
+            return None
+        ids = prompt_ids(tokenizer, [*self.messages, self.users[0]])
+        return ids if len(ids) <= max_prompt_tokens and ids[:len(self.ids)] == self.ids else None
+
+    def answer(self, tokenizer, prompt: list[int], reply: list[int]) -> None:
+        text = tokenizer.decode(reply, skip_special_tokens=True)
+        self.messages += [self.users.pop(0), {"role": "assistant", "content": text}]
+        self.mask += [0] * (len(prompt) - len(self.ids)) + [1] * len(reply)
+        self.ids = prompt + reply
+
+
+def answer_turns(model, tokenizer, dialogues: list[Dialogue], max_new_tokens: int, max_prompt_tokens: int,
+                 pad_id: int, eos_ids: set[int]) -> None:
+    """Answers the dialogues' user turns in order, each turn's prompts decoded
+    together; a dialogue whose next prompt cannot be answered ends there."""
+    while True:
+        live = []
+        for dialogue in dialogues:
+            prompt = dialogue.next_prompt(tokenizer, max_prompt_tokens)
+            if prompt is None:
+                dialogue.users = []
+            else:
+                live.append((dialogue, prompt))
+        if not live:
+            return
+        replies = generate_replies(model, [prompt for _, prompt in live], max_new_tokens, pad_id, eos_ids)
+        for (dialogue, prompt), reply in zip(live, replies, strict=True):
+            dialogue.answer(tokenizer, prompt, reply)
 
 
 def conversation_ids(tokenizer, messages: list[dict], max_tokens: int) -> tuple[list[int], list[int]]:
@@ -160,16 +221,19 @@ REPLIES = ("regenerate", "dataset")
 def extract(model_dir, conversations: Iterable[list[dict]], output, *, source: str, layers: tuple[int, ...] = (),
             replies: str = "regenerate", max_samples: int | None = None, max_new_tokens: int = 256,
             max_prompt_tokens: int = 512, max_tokens: int = 1024, batch_size: int = 8, device: str = "cpu",
-            with_hidden_states: bool = True) -> dict:
+            with_hidden_states: bool = True, turns: int = 1) -> dict:
     """Writes up to `max_samples` shards (conversation k -> k.safetensors, counting
     only prompts that fit) plus meta.json into `output`; returns a summary.
-    "regenerate" answers each conversation's first prompt (`max_prompt_tokens`,
-    `max_new_tokens`); "dataset" keeps the whole conversation, cut at `max_tokens`.
+    "regenerate" answers each conversation's first `turns` user turns, one after
+    another (each prompt at most `max_prompt_tokens`, each reply `max_new_tokens`),
+    into one shard; "dataset" keeps the whole conversation, cut at `max_tokens`.
     `with_hidden_states=False`: tokens and loss masks alone (meta.json's layers
     empty); train.py then runs the target itself, which on an accelerator costs
     less than reading a dump 500x the size."""
     if replies not in REPLIES:
         raise ValueError(f"replies must be one of {REPLIES}, got {replies!r}")
+    if turns < 1:
+        raise ValueError(f"turns must be >= 1, got {turns}")
     output = pathlib.Path(output)
     output.mkdir(parents=True, exist_ok=True)
     for stale in output.glob(".*.tmp"):  # left by a killed run
@@ -182,7 +246,8 @@ def extract(model_dir, conversations: Iterable[list[dict]], output, *, source: s
         raise ValueError(f"layers must be within 0..{num_layers} (hidden_states indices), got {layers}")
     meta = {"model": str(model_dir), "layers": list(layers), "hidden_size": model.config.hidden_size,
             "num_hidden_layers": num_layers, "source": source, "replies": replies,
-            "max_new_tokens": max_new_tokens if replies == "regenerate" else None}
+            "max_new_tokens": max_new_tokens if replies == "regenerate" else None,
+            "turns": turns if replies == "regenerate" else None}
     _check_meta(output, meta)
     eos = model.generation_config.eos_token_id
     eos_ids = set(eos if isinstance(eos, list) else [eos]) - {None}
@@ -202,9 +267,10 @@ def extract(model_dir, conversations: Iterable[list[dict]], output, *, source: s
         bar.set_postfix(tok_s=f"{summary['tokens'] / (time.monotonic() - start):.0f}")
 
     def flush(batch):
-        generated = generate_replies(model, [ids for _, ids in batch], max_new_tokens, pad_id, eos_ids)
-        for (name, ids), reply in zip(batch, generated, strict=True):
-            write(name, ids + reply, [0] * len(ids) + [1] * len(reply))
+        answer_turns(model, tokenizer, [dialogue for _, dialogue in batch], max_new_tokens, max_prompt_tokens,
+                     pad_id, eos_ids)
+        for name, dialogue in batch:
+            write(name, dialogue.ids, dialogue.mask)
 
     batch, count = [], 0
     with tqdm(total=max_samples, desc="extract-hidden-states", unit="conv") as bar:
@@ -223,12 +289,12 @@ def extract(model_dir, conversations: Iterable[list[dict]], output, *, source: s
                     count += 1
                     write(name, ids, mask)
                 continue
-            ids = prompt_ids(tokenizer, messages)
-            if len(ids) > max_prompt_tokens:
+            dialogue = Dialogue.of(messages, turns)
+            if dialogue.next_prompt(tokenizer, max_prompt_tokens) is None:
                 summary["too_long"] += 1
                 continue
             count += 1
-            batch.append((name, ids))
+            batch.append((name, dialogue))
             if len(batch) == batch_size:
                 flush(batch)
                 batch = []
