@@ -53,7 +53,9 @@ def _relabel(path, renames: dict[str, str]) -> None:
 @pytest.mark.parametrize("kind,method,renames", [
     ("eagle", "eagle", {}),
     ("eagle3", "eagle3", {}),
-    ("eagle3", "eagle3", {"midlayer.": "layers.0."}),  # SpecForge-style name of the one layer
+    ("eagle3", "eagle3", {"midlayer.": "layers.0."}),  # speculators' and SpecForge's name of the one layer
+    # the layer's input norms outside it, as speclane wrote EAGLE-3 heads before
+    ("eagle3", "eagle3", {"midlayer.input_layernorm.": "input_layernorm.", "midlayer.hidden_norm.": "hidden_norm."}),
 ])
 def test_eagle_layouts_load_into_the_module_that_wrote_them(tmp_path, target_dir, kind, method, renames):
     import pathlib
@@ -65,6 +67,66 @@ def test_eagle_layouts_load_into_the_module_that_wrote_them(tmp_path, target_dir
     loaded = build_head(checkpoint, written.embed_weight, written.embed_weight)
     assert checkpoint.kind == kind
     assert torch.allclose(outputs(loaded, config), outputs(written, config))
+
+
+def test_an_eagle3_checkpoint_is_written_with_the_names_and_config_vllm_loads(tmp_path, target_dir):
+    import pathlib
+    out = write_random_head("eagle3", pathlib.Path(target_dir), tmp_path / "eagle3")
+    layer = [f"midlayer.self_attn.{p}_proj.weight" for p in "qkvo"] + \
+        [f"midlayer.mlp.{p}_proj.weight" for p in ("gate", "up", "down")] + \
+        [f"midlayer.{n}.weight" for n in ("input_layernorm", "hidden_norm", "post_attention_layernorm")]
+    assert sorted(load_file(out / "model.safetensors")) == sorted(
+        ["fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d", *layer])
+    config = json.loads((out / "config.json").read_text())
+    target = config_of(pathlib.Path(target_dir))
+    assert config["architectures"] == ["LlamaForCausalLMEagle3"] and config["draft_vocab_size"] == VOCAB // 2
+    assert config["eagle_aux_hidden_state_layer_ids"] == [2, target["num_hidden_layers"] // 2,
+                                                          target["num_hidden_layers"] - 3]
+    assert config["norm_before_residual"] is False
+
+
+def speculators_eagle3(tmp_path, target_dir, **options):
+    """A random EAGLE-3 head in speculators' layout: layers.0.*, its layer settings nested."""
+    import pathlib
+    out = write_random_head("eagle3", pathlib.Path(target_dir), tmp_path / "speculators", seed=5)
+    _relabel(out, {"midlayer.": "layers.0."})
+    ours = json.loads((out / "config.json").read_text())
+    layer_keys = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+                  "rms_norm_eps", "vocab_size")
+    config = {"architectures": ["Eagle3Speculator"], "speculators_model_type": "eagle3",
+              "draft_vocab_size": ours["draft_vocab_size"], "target_hidden_size": None,
+              "transformer_layer_config": {**{k: ours[k] for k in layer_keys}, "rope_theta": 12345.0}, **options}
+    (out / "config.json").write_text(json.dumps(config))
+    return out
+
+
+def test_a_speculators_eagle3_head_loads_with_its_own_settings(tmp_path, target_dir):
+    import pathlib
+    config = config_of(pathlib.Path(target_dir))
+    written, _ = random_head("eagle3", pathlib.Path(target_dir), seed=5)
+    out = speculators_eagle3(tmp_path, target_dir, norm_before_residual=True,
+                             eagle_aux_hidden_state_layer_ids=[1, 3, 4])
+    checkpoint = read_head(out, "eagle3", config)
+    assert checkpoint.aux_layers == (1, 3, 4) and checkpoint.norm_before_residual
+    assert checkpoint.shape.rope_theta == 12345.0  # the nested settings, not the target's
+    loaded = build_head(checkpoint, written.embed_weight, written.embed_weight)
+    # norm_before_residual: the residual stream starts from hidden_norm(fc(features)), as vLLM computes it
+    torch.manual_seed(3)
+    features, tokens, positions = torch.randn(4, loaded.fc.in_features), torch.tensor([4, 8, 15, 16]), torch.arange(4)
+    with torch.no_grad():
+        hidden = loaded.hidden_norm(loaded.fc(features))
+        expected = loaded.midlayer(hidden, positions, HeadKV(), attention_input=torch.cat(
+            [loaded.input_layernorm(loaded.embed(tokens)), hidden], -1))
+        assert torch.allclose(loaded(tokens, features, positions, HeadKV()), expected)
+        loaded.norm_before_residual = False
+        assert not torch.allclose(loaded(tokens, features, positions, HeadKV()), expected)
+
+
+def test_a_head_option_speclane_lacks_is_refused_by_name(tmp_path, target_dir):
+    import pathlib
+    out = speculators_eagle3(tmp_path, target_dir, norm_before_fc=True)
+    with pytest.raises(CheckpointError, match="norm_before_fc"):
+        read_head(out, "eagle3", config_of(pathlib.Path(target_dir)))
 
 
 MTP_LAYOUTS = {  # layout -> renames from DeepSeek's names inside the MTP layer, and its prefix

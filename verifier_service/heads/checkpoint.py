@@ -3,7 +3,9 @@ description (kind, layer shape, options, tensors named as our modules name
 them), and written back in the layout vLLM reads for that kind.
 
 Layouts: EAGLE (`fc`, `layers.0.*` without input_layernorm), EAGLE-3 (`fc`,
-`midlayer.*` or `layers.0.*`, `norm`, `lm_head`, `d2t`, `t2d`), and MTP as
+`midlayer.*` or `layers.0.*` with the layer's `input_layernorm` and
+`hidden_norm` in it, `norm`, `lm_head`, `d2t`, `t2d`; the config flat, or nested
+in speculators' `transformer_layer_config`), and MTP as
 DeepSeek-V3/GLM (`model.layers.N.{enorm,hnorm,eh_proj,shared_head.*}` + block),
 Qwen3-Next (`mtp.*`) and MiMo (`model.mtp_layers.0.*`). A checkpoint with
 missing or unexpected tensors is refused with their names."""
@@ -48,6 +50,7 @@ class HeadCheckpoint:
     shape: LayerShape
     tensors: dict[str, torch.Tensor] = field(repr=False)  # our modules' state_dict names
     aux_layers: tuple[int, ...] = ()  # eagle3
+    norm_before_residual: bool = False  # eagle3
     hidden_first: bool = False  # mtp, MiMo
 
 
@@ -69,8 +72,10 @@ def read_tensors(directory: pathlib.Path) -> dict[str, torch.Tensor]:
 
 
 def _config(directory: pathlib.Path) -> dict:
+    """config.json, with speculators' `transformer_layer_config` (the layer's settings) flattened into it."""
     path = directory / "config.json"
-    return json.loads(path.read_text()) if path.exists() else {}
+    config = json.loads(path.read_text()) if path.exists() else {}
+    return {**config.pop("transformer_layer_config", {}), **config}
 
 
 def _shape(config: dict, target: dict, tensors: dict[str, torch.Tensor], layer: str, plus_one: bool) -> LayerShape:
@@ -103,7 +108,7 @@ def _renamed(tensors: dict, renames: dict[str, str], default_prefix: str = "") -
 
 def detect_layout(keys) -> str:
     keys = set(keys)
-    if "d2t" in keys or any(k.startswith("midlayer.") for k in keys):
+    if "d2t" in keys or any(k.startswith("midlayer.") or k.endswith("hidden_norm.weight") for k in keys):
         return "eagle3"
     if any(re.match(r"model\.layers\.\d+\.eh_proj\.weight$", k) for k in keys):
         return "deepseek_mtp"
@@ -148,11 +153,16 @@ def read_head(directory: str | pathlib.Path, method: str, target_config: dict) -
         tensors = _renamed(tensors, {"layers.0.": "layer."})
         return HeadCheckpoint(kind, layout, _shape(config, target_config, tensors, "layer.", False), tensors)
     if kind == "eagle3":
-        tensors = _renamed(tensors, {"layers.0.": "midlayer.", "midlayer.input_layernorm.": "input_layernorm.",
-                                     "midlayer.hidden_norm.": "hidden_norm."})
-        ids = (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+        if config.get("norm_before_fc"):
+            raise CheckpointError(f"{directory}: norm_before_fc (a norm over the aux hidden states before fc) is "
+                                  "not supported")
+        tensors = _renamed(_renamed(tensors, {"layers.0.": "midlayer."}),
+                           {"midlayer.input_layernorm.": "input_layernorm.", "midlayer.hidden_norm.": "hidden_norm."})
+        ids = (config.get("eagle_aux_hidden_state_layer_ids")  # vLLM's and speculators' place for them
+               or (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids"))
         aux = tuple(ids) if ids else default_aux_layers(target_config["num_hidden_layers"])
-        return HeadCheckpoint(kind, layout, _shape(config, target_config, tensors, "midlayer.", False), tensors, aux)
+        return HeadCheckpoint(kind, layout, _shape(config, target_config, tensors, "midlayer.", False), tensors, aux,
+                              norm_before_residual=bool(config.get("norm_before_residual")))
     tensors = _mtp_tensors(tensors, layout)
     shape = _shape({}, target_config, tensors, "layer.", layout == "qwen3_next_mtp")
     return HeadCheckpoint(kind, layout, shape, tensors, hidden_first=_MTP_PREFIXES[layout][2])
@@ -166,7 +176,8 @@ def build_head(checkpoint: HeadCheckpoint, embed_weight: torch.Tensor, lm_head_w
         head = EagleHead(checkpoint.shape, embed_weight, lm_head_weight, fc_bias="fc.bias" in tensors)
     elif checkpoint.kind == "eagle3":
         draft_vocab = tensors["lm_head.weight"].shape[0] if "lm_head.weight" in tensors else vocab
-        head = Eagle3Head(checkpoint.shape, embed_weight, checkpoint.aux_layers, draft_vocab, vocab)
+        head = Eagle3Head(checkpoint.shape, embed_weight, checkpoint.aux_layers, draft_vocab, vocab,
+                          checkpoint.norm_before_residual)
     else:
         own_head = "head.weight" in tensors
         head = MtpHead(checkpoint.shape, embed_weight, None if own_head else lm_head_weight, vocab,
@@ -197,10 +208,13 @@ def save_head(head: Head, directory: str | pathlib.Path, target_config: dict, dt
     if head.kind == "eagle":
         state = _renamed(state, {"layer.": "layers.0."})
         config["architectures"] = ["LlamaForCausalLMEagle"]
-    elif head.kind == "eagle3":
+    elif head.kind == "eagle3":  # vLLM's names: the layer's two input norms are inside it
+        state = _renamed(state, {"input_layernorm.": "midlayer.input_layernorm.",
+                                 "hidden_norm.": "midlayer.hidden_norm."})
         config["architectures"] = ["LlamaForCausalLMEagle3"]
         config["draft_vocab_size"] = len(head.d2t)
-        config["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": list(head.feature_layers)}
+        config["eagle_aux_hidden_state_layer_ids"] = list(head.feature_layers)
+        config["norm_before_residual"] = head.norm_before_residual
     else:
         index = target_config["num_hidden_layers"]
         state = {f"model.layers.{index}." + _renamed({k: None}, {"final_norm.": "shared_head.norm.",

@@ -1,7 +1,10 @@
 """EAGLE-3 head (Li et al. 2025): fc over three of the target's layers' hidden
 states; its one layer attends over cat(norm(embedding), norm(hidden)); its own
 norm and lm_head over a reduced draft vocabulary, mapped back to target ids by
-d2t (target id = draft id + d2t[draft id])."""
+d2t (target id = draft id + d2t[draft id]). The layer's residual stream starts
+from the hidden state itself (EAGLE-3's paper code), or with
+`norm_before_residual` from its normed form (heads made with speculators,
+e.g. RedHatAI's; vLLM reads the same config flag)."""
 
 import torch
 from torch import nn
@@ -19,8 +22,9 @@ class Eagle3Head(Head):
     kind = "eagle3"
 
     def __init__(self, shape: LayerShape, embed_weight: torch.Tensor, aux_layers: tuple[int, ...],
-                 draft_vocab_size: int, target_vocab_size: int):
+                 draft_vocab_size: int, target_vocab_size: int, norm_before_residual: bool = False):
         super().__init__(shape, tuple(aux_layers), embed_weight)
+        self.norm_before_residual = norm_before_residual
         h = shape.hidden_size
         self.fc = nn.Linear(len(aux_layers) * h, h, bias=False)
         self.input_layernorm = RMSNorm(h, shape.rms_norm_eps)
@@ -34,8 +38,10 @@ class Eagle3Head(Head):
     def forward(self, token_ids, features, positions, kv: HeadKV | KVBatch, mask=None):
         if features.shape[-1] != self.shape.hidden_size:  # the target's aux states, not the head's own output
             features = self.fc(features)
-        attention_input = torch.cat([self.input_layernorm(self.embed(token_ids)), self.hidden_norm(features)], -1)
-        return self.midlayer(features, positions, kv, attention_input=attention_input, mask=mask)
+        hidden = self.hidden_norm(features)
+        attention_input = torch.cat([self.input_layernorm(self.embed(token_ids)), hidden], -1)
+        residual = hidden if self.norm_before_residual else features
+        return self.midlayer(residual, positions, kv, attention_input=attention_input, mask=mask)
 
     def logits(self, hidden):
         return self.lm_head(self.norm(hidden))
