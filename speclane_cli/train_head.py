@@ -16,12 +16,15 @@ def add_arguments(parser) -> None:
     parser.add_argument("--target", required=True, help="the target model the data was dumped from")
     parser.add_argument("--output", required=True, help="directory for model.safetensors + config.json")
     parser.add_argument("--init", default=None,
-                        help="a head directory to continue training from (an EAGLE-3 head keeps its draft vocabulary)")
+                        help="a head directory to continue training from (an EAGLE-3 head keeps its draft vocabulary "
+                             "unless --draft-vocab is given)")
     parser.add_argument("--bf16", action="store_true",
                         help="mixed precision: products in bfloat16, weights and optimizer state in fp32")
     parser.add_argument("--epochs", type=int, default=1)
     parser.add_argument("--lr", type=float, default=3e-4, help="peak learning rate (warmup, then cosine decay)")
-    parser.add_argument("--draft-vocab", type=int, default=8192, help="EAGLE-3's reduced vocabulary size")
+    parser.add_argument("--draft-vocab", type=int, default=None,
+                        help="EAGLE-3's reduced vocabulary: this many of the data's most frequent reply tokens "
+                             "(default 8192 for a new head; with --init, drawn again: rows of tokens kept stay)")
     parser.add_argument("--ttt-steps", type=int, default=1,
                         help="EAGLE-3 training-time-test steps (each adds about one step's cost)")
     parser.add_argument("--batch-size", type=int, default=1, help="sequences per optimizer step")

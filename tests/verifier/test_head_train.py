@@ -167,3 +167,20 @@ def test_a_dump_of_tokens_alone_trains_online_as_a_full_dump_does(target_dir, tm
     assert online["final_loss"] < online["initial_loss"]
     # The full dump stores bf16 states; online ones are fp32: close, not equal.
     assert online["initial_loss"] == pytest.approx(offline["initial_loss"], rel=0.02)
+
+
+def test_a_draft_vocab_given_with_init_is_drawn_again_keeping_the_rows_of_tokens_kept(dump, target_dir, target,
+                                                                                      tmp_path):
+    train("eagle3", dump, target_dir, tmp_path / "first", epochs=4, lr=3e-3, draft_vocab=DRAFT_VOCAB // 2)
+    train("eagle3", dump, target_dir, tmp_path / "again", init=tmp_path / "first", lr=0.0, draft_vocab=DRAFT_VOCAB)
+    config, embed, lm_head = target
+    first, again = (build_head(read_head(tmp_path / name, "eagle3", config), embed, lm_head)
+                    for name in ("first", "again"))
+    replied = torch.cat([token_ids[mask] for token_ids, mask, _, _ in map(read_shard, shard_paths(dump))]).unique()
+    assert len(again.d2t) == DRAFT_VOCAB and again.t2d[replied].sum() == min(len(replied), DRAFT_VOCAB)
+    kept = first.t2d[again.draft_token_ids]
+    assert 0 < kept.sum() < DRAFT_VOCAB
+    where = torch.searchsorted(first.draft_token_ids, again.draft_token_ids[kept])
+    torch.testing.assert_close(again.lm_head.weight[kept], first.lm_head.weight[where])  # trained rows stay
+    new_ids = again.draft_token_ids[~kept]
+    torch.testing.assert_close(again.lm_head.weight[~kept], lm_head[new_ids].bfloat16().float())  # as a new head's

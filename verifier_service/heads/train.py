@@ -35,6 +35,7 @@ log = structlog.get_logger()
 CE_WEIGHT = 0.1  # EAGLE-1's weights: 1.0 * SmoothL1(hidden) + 0.1 * CE(tokens)
 TTT_DECAY = 0.8  # EAGLE-3 weighs training-time-test step j's loss by 0.8^(j-1)
 GRAD_CLIP = 0.5  # as EAGLE's training
+DRAFT_VOCAB = 8192  # EAGLE-3's draft vocabulary of a new head
 WARMUP = 0.03  # fraction of the step or time budget with a linear LR ramp; cosine decay after
 
 
@@ -91,10 +92,8 @@ def make_head(kind: str, target: Target, draft_ids: torch.Tensor | None) -> Head
         return EagleHead(target.shape, target.embed, target.lm_head)
     head = Eagle3Head(target.shape, target.embed, default_aux_layers(target.config["num_hidden_layers"]),
                       len(draft_ids), target.embed.shape[0])
-    head.d2t.copy_(draft_ids - torch.arange(len(draft_ids)))
-    head.t2d[draft_ids] = True
+    _set_vocabulary(head, draft_ids, target.lm_head[draft_ids.to(target.lm_head.device)])
     with torch.no_grad():  # start the readout where the target's is: its norm and lm_head rows
-        head.lm_head.weight.copy_(target.lm_head[draft_ids.to(target.lm_head.device)])
         head.norm.weight.copy_(target.final_norm)
     # Optional init trick from EAGLE practice: the target's last decoder layer wherever the shapes
     # match (q/k/v read 2H and stay random). A small gain here: held-out top-1 after 4 epochs
@@ -103,6 +102,31 @@ def make_head(kind: str, target: Target, draft_ids: torch.Tensor | None) -> Head
     head.midlayer.load_state_dict({k: v for k, v in target.last_layer.items()
                                    if k in own and own[k].shape == v.shape}, strict=False)
     return head
+
+
+def _set_vocabulary(head: Eagle3Head, draft_ids: torch.Tensor, rows: torch.Tensor) -> None:
+    head.d2t.copy_(draft_ids - torch.arange(len(draft_ids), device=draft_ids.device))
+    head.t2d.zero_()
+    head.t2d[draft_ids] = True
+    with torch.no_grad():
+        head.lm_head.weight.copy_(rows)
+
+
+def redraw_vocabulary(head: Eagle3Head, target: Target, draft_ids: torch.Tensor) -> Eagle3Head:
+    """`head` over another draft vocabulary (ascending target ids): a token it had
+    keeps its trained lm_head row, a new one starts from the target's row, as every
+    row of a new head does. For continuing a head on data whose replies use other
+    tokens (the target's own replies rather than a data set's)."""
+    old_ids, old_rows = head.draft_token_ids, head.lm_head.weight.detach()
+    new = Eagle3Head(head.shape, head.embed_weight, head.feature_layers, len(draft_ids), len(head.t2d),
+                     head.norm_before_residual).to(old_rows.device, old_rows.dtype)
+    new.load_state_dict({k: v for k, v in head.state_dict().items() if k not in ("lm_head.weight", "d2t", "t2d")},
+                        strict=False)
+    rows = target.lm_head[draft_ids.to(target.lm_head.device)].to(old_rows.dtype).clone()
+    kept = head.t2d[draft_ids]
+    rows[kept] = old_rows[torch.searchsorted(old_ids, draft_ids[kept])]
+    _set_vocabulary(new, draft_ids, rows)
+    return new
 
 
 class TrainingTimeTestKV:
@@ -202,14 +226,16 @@ def _lr_factor(progress: float) -> float:
 
 
 def train(kind: str, data, target_dir, output, *, init=None, bf16: bool = False, epochs: int = 1, lr: float = 3e-4,
-          draft_vocab: int = 8192, ttt_steps: int = 1, batch_size: int = 1, max_minutes: float | None = None,
+          draft_vocab: int | None = None, ttt_steps: int = 1, batch_size: int = 1, max_minutes: float | None = None,
           device: str = "cpu", seed: int = 0, log_every: int = 50, holdout: float = 0.05) -> dict:
     """Trains a head and saves it with save_head; returns the recipe and results.
     Shards are shuffled (seeded); a `holdout` fraction (none under 20 shards) is
     left out and measured after every epoch; the epoch best on it is the head
     saved, and its top-1 the one to trust (a small dump is soon memorized).
-    `init`: a head directory to continue from instead of a fresh head (an
-    EAGLE-3 head keeps its draft vocabulary), e.g. one trained on other data.
+    `init`: a head directory to continue from instead of a fresh head, e.g. one
+    trained on other data. `draft_vocab`: EAGLE-3's draft vocabulary size, its
+    tokens the dump's most frequent replied ones (DRAFT_VOCAB for a new head; an
+    `init` head keeps its own unless a size is given: redraw_vocabulary).
     `bf16`: mixed precision, the products in bfloat16 (autocast) while weights and
     optimizer state stay fp32 (SmolLM2's head on an AVX512-BF16 CPU: 1.65x the steps/s).
     `batch_size`: sequences per optimizer step (an accelerator wants dozens)."""
@@ -232,9 +258,13 @@ def train(kind: str, data, target_dir, output, *, init=None, bf16: bool = False,
         raise ValueError(f"{data} has no shards")
     if init:
         head = build_head(read_head(init, kind, target.config), target.embed, target.lm_head).to(device).train()
+        if kind == "eagle3" and draft_vocab:
+            head = redraw_vocabulary(head, target, draft_vocabulary(paths, target.embed.shape[0], draft_vocab)
+                                     .to(device)).train()
         draft_ids = head.draft_token_ids
     else:
-        draft_ids = draft_vocabulary(paths, target.embed.shape[0], draft_vocab) if kind == "eagle3" else None
+        draft_ids = (draft_vocabulary(paths, target.embed.shape[0], draft_vocab or DRAFT_VOCAB)
+                     if kind == "eagle3" else None)
         head = make_head(kind, target, draft_ids).to(device).train()
     lm_rows = target.lm_head if draft_ids is None else target.lm_head[draft_ids.to(device)]
 
