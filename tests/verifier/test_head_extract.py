@@ -110,6 +110,8 @@ def test_later_user_turns_are_answered_after_the_targets_own_replies(target_dir,
     assert json.loads((tmp_path / "meta.json").read_text())["turns"] == 2
     with pytest.raises(ValueError, match="turns 2"):  # a resumed dump keeps its turns
         extract(target_dir, conversations, tmp_path, source="test", layers=LAYERS, max_new_tokens=3)
+    with pytest.raises(ValueError, match="dataset replies"):
+        extract(target_dir, conversations, tmp_path / "dataset", source="test", replies="dataset", turns=2)
 
 
 def test_a_dialogue_ends_where_the_template_rewrites_an_earlier_turn(target_dir):
@@ -126,7 +128,8 @@ def test_a_dialogue_ends_where_the_template_rewrites_an_earlier_turn(target_dir)
     assert dialogue.next_prompt(tokenizer, max_prompt_tokens=len(dialogue.ids)) is None  # too long
     assert dialogue.next_prompt(tokenizer, max_prompt_tokens=512)[:len(dialogue.ids)] == dialogue.ids
     # a template that hides earlier replies (as Qwen3's drops their thinking): turn 2 would not see turn 1's reply
-    tokenizer.chat_template = CHATML.replace("{{ m['content'] }}", "{{ '' if m['role'] == 'assistant' else m['content'] }}")
+    tokenizer.chat_template = CHATML.replace("{{ m['content'] }}",
+                                             "{{ '' if m['role'] == 'assistant' else m['content'] }}")
     assert dialogue.next_prompt(tokenizer, max_prompt_tokens=512) is None
 
 

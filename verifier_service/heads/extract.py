@@ -232,8 +232,8 @@ def extract(model_dir, conversations: Iterable[list[dict]], output, *, source: s
     less than reading a dump 500x the size."""
     if replies not in REPLIES:
         raise ValueError(f"replies must be one of {REPLIES}, got {replies!r}")
-    if turns < 1:
-        raise ValueError(f"turns must be >= 1, got {turns}")
+    if turns < 1 or (turns > 1 and replies == "dataset"):
+        raise ValueError(f"turns must be >= 1, and 1 with dataset replies (every turn is kept), got {turns}")
     output = pathlib.Path(output)
     output.mkdir(parents=True, exist_ok=True)
     for stale in output.glob(".*.tmp"):  # left by a killed run

@@ -92,8 +92,9 @@ def make_head(kind: str, target: Target, draft_ids: torch.Tensor | None) -> Head
         return EagleHead(target.shape, target.embed, target.lm_head)
     head = Eagle3Head(target.shape, target.embed, default_aux_layers(target.config["num_hidden_layers"]),
                       len(draft_ids), target.embed.shape[0])
+    # Start the readout where the target's is: its lm_head rows and its norm.
     _set_vocabulary(head, draft_ids, target.lm_head[draft_ids.to(target.lm_head.device)])
-    with torch.no_grad():  # start the readout where the target's is: its norm and lm_head rows
+    with torch.no_grad():
         head.norm.weight.copy_(target.final_norm)
     # Optional init trick from EAGLE practice: the target's last decoder layer wherever the shapes
     # match (q/k/v read 2H and stay random). A small gain here: held-out top-1 after 4 epochs
