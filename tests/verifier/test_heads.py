@@ -176,6 +176,12 @@ def test_a_checkpoint_with_missing_or_unexpected_tensors_is_refused_by_name(tmp_
     with pytest.raises(CheckpointError, match=r"missing \['midlayer.mlp.up_proj.weight'\].*"
                                               r"unexpected \['midlayer.mlp.extra_proj.weight'\]"):
         build_head(read_head(out, "eagle3", config), torch.zeros(VOCAB, 32), torch.zeros(VOCAB, 32))
+    narrow = write_random_head("eagle3", pathlib.Path(target_dir), tmp_path / "narrow")
+    tensors = load_file(narrow / "model.safetensors")
+    tensors["fc.weight"] = torch.zeros(32, 2 * 32)  # a head for two aux layers, or for another target's width
+    save_file(tensors, narrow / "model.safetensors")
+    with pytest.raises(CheckpointError, match=r"does not fit the target: fc.weight \[32, 64\] \(expected \[32, 96\]"):
+        build_head(read_head(narrow, "eagle3", config), torch.zeros(VOCAB, 32), torch.zeros(VOCAB, 32))
     with pytest.raises(CheckpointError, match="holds a eagle3 head, not one for method 'eagle'"):
         read_head(out, "eagle", config)
     with pytest.raises(CheckpointError, match="no head layout recognized"):

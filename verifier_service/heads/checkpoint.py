@@ -182,11 +182,14 @@ def build_head(checkpoint: HeadCheckpoint, embed_weight: torch.Tensor, lm_head_w
         own_head = "head.weight" in tensors
         head = MtpHead(checkpoint.shape, embed_weight, None if own_head else lm_head_weight, vocab,
                        checkpoint.hidden_first)
-    expected = set(head.state_dict())
-    missing, unexpected = sorted(expected - set(tensors)), sorted(set(tensors) - expected)
+    expected = head.state_dict()
+    missing, unexpected = sorted(set(expected) - set(tensors)), sorted(set(tensors) - set(expected))
     if missing or unexpected:
         raise CheckpointError(f"{checkpoint.layout} checkpoint does not match its head: "
                               f"missing {missing or 'none'}, unexpected {unexpected or 'none'}")
+    if wrong := [f"{k} {list(tensors[k].shape)} (expected {list(v.shape)})" for k, v in expected.items()
+                 if tensors[k].shape != v.shape]:
+        raise CheckpointError(f"{checkpoint.layout} checkpoint does not fit the target: {', '.join(wrong)}")
     head.load_state_dict(tensors)  # copied into the module's fp32 parameters, then cast with them
     return head.to(embed_weight.device, embed_weight.dtype).eval()
 
