@@ -5,7 +5,7 @@ import torch
 
 from speclane.models import resolve_model
 from verifier_service.heads.extract import pick_device
-from verifier_service.heads.train import train
+from verifier_service.heads.train import DRAFT_VOCAB, train
 
 
 def add_arguments(parser) -> None:
@@ -24,7 +24,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--lr", type=float, default=3e-4, help="peak learning rate (warmup, then cosine decay)")
     parser.add_argument("--draft-vocab", type=int, default=None,
                         help="EAGLE-3's reduced vocabulary: this many of the data's most frequent reply tokens "
-                             "(default 8192 for a new head; with --init, drawn again: rows of tokens kept stay)")
+                             f"(default {DRAFT_VOCAB} for a new head; with --init, drawn again: rows of tokens kept "
+                             "stay)")
     parser.add_argument("--ttt-steps", type=int, default=1,
                         help="EAGLE-3 training-time-test steps (each adds about one step's cost)")
     parser.add_argument("--batch-size", type=int, default=1, help="sequences per optimizer step")
