@@ -1,27 +1,27 @@
 """One forward pass over many sequences: the plan rank 0 decides (picklable,
-broadcast to the other tensor-parallel ranks) and what every rank derives
-from it (flat input, positions, masks, logit rows).
+broadcast to the other tensor-parallel ranks) and the flat inputs every rank
+derives from it.
 
 The pass is ragged: the sequences' new tokens are packed into one row of
 length sum(n_i). Segment i feeds `num_pending` committed tokens not yet in
 its KV (a prompt chunk, or just the last committed token) and then its
 draft tree. Positions continue the sequence; a draft node's is
-last position + depth.
+last position + depth. Its KV goes to the slots `start, start + 1, ...` of
+its block table, whatever the node's depth.
 """
 
 from dataclasses import dataclass
 
 import torch
 
-from verifier_service.batch_invariant import KeyOrder, key_order
-from verifier_service.kv_store import KVOp
-from verifier_service.tree import ancestor_mask, depths
+from verifier_service.block_manager import MoveSlots
+from verifier_service.tree import depths
 
 
 @dataclass(frozen=True)
 class Segment:
-    slot: int
-    start: int  # tokens already in the slot's KV
+    block_table: tuple[int, ...]
+    start: int  # tokens already in the sequence's KV
     num_pending: int
     parents: tuple[int, ...] = ()  # draft tree after the pending tokens
     wants_logits: bool = True  # False for a prompt chunk that does not reach the end
@@ -38,7 +38,7 @@ class Segment:
 
 @dataclass(frozen=True)
 class StepPlan:
-    ops: tuple[KVOp, ...]  # KV changes to apply before the pass
+    moves: tuple[MoveSlots, ...]  # KV copies to apply before the pass
     input_ids: tuple[int, ...]
     segments: tuple[Segment, ...]
 
@@ -53,35 +53,15 @@ def segment_positions(seg: Segment) -> list[int]:
     return pending + [last + d for d in depths(seg.parents)]
 
 
-def segment_mask(seg: Segment, device) -> torch.Tensor | None:
-    """[n, start + n] bool (True = attend): everything cached, the pending tokens
-    causally, and each draft node its ancestors. None when n == 1 (attends all)."""
-    n, p = seg.num_tokens, seg.num_pending
-    if n == 1:
-        return None
-    mask = torch.ones(n, seg.start + n, dtype=torch.bool)
-    new = mask[:, seg.start:]
-    new[:p, :p] = torch.ones(p, p, dtype=torch.bool).tril()
-    new[:p, p:] = False
-    if seg.parents:
-        new[p:, p:] = ancestor_mask(seg.parents)
-    return mask.to(device)
+@dataclass(frozen=True)
+class PassInputs:
+    input_ids: torch.Tensor  # [1, T]
+    positions: torch.Tensor  # [1, T]
+    logit_rows: torch.Tensor  # rows of the pass whose logits are kept, in segment order
+    offsets: tuple[int, ...]  # each segment's first row
 
 
-@dataclass
-class ForwardBatch:
-    """What the attention function needs in every layer, built once per pass."""
-
-    store: object  # KVStore
-    segments: tuple[Segment, ...]
-    offsets: list[int]  # start of each segment in the packed row
-    masks: list[torch.Tensor | None]
-    key_orders: list[KeyOrder] | None = None  # with batch-invariant attention, which needs no masks
-
-
-def prepare(plan: StepPlan, store, device, batch_invariant: bool = False
-            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, ForwardBatch]:
-    """input_ids [1, T], position_ids [1, T], logit row indices, and the ForwardBatch."""
+def pass_inputs(plan: StepPlan, device: torch.device) -> PassInputs:
     positions: list[int] = []
     offsets: list[int] = []
     rows: list[int] = []
@@ -91,12 +71,6 @@ def prepare(plan: StepPlan, store, device, batch_invariant: bool = False
         if seg.wants_logits:
             first = offsets[-1] + seg.num_pending - 1
             rows += range(first, first + seg.num_logit_rows)
-    ids = torch.tensor([plan.input_ids], dtype=torch.long, device=device)
-    pos = torch.tensor([positions], dtype=torch.long, device=device)
-    keep = torch.tensor(rows, dtype=torch.long, device=device)
-    if batch_invariant:
-        batch = ForwardBatch(store, plan.segments, offsets, [None] * len(plan.segments),
-                             [key_order(s.num_pending, s.parents, device) for s in plan.segments])
-    else:
-        batch = ForwardBatch(store, plan.segments, offsets, [segment_mask(s, device) for s in plan.segments])
-    return ids, pos, keep, batch
+    return PassInputs(torch.tensor([plan.input_ids], dtype=torch.long, device=device),
+                      torch.tensor([positions], dtype=torch.long, device=device),
+                      torch.tensor(rows, dtype=torch.long, device=device), tuple(offsets))

@@ -16,12 +16,11 @@ import torch
 
 from speclane.speculation import token_cost_at
 from verifier_service.batch import StepPlan
+from verifier_service.block_manager import BlockManager, MoveSlots
 from verifier_service.errors import InvalidRequest, SequenceFinished, StaleDraft
 from verifier_service.grammar import GrammarCompiler
 from verifier_service.heads.capture import HiddenStateCapture
 from verifier_service.heads.drafting import DraftRequest, HeadDrafter, HeadState
-from verifier_service.kv_pool import KVPool
-from verifier_service.kv_store import Keep
 from verifier_service.logits_processing import make_logits_processor
 from verifier_service.model_runner import ModelRunner
 from verifier_service.sampling import make_generator, target_probs
@@ -55,11 +54,14 @@ class StepStats:
 class Engine:
     """Not thread-safe: AsyncEngine calls it from its model thread only."""
 
-    def __init__(self, runner: ModelRunner, pool: KVPool, limits: BatchLimits = BatchLimits(),
+    def __init__(self, runner: ModelRunner, blocks: BlockManager, limits: BatchLimits = BatchLimits(),
                  on_step: Callable[[StepStats], None] | None = None, head: HeadDrafter | None = None):
         self.runner = runner
-        self.pool = pool
-        self.scheduler = Scheduler(pool, limits)
+        self.blocks = blocks
+        cache = runner.cache
+        if cache is None or (cache.num_blocks, cache.block_size) != (blocks.num_blocks, blocks.block_size):
+            runner.allocate_cache(blocks.num_blocks, blocks.block_size)
+        self.scheduler = Scheduler(blocks, limits)
         self.grammars = GrammarCompiler(runner.model_dir, runner.vocab_size)
         self.on_step = on_step
         self.head = head
@@ -141,7 +143,7 @@ class Engine:
         self.scheduler.add(Work(seq, draft.trimmed(len(draft.token_ids), seq.max_draft_depth()), done))
 
     def close(self, seq: Sequence) -> None:
-        """Forgets the sequence: queued work dropped, KV back to the pool."""
+        """Forgets the sequence: queued work dropped, its blocks freed (full ones stay cached)."""
         self.scheduler.remove(seq)
         self._live.discard(seq)
         if self.capture is not None:
@@ -153,12 +155,12 @@ class Engine:
         scheduler.admit()
         self._draft_on_demand()
         picked = scheduler.pick()
-        ops = tuple(self.pool.take_ops())
+        moves = tuple(self.blocks.take_moves())
         if not picked:
-            if ops:  # frees still reach every rank's store while idle
-                self.runner.execute(StepPlan(ops, (), ()))
+            if moves:  # an idle pass still compacts the last accepted trees
+                self.runner.execute(StepPlan(moves, (), ()))
             return False
-        plan = StepPlan(ops, tuple(t for e in picked for t in _fed_tokens(e)), tuple(e.segment for e in picked))
+        plan = StepPlan(moves, tuple(t for e in picked for t in _fed_tokens(e)), tuple(e.segment for e in picked))
         started = time.perf_counter()
         try:
             logits, features = self.runner.execute(plan)
@@ -227,13 +229,16 @@ class Engine:
                 start = seq.num_cached
                 seq.head.add(start, features, seq.tokens[start + 1: start + 1 + segment.num_pending])
             seq.num_cached += segment.num_pending
+            self.blocks.commit(seq.blocks, seq.tokens, seq.num_cached)
             return None
         verdict = self._judge(seq, draft, rows)
         num_top = seq.params.logprobs
         logprobs = None if num_top is None else committed_logprobs(rows, verdict, num_top)
         base = seq.num_cached + segment.num_pending  # KV row of draft node 0
-        if verdict.path != list(range(len(verdict.path))):
-            self.pool.ops.append(Keep(seq.slot, base, tuple(verdict.path)))
+        if verdict.path != list(range(len(verdict.path))):  # an accepted tree path: its KV moves up to follow
+            size, table = self.blocks.block_size, seq.blocks
+            self.blocks.moves.append(MoveSlots(tuple(table.slot(base + row, size) for row in verdict.path),
+                                               tuple(table.slot(base + i, size) for i in range(len(verdict.path)))))
         result = seq.commit(verdict.token_ids, verdict.num_accepted, len(draft.token_ids), logprobs)
         if seq.grammar is not None:
             seq.grammar.commit(result.token_ids)
@@ -243,6 +248,7 @@ class Engine:
             self._feed_head(seq, segment, features, verdict, result.token_ids)
             seq.head_draft = None
         seq.num_cached = min(len(seq.tokens) - 1, base + len(verdict.path))
+        self.blocks.commit(seq.blocks, seq.tokens, seq.num_cached)
         self.scheduler.ready.remove(entry.work)
         if seq.finished:
             self.scheduler.release(seq)
@@ -329,7 +335,7 @@ class Engine:
         return verify_sampled(tokens, target_probs(rows, sampling), seq.generator, proposals, parents)
 
     def _stats(self, picked: list[Scheduled], plan: StepPlan, forward_seconds: float) -> StepStats:
-        block = self.pool.block_size
+        blocks, size = self.blocks, self.blocks.block_size
         return StepStats(
             num_sequences=len(picked),
             num_tokens=plan.num_tokens,
@@ -337,13 +343,13 @@ class Engine:
             num_draft_tokens=sum(len(e.segment.parents) for e in picked),
             forward_seconds=forward_seconds,
             queue_wait_seconds=tuple(e.queue_wait for e in picked if e.queue_wait is not None),
-            kv_used_tokens=self.pool.used_blocks * block,
-            kv_cached_tokens=self.pool.cached_blocks * block,
-            kv_max_tokens=self.pool.max_tokens,
+            kv_used_tokens=blocks.used_blocks * size,
+            kv_cached_tokens=blocks.cached_blocks * size,
+            kv_max_tokens=blocks.max_tokens,
             num_waiting=len(self.scheduler.waiting),
             num_preemptions=self.scheduler.num_preemptions,
-            prefix_cache_queries=self.scheduler.prefix_cache_queries,
-            prefix_cache_hits=self.scheduler.prefix_cache_hits,
+            prefix_cache_queries=blocks.prefix_cache_queries,
+            prefix_cache_hits=blocks.prefix_cache_hits,
         )
 
 

@@ -1,19 +1,22 @@
 """The target model: Hugging Face weights and layers, run over ragged batches
-with our attention (attention.py) and KV store (kv_store.py). Under tensor
-parallelism every rank holds one; rank 0's broadcasts each plan first."""
+with our attention (attention/) over a paged KV cache (kv_cache.py). Under
+tensor parallelism every rank holds one; rank 0 broadcasts each message
+(a cache to allocate, a plan to run) first."""
 
 import os
+from dataclasses import dataclass
 
 import structlog
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM
 
+from verifier_service.attention import PassContext, select_backend
 from verifier_service.attention import register as register_attention
-from verifier_service.batch import StepPlan, prepare
+from verifier_service.batch import StepPlan, pass_inputs
 from verifier_service.batch_invariant import make_invariant
 from verifier_service.cpu_linear import add_measured_linears, measures_linear_ways
 from verifier_service.distributed import TensorParallel
-from verifier_service.kv_store import KVStore
+from verifier_service.kv_cache import KVGeometry, PagedKVCache
 
 log = structlog.get_logger()
 
@@ -24,24 +27,63 @@ def _as_ids(value) -> list[int]:
     return [value] if isinstance(value, int) else list(value)
 
 
-def kv_geometry(text_config, tp_size: int = 1) -> tuple[int, int, int]:
-    """(layers, kv heads on one rank, head dim) of a decoder config."""
+def kv_geometry(text_config, tp_size: int = 1) -> KVGeometry:
+    """One token's KV on one rank, from a decoder config. MLA (DeepSeek-V3,
+    Kimi-K2) attends with keys of qk_nope + qk_rope dims and values of
+    v_head_dim, one of each per attention head."""
     heads = text_config.num_attention_heads
+    if getattr(text_config, "kv_lora_rank", None):
+        key_dim = text_config.qk_nope_head_dim + text_config.qk_rope_head_dim
+        return KVGeometry(text_config.num_hidden_layers, heads // tp_size, key_dim, text_config.v_head_dim)
     kv_heads = getattr(text_config, "num_key_value_heads", None) or heads
     head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // heads
-    return text_config.num_hidden_layers, kv_heads // tp_size, head_dim
+    return KVGeometry(text_config.num_hidden_layers, kv_heads // tp_size, head_dim, head_dim)
+
+
+# Layer kinds other than attention keep a state the engine does not hold: refused by name until it does.
+_STATEFUL_LAYERS = ("linear_attention", "mamba", "conv", "recurrent")
+
+
+def unsupported(text_config) -> str | None:
+    """Why the engine cannot serve this decoder correctly, in one line, or None."""
+    name = getattr(text_config, "model_type", "this model")
+    kinds = set(getattr(text_config, "layer_types", None) or ())
+    stateful = sorted(kind for kind in kinds if any(word in kind for word in _STATEFUL_LAYERS))
+    if stateful:
+        return (f"{name}: layers of type {', '.join(stateful)} keep a recurrent state that the engine does not "
+                "keep or roll back yet; only attention layers are served")
+    if getattr(text_config, "attention_chunk_size", None):
+        return f"{name}: chunked local attention (attention_chunk_size) is not supported"
+    if not getattr(text_config, "is_decoder", True) or getattr(text_config, "is_encoder_decoder", False):
+        return f"{name}: only decoder-only causal language models are served"
+    return None
+
+
+@dataclass(frozen=True)
+class AllocateCache:
+    """Every rank allocates its KV cache: the message rank 0 sends before the first plan."""
+
+    num_blocks: int
+    block_size: int
+
+
+class UnsupportedModel(ValueError):
+    """The engine cannot serve this architecture correctly (refused at start)."""
 
 
 class ModelRunner:
     """Loads the model once and runs StepPlans."""
 
-    def __init__(self, model_dir: str, device: str, dtype: torch.dtype, *, block_size: int = 64,
-                 tp: TensorParallel | None = None, max_model_len: int = 0, trust_remote_code: bool = False,
-                 batch_invariant: str = "auto"):
+    def __init__(self, model_dir: str, device: str, dtype: torch.dtype, *, tp: TensorParallel | None = None,
+                 max_model_len: int = 0, trust_remote_code: bool = False, batch_invariant: str = "auto"):
         self.model_dir = model_dir
         self.device = torch.device(device)
         self.dtype = dtype
         self.tp = tp
+        problem = unsupported(AutoConfig.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
+                              .get_text_config())
+        if problem:
+            raise UnsupportedModel(problem)
         kwargs = {"dtype": dtype, "attn_implementation": register_attention(), "trust_remote_code": trust_remote_code}
         if tp is not None:
             kwargs["tp_plan"] = "auto"
@@ -52,11 +94,13 @@ class ModelRunner:
                         if measures_linear_ways(self.device, dtype, tp is not None) else 0)
         text_config = self.model.config.get_text_config()
         self.tp_size = tp.world_size if tp is not None else 1
-        layers, kv_heads, head_dim = kv_geometry(text_config, self.tp_size)
+        self.geometry = kv_geometry(text_config, self.tp_size)
+        g = self.geometry
         self.batch_invariant = make_invariant(batch_invariant, self.model, self.device, dtype, tp is not None,
-                                              (text_config.num_attention_heads, kv_heads, head_dim))
-        self.kv_bytes_per_token = 2 * layers * kv_heads * head_dim * torch.finfo(dtype).bits // 8
-        self.store = KVStore(layers, block_size)
+                                              (text_config.num_attention_heads // self.tp_size, g.kv_heads, g.key_dim))
+        self.backend = select_backend(self.device, self.batch_invariant)
+        self.kv_bytes_per_token = g.bytes_per_token(dtype)
+        self.cache: PagedKVCache | None = None  # allocated once the KV budget is known (allocate_cache)
         # Hidden states a draft head reads (indices into transformers' hidden_states); () when no head.
         self.feature_layers: tuple[int, ...] = ()
         # The output layer's width (it may pad the tokenizer's vocabulary); sharded under TP, gathered in logits.
@@ -69,7 +113,14 @@ class ModelRunner:
                  dtype=str(dtype).removeprefix("torch."), vocab_size=self.vocab_size,
                  max_context_len=self.max_context_len, eos_token_ids=list(self.eos_token_ids),
                  tensor_parallel_size=self.tp_size, rank=tp.rank if tp else 0, weight_layout_bytes=layout_bytes,
-                 batch_invariant=self.batch_invariant)
+                 batch_invariant=self.batch_invariant, attention_backend=self.backend.name)
+
+    def allocate_cache(self, num_blocks: int, block_size: int) -> None:
+        """(Re)allocates the KV cache on every rank."""
+        message = AllocateCache(num_blocks, block_size)
+        if self.tp is not None:
+            self.tp.broadcast(message)
+        self.handle(message)
 
     def execute(self, plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Runs a plan (on every rank); returns fp32 logits [rows, vocab] in
@@ -79,15 +130,27 @@ class ModelRunner:
             self.tp.broadcast(plan)
         return self.run(plan)
 
+    def handle(self, message: StepPlan | AllocateCache) -> None:
+        """A message from rank 0 (on a follower rank, every message)."""
+        if isinstance(message, AllocateCache):
+            self.cache = None  # the old cache's memory goes first
+            self.cache = PagedKVCache(self.geometry, message.num_blocks, message.block_size, self.dtype, self.device)
+        else:
+            self.run(message)
+
     @torch.inference_mode()
     def run(self, plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor | None]:
-        for op in plan.ops:
-            self.store.apply(op)
+        cache = self.cache
+        for move in plan.moves:
+            cache.move(move)
         if not plan.segments:
             return torch.empty(0, self.vocab_size), None
-        ids, positions, rows, batch = prepare(plan, self.store, self.device, self.batch_invariant)
-        out = self.model(input_ids=ids, position_ids=positions, use_cache=False, logits_to_keep=rows,
-                         speclane_batch=batch, output_hidden_states=bool(self.feature_layers))
+        inputs = pass_inputs(plan, self.device)
+        context = PassContext(cache, self.backend,
+                              self.backend.prepare(plan.segments, inputs, cache.block_size, self.device))
+        out = self.model(input_ids=inputs.input_ids, position_ids=inputs.positions, use_cache=False,
+                         logits_to_keep=inputs.logit_rows, speclane_pass=context,
+                         output_hidden_states=bool(self.feature_layers))
         features = None
         if self.feature_layers:
             features = torch.cat([out.hidden_states[i][0] for i in self.feature_layers], dim=-1).float()

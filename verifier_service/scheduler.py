@@ -1,17 +1,16 @@
 """Which sequences run in the next forward pass, and how much of each.
 
-Sequences wait for admission (a KV slot holding their whole prompt, with a
-block of headroom left for each running sequence) in arrival order; one that
+Sequences wait for admission (KV blocks for their whole prompt, shared with
+the prefix cache where it holds its start, and a block of headroom left for
+each running sequence) in arrival order; one that
 waits longer than `max_queue_wait` or could never fit is refused. Among
 admitted sequences with work, decode/verify steps go first and prompt
 prefills fill the rest of the token budget in chunks, so a long
 prompt never holds decoding up. When a step's KV cannot grow, its draft is
 cut (drafts are optional); failing that the most recently admitted other
-sequence is preempted: its KV goes back to the pool and it is prefilled again
-later from its tokens, so nothing it committed is lost.
-
-It counts what vLLM reports of its scheduler: preemptions, and the prompt
-tokens of admitted sequences looked up in the prefix cache and found there.
+sequence is preempted: its blocks go back to the pool (its full ones stay in
+the prefix cache) and it is prefilled again later from its tokens, so nothing
+it committed is lost.
 """
 
 import time
@@ -20,8 +19,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 from verifier_service.batch import Segment
+from verifier_service.block_manager import BlockManager, BlockTable
 from verifier_service.errors import ResourceExhausted
-from verifier_service.kv_pool import KVPool
 from verifier_service.sequence import Draft, Sequence
 
 
@@ -52,8 +51,8 @@ class Scheduled:
 
 
 class Scheduler:
-    def __init__(self, pool: KVPool, limits: BatchLimits, clock: Callable[[], float] = time.monotonic):
-        self.pool = pool
+    def __init__(self, blocks: BlockManager, limits: BatchLimits, clock: Callable[[], float] = time.monotonic):
+        self.blocks = blocks
         self.limits = limits
         self.clock = clock
         self.waiting: deque[Work] = deque()  # not admitted, arrival order
@@ -62,12 +61,10 @@ class Scheduler:
         # When each sequence first joined a pass (its queue time ends there, its prefill
         # time starts): kept across preemptions, as vLLM times a request, until removed.
         self.first_scheduled: dict[Sequence, float] = {}
-        self.num_preemptions = 0  # totals since start
-        self.prefix_cache_queries = 0
-        self.prefix_cache_hits = 0
+        self.num_preemptions = 0  # since start
 
     def add(self, work: Work) -> None:
-        (self.ready if work.seq.slot is not None else self.waiting).append(work)
+        (self.ready if work.seq.blocks is not None else self.waiting).append(work)
 
     def remove(self, seq: Sequence) -> None:
         """Drops the sequence's queued work and gives its KV back (to the prefix cache)."""
@@ -77,9 +74,9 @@ class Scheduler:
         self.release(seq)
 
     def release(self, seq: Sequence) -> None:
-        if seq.slot is not None:
-            self.pool.release(seq.slot, seq.tokens[: seq.num_cached])
-            seq.slot = None
+        if seq.blocks is not None:
+            self.blocks.free(seq.blocks)
+            seq.blocks = None
             seq.num_cached = 0
             self.admitted.pop(seq, None)
 
@@ -88,9 +85,9 @@ class Scheduler:
         while self.waiting:
             work = self.waiting[0]
             seq = work.seq
-            if not self.pool.fits_ever(len(seq.tokens)):
+            if not self.blocks.fits_ever(len(seq.tokens)):
                 self._refuse(work, f"the prompt needs {len(seq.tokens)} KV tokens but the budget is "
-                                   f"{self.pool.max_tokens}")
+                                   f"{self.blocks.max_tokens}")
                 continue
             if not self._allocate(seq):
                 break
@@ -98,7 +95,7 @@ class Scheduler:
             self.ready.append(self.waiting.popleft())
         for work in [w for w in self.waiting if now - w.submitted > self.limits.max_queue_wait]:
             self._refuse(work, f"no KV space within {self.limits.max_queue_wait:g} s "
-                               f"({self.pool.max_tokens}-token budget in use)")
+                               f"({self.blocks.max_tokens}-token budget in use)")
 
     def pick(self) -> list[Scheduled]:
         """The next pass: decode/verify steps first, then prefill chunks."""
@@ -109,7 +106,7 @@ class Scheduler:
         for work in decodes + prefills:
             if tokens_left <= 0 or seqs_left <= 0:
                 break
-            if work.seq.slot is None:  # preempted for an earlier pick of this round
+            if work.seq.blocks is None:  # preempted for an earlier pick of this round
                 continue
             entry = self._fit(work, tokens_left, picked)
             if entry is not None:
@@ -131,8 +128,8 @@ class Scheduler:
         final = chunk == pending
         draft = work.draft.trimmed(tokens_left - chunk, seq.max_draft_depth()) if final else Draft()
         base = seq.num_cached + chunk
-        while not self.pool.grow(seq.slot, base + len(draft.token_ids)):
-            room = self.pool.reachable(seq.slot) - base
+        while not self.blocks.grow(seq.blocks, base + len(draft.token_ids)):
+            room = self.blocks.reachable(seq.blocks) - base
             if room >= 0:
                 draft = draft.trimmed(room, seq.max_draft_depth())
                 continue
@@ -141,10 +138,10 @@ class Scheduler:
                     self.ready.remove(work)
                     self.release(seq)
                     work.done(ResourceExhausted(f"the sequence needs {base} KV tokens but the budget "
-                                                f"is {self.pool.max_tokens}"))
+                                                f"is {self.blocks.max_tokens}"))
                 return None
-        segment = Segment(seq.slot, seq.num_cached, chunk, draft.tree_parents if draft.token_ids else (),
-                          wants_logits=final)
+        segment = Segment(tuple(seq.blocks.blocks), seq.num_cached, chunk,
+                          draft.tree_parents if draft.token_ids else (), wants_logits=final)
         return Scheduled(work, segment, draft)
 
     def _preempt_one(self, spare: set[Sequence]) -> bool:
@@ -160,21 +157,13 @@ class Scheduler:
         return False
 
     def _allocate(self, seq: Sequence) -> bool:
-        reuse = self.pool.adopt(seq.tokens) if self.pool.prefix_caching else None
-        if reuse is None:
-            # Leave every admitted sequence a free block to grow into, so admitting
-            # one more does not force the next decode steps into preemption.
-            seq.slot = self.pool.allocate(len(seq.tokens), headroom_blocks=len(self.admitted))
-        elif self.pool.grow(reuse.slot, len(seq.tokens)):
-            seq.slot, seq.num_cached = reuse.slot, reuse.num_tokens
-        else:
-            self.pool.release(reuse.slot, seq.tokens[: reuse.num_tokens])
-        if seq.slot is None:
+        table = BlockTable()
+        # Leave every admitted sequence a free block to grow into, so admitting
+        # one more does not force the next decode steps into preemption.
+        cached = self.blocks.allocate(table, seq.tokens, len(seq.tokens), headroom_blocks=len(self.admitted))
+        if cached is None:
             return False
-        # Counted once admitted (not at each try while it waits), as vLLM counts a lookup.
-        if self.pool.prefix_caching:
-            self.prefix_cache_queries += len(seq.tokens)
-            self.prefix_cache_hits += seq.num_cached
+        seq.blocks, seq.num_cached = table, cached
         return True
 
     def _refuse(self, work: Work, message: str) -> None:

@@ -10,6 +10,7 @@ import torch
 
 from protos.conventions import chain_parents
 from speclane.speculation import MAX_SPECULATIVE_TOKENS
+from verifier_service.block_manager import BlockTable
 from verifier_service.errors import InvalidRequest
 from verifier_service.grammar import GrammarMatcher
 from verifier_service.heads.drafting import HeadDraft, HeadState
@@ -144,7 +145,7 @@ class StepResult:
 
 
 class Sequence:
-    """Between steps the KV slot holds `num_cached` tokens: every token but the
+    """Between steps its KV blocks hold `num_cached` tokens: every token but the
     last one once prefilled, fewer while a prefill is chunked, none before
     admission or after preemption (the tokens stay, so it is prefilled again)."""
 
@@ -163,7 +164,7 @@ class Sequence:
         self.head: HeadState | None = None  # set when the verifier's head drafts for this sequence
         self.head_draft: HeadDraft | None = None  # its draft continuing the committed tokens
         self.head_draft_seconds = 0.0  # the time the head took for it, until reported with a step
-        self.slot: int | None = None  # KV slot while admitted
+        self.blocks: BlockTable | None = None  # its KV blocks while admitted
         self.num_cached = 0
         self.finish_reason = FinishReason.NONE
         self.num_steps = 0

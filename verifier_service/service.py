@@ -272,12 +272,13 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
 
 def engine_load(engine: Engine) -> verifier_pb2.EngineLoad:
     """The engine's load (run on the model thread, between passes)."""
-    scheduler, pool = engine.scheduler, engine.pool
+    scheduler, blocks = engine.scheduler, engine.blocks
     return verifier_pb2.EngineLoad(
         num_running=len(scheduler.admitted), num_waiting=len(scheduler.waiting),
-        kv_used_tokens=pool.used_blocks * pool.block_size, kv_cached_tokens=pool.cached_blocks * pool.block_size,
-        kv_max_tokens=pool.max_tokens, num_preemptions=scheduler.num_preemptions,
-        prefix_cache_queries=scheduler.prefix_cache_queries, prefix_cache_hits=scheduler.prefix_cache_hits,
+        kv_used_tokens=blocks.used_blocks * blocks.block_size,
+        kv_cached_tokens=blocks.cached_blocks * blocks.block_size,
+        kv_max_tokens=blocks.max_tokens, num_preemptions=scheduler.num_preemptions,
+        prefix_cache_queries=blocks.prefix_cache_queries, prefix_cache_hits=blocks.prefix_cache_hits,
     )
 
 

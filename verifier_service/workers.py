@@ -16,6 +16,7 @@ from transformers.utils import logging as transformers_logging
 from speclane.config import settable_fields
 from speclane.log import configure_logging
 from speclane.net import free_port
+from verifier_service.block_manager import BlockManager
 from verifier_service.config import VerifierConfig
 from verifier_service.device import (
     free_memory_bytes,
@@ -38,7 +39,6 @@ from verifier_service.draft_cost import measure_token_costs
 from verifier_service.engine import Engine
 from verifier_service.heads.capture import HiddenStateCapture
 from verifier_service.heads.loading import load_head
-from verifier_service.kv_pool import KVPool
 from verifier_service.model_runner import ModelRunner
 from verifier_service.scheduler import BatchLimits
 from verifier_service.sequence import GenerationParams
@@ -52,8 +52,8 @@ def build_runner(config: VerifierConfig, device: str, tp: TensorParallel | None)
         model_config = AutoConfig.from_pretrained(config.model, trust_remote_code=config.trust_remote_code)
         check_shardable(model_config.get_text_config(), tp.world_size)
         device = rank_device(device, tp.rank)
-    return ModelRunner(config.model, device, resolve_dtype(config.dtype, device), block_size=config.kv_block_size,
-                       tp=tp, max_model_len=config.max_model_len, trust_remote_code=config.trust_remote_code,
+    return ModelRunner(config.model, device, resolve_dtype(config.dtype, device), tp=tp,
+                       max_model_len=config.max_model_len, trust_remote_code=config.trust_remote_code,
                        batch_invariant=config.batch_invariant)
 
 
@@ -62,7 +62,6 @@ def warm_up(engine: Engine) -> None:
     seq = engine.open("warm-up", [0], GenerationParams(max_new_tokens=1, ignore_eos=True))
     engine.prefill(seq)
     engine.close(seq)
-    engine.step()  # hands the free to every rank
 
 
 class Rank0:
@@ -93,16 +92,18 @@ class Rank0:
                                   total_bytes=total_memory_bytes(where),
                                   weights_bytes=weights_bytes(runner.model) * ranks_here)
         # A captured prompt needs every position's hidden states: none may come from the prefix cache.
-        pool = KVPool(budget, config.kv_block_size, config.enable_prefix_caching and not config.draft.capture_dir)
+        blocks = BlockManager(budget // config.kv_block_size, config.kv_block_size,
+                              config.enable_prefix_caching and not config.draft.capture_dir)
         limits = BatchLimits(config.max_batch_tokens, config.max_batch_sequences, config.max_queue_wait)
         # The head runs on rank 0 only (draft_tensor_parallel_size 1, as in vLLM).
         draft = config.draft
         head = (load_head(draft.head_method, draft.head_model, runner,
                           resolve_head_precision(config.head_dtype, runner.device.type, runner.dtype), draft.tree)
                 if draft.head_method else None)
-        engine = Engine(runner, pool, limits, on_step=self.on_step, head=head)
-        log.info("kv_pool_ready", max_kv_tokens=pool.max_tokens, block_size=pool.block_size,
-                 bytes_per_token=per_token, prefix_caching=pool.prefix_caching)
+        engine = Engine(runner, blocks, limits, on_step=self.on_step, head=head)
+        log.info("kv_cache_ready", num_blocks=blocks.num_blocks, block_size=blocks.block_size,
+                 max_kv_tokens=blocks.max_tokens, bytes_per_token=per_token,
+                 prefix_caching=blocks.enable_prefix_caching)
         warm_up(engine)
         # Measured with or without a head: the gateway weighs every draft with it.
         engine.draft_token_costs = (measure_token_costs(engine) if draft.draft_token_cost is None
@@ -135,13 +136,13 @@ def _spawn(config: VerifierConfig, rank: int, port: int) -> subprocess.Popen:
 
 
 def follow(config: VerifierConfig, rank: int, port: int) -> None:
-    """A follower rank: runs rank 0's plans until it broadcasts None."""
+    """A follower rank: runs rank 0's messages until it broadcasts None."""
     set_threads(config.threads)
     exit_with_parent()
     tp = init_tensor_parallel(resolve_device(config.device), rank, config.tensor_parallel_size, port)
     runner = build_runner(config, resolve_device(config.device), tp)
-    while (plan := tp.receive()) is not None:
-        runner.run(plan)
+    while (message := tp.receive()) is not None:
+        runner.handle(message)
     dist.destroy_process_group()
 
 

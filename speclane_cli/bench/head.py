@@ -45,10 +45,10 @@ def add_arguments(parser) -> None:
 
 
 def _engine(runner, drafter, max_tokens: int):
+    from verifier_service.block_manager import BlockManager
     from verifier_service.engine import Engine
-    from verifier_service.kv_pool import KVPool
 
-    return Engine(runner, KVPool(max_tokens, 64, False), head=drafter)
+    return Engine(runner, BlockManager(-(-max_tokens // 64), 64, False), head=drafter)
 
 
 def draft_cost(runner, drafter, context: int, k: int, repeats: int) -> dict:

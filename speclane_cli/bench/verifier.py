@@ -41,14 +41,14 @@ def add_arguments(parser) -> None:
 def verify_overhead(model_dir: str, context: int, k: int, repeats: int) -> dict:
     from transformers import AutoModelForCausalLM, DynamicCache
 
+    from verifier_service.block_manager import BlockManager
     from verifier_service.engine import Engine
-    from verifier_service.kv_pool import KVPool
     from verifier_service.model_runner import ModelRunner
     from verifier_service.sequence import Draft, GenerationParams
 
     torch.set_num_threads(1)
     runner = ModelRunner(model_dir, "cpu", torch.float32)
-    engine = Engine(runner, KVPool(context + 4 * repeats + 256, 64, False))
+    engine = Engine(runner, BlockManager(-(-(context + 4 * repeats + 256) // 64), 64, False))
     prompt = [(i * 7919) % (runner.vocab_size - 200) + 100 for i in range(context)]
     seq = engine.open("overhead", prompt, GenerationParams(max_new_tokens=repeats * 3, ignore_eos=True))
     engine.prefill(seq)
@@ -84,8 +84,8 @@ def verify_overhead(model_dir: str, context: int, k: int, repeats: int) -> dict:
 def kv_budget(num_seqs: int = 64, seq_tokens: int = 1024, prompt_len: int = 1000) -> dict:
     from transformers import AutoModelForCausalLM, LlamaConfig
 
+    from verifier_service.block_manager import BlockManager
     from verifier_service.engine import Engine
-    from verifier_service.kv_pool import KVPool
     from verifier_service.model_runner import ModelRunner
     from verifier_service.scheduler import BatchLimits
     from verifier_service.sequence import Draft, GenerationParams
@@ -94,8 +94,8 @@ def kv_budget(num_seqs: int = 64, seq_tokens: int = 1024, prompt_len: int = 1000
         config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048)
         AutoModelForCausalLM.from_config(config).save_pretrained(path)
-        runner = ModelRunner(path, "cpu", torch.float32, block_size=16)
-    engine = Engine(runner, KVPool(num_seqs * seq_tokens, 16, False),
+        runner = ModelRunner(path, "cpu", torch.float32)
+    engine = Engine(runner, BlockManager(num_seqs * seq_tokens // 16, 16, False),
                     BatchLimits(max_tokens=2048, max_sequences=128, max_queue_wait=3600))
     params = GenerationParams(max_new_tokens=seq_tokens - prompt_len, ignore_eos=True)
     seqs = [engine.open(f"s{i}", [(i + j) % 60 + 4 for j in range(prompt_len)], params) for i in range(num_seqs + 1)]
@@ -106,17 +106,17 @@ def kv_budget(num_seqs: int = 64, seq_tokens: int = 1024, prompt_len: int = 1000
     most_used, extra_admitted_early, started = 0, False, time.perf_counter()
     while not all(s.finished for s in seqs):
         engine.step()
-        most_used = max(most_used, engine.pool.used_blocks * engine.pool.block_size)
-        extra_admitted_early |= seqs[-1].slot is not None and not any(s.finished for s in seqs[:-1])
+        most_used = max(most_used, engine.blocks.used_blocks * engine.blocks.block_size)
+        extra_admitted_early |= seqs[-1].blocks is not None and not any(s.finished for s in seqs[:-1])
         for i, (seq, box) in enumerate(zip(seqs, boxes)):
             if len(box) > answered[i]:
                 answered[i] = len(box)
                 if not seq.finished:
                     engine.submit(seq, Draft(), box.append)
     engine.step()
-    return {"budget_tokens": engine.pool.max_tokens, "peak_used_tokens": most_used,
+    return {"budget_tokens": engine.blocks.max_tokens, "peak_used_tokens": most_used,
             "65th_waited": not extra_admitted_early, "all_finished": all(s.finished for s in seqs),
-            "pool_empty_after": engine.pool.used_blocks == 0 and runner.store.num_slots == 0,
+            "pool_empty_after": engine.blocks.used_blocks == 0,
             "seconds": round(time.perf_counter() - started, 2)}
 
 

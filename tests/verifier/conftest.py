@@ -5,9 +5,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
+from verifier_service.block_manager import BlockManager
 from verifier_service.engine import Engine
-from verifier_service.kv_pool import KVPool
-from verifier_service.kv_store import KVStore
 from verifier_service.model_runner import ModelRunner
 from verifier_service.scheduler import BatchLimits
 
@@ -42,14 +41,13 @@ def tiny_model_dir(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="session")
 def runner(tiny_model_dir) -> ModelRunner:
-    return ModelRunner(tiny_model_dir, "cpu", torch.float32, block_size=BLOCK)
+    return ModelRunner(tiny_model_dir, "cpu", torch.float32)
 
 
 def make_engine(runner, max_kv_tokens: int = 4096, limits: BatchLimits = BatchLimits(),
                 prefix_caching: bool = False, on_step=None) -> Engine:
-    """An engine with a fresh KV store (the runner and its weights are shared)."""
-    runner.store = KVStore(runner.store.num_layers, BLOCK)
-    return Engine(runner, KVPool(max_kv_tokens, BLOCK, prefix_caching), limits, on_step=on_step)
+    """An engine with fresh KV blocks (the runner, its weights and cache memory are shared)."""
+    return Engine(runner, BlockManager(max_kv_tokens // BLOCK, BLOCK, prefix_caching), limits, on_step=on_step)
 
 
 @pytest.fixture
@@ -61,3 +59,9 @@ def engine(runner) -> Engine:
 def hf_model(tiny_model_dir):
     """An independent copy of the model, for transformers' own generate()."""
     return AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+
+
+def sequence_kv(runner, seq, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The keys and values [kv_heads, num_cached, dim] the cache holds for a sequence, through its block table."""
+    slots = torch.tensor([seq.blocks.slot(i, runner.cache.block_size) for i in range(seq.num_cached)])
+    return tuple(t[slots].transpose(0, 1) for t in (runner.cache.keys[layer], runner.cache.values[layer]))

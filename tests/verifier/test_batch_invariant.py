@@ -17,8 +17,8 @@ from verifier_service.batch_invariant import (
     make_linears_invariant,
     spread_values,
 )
+from verifier_service.block_manager import BlockManager
 from verifier_service.engine import Engine
-from verifier_service.kv_pool import KVPool
 from verifier_service.model_runner import ModelRunner
 from verifier_service.sequence import Draft, GenerationParams
 
@@ -81,8 +81,8 @@ def greedy(engine: Engine, prompt, steps: int, tree_from=None, companion=None):
 
 @needs_invariant_bf16
 def test_a_bf16_model_verifies_trees_with_the_bits_of_plain_decoding(tiny_model_dir):
-    runner = ModelRunner(tiny_model_dir, "cpu", torch.bfloat16, block_size=BLOCK, batch_invariant="on")
-    engine = Engine(runner, KVPool(4096, BLOCK, False))
+    runner = ModelRunner(tiny_model_dir, "cpu", torch.bfloat16, batch_invariant="on")
+    engine = Engine(runner, BlockManager(4096 // BLOCK, BLOCK, False))
     prompt = [5, 9, 14, 3, 22, 40, 7, 19, 33]
     plain_tokens, plain_logprobs = greedy(engine, prompt, 24)
     tokens, logprobs = greedy(engine, prompt, 24, tree_from=plain_tokens, companion=[8, 1, 30, 12])

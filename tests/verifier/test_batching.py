@@ -53,7 +53,7 @@ def test_batched_sequences_decode_as_alone(runner, hf_model, max_tokens):
     most = max(p.num_sequences for p in passes)
     assert most == len(PROMPTS) if max_tokens >= 64 else most >= 2
     assert max(p.num_tokens for p in passes) <= max_tokens
-    assert engine.pool.used_blocks == 0
+    assert engine.blocks.used_blocks == 0
 
 
 def test_a_long_prefill_is_chunked_and_does_not_stall_decoding(runner, hf_model):

@@ -22,7 +22,7 @@ def test_the_token_cost_is_the_extra_step_time_per_draft_token_at_each_batch_siz
     monkeypatch.setattr(engine.runner, "execute", slowed)
     assert measure_token_cost(engine) == pytest.approx(20 / (4 * 15), abs=0.08)
     assert measure_token_cost(engine, num_sequences=8, repeats=2) == pytest.approx(160 / (4 * 50), abs=0.08)
-    assert engine.num_live == 0 and engine.pool.used_blocks == 0  # its sequences are gone
+    assert engine.num_live == 0 and engine.blocks.used_blocks == 0  # its sequences are gone
 
 
 def test_the_verifier_reads_the_token_cost_of_a_speculative_config():

@@ -13,7 +13,7 @@ from verifier_service.sampling import SamplingParams, sample
 from verifier_service.sequence import Draft, FinishReason, GenerationParams, Proposal
 from verifier_service.verify import Verdict
 
-from .conftest import MAX_CONTEXT, VOCAB
+from .conftest import MAX_CONTEXT, VOCAB, sequence_kv
 
 PROMPT = [5, 17, 9, 40, 22, 8, 31]
 GREEDY = SamplingParams()
@@ -42,7 +42,7 @@ DRAFTERS = {
 
 def check_cache(seq) -> None:
     if seq.finished:
-        assert seq.slot is None
+        assert seq.blocks is None
     else:
         assert seq.num_cached == len(seq.tokens) - 1
 
@@ -80,12 +80,12 @@ def test_greedy_speculation_equals_generate(engine, hf_model, drafter):
 
 
 def assert_kv_matches_a_fresh_forward(runner, hf_model, seq) -> None:
-    """The slot's keys/values equal those of one clean pass over the committed tokens."""
+    """The sequence's keys/values in its blocks equal those of one clean pass over the committed tokens."""
     cache = DynamicCache(config=hf_model.config)
     with torch.no_grad():
         hf_model(torch.tensor([seq.tokens[:-1]]), past_key_values=cache, use_cache=True)
     for layer, clean in enumerate(cache.layers):
-        keys, values = (rows[:, :seq.num_cached] for rows in runner.store._slots[seq.slot][layer])
+        keys, values = sequence_kv(runner, seq, layer)
         assert torch.allclose(keys, clean.keys[0], atol=1e-5)
         assert torch.allclose(values, clean.values[0], atol=1e-5)
 
@@ -131,7 +131,7 @@ def test_max_new_tokens_cuts_the_draft_to_what_can_be_committed(engine, hf_model
     # 4 tokens left: 3 draft tokens and the target's own; a 4th draft token could add nothing.
     assert (step.num_draft_tokens, step.num_accepted) == (3, 3)
     assert step.finish_reason is FinishReason.LENGTH
-    assert seq.slot is None
+    assert seq.blocks is None
 
 
 def test_context_length_finishes_with_length(engine, hf_model):

@@ -82,7 +82,7 @@ async def run_witness(stub, reference: list[int] | None) -> list[int]:
 @contextlib.asynccontextmanager
 async def running_verifier(model_dir: str):
     def load():
-        runner = ModelRunner(model_dir, "cpu", torch.float32, block_size=BLOCK)
+        runner = ModelRunner(model_dir, "cpu", torch.float32)
         return make_engine(runner, max_kv_tokens=KV_TOKENS, limits=BatchLimits(max_queue_wait=10.0))
 
     engine = AsyncEngine(load, threads=1)

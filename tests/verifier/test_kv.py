@@ -10,7 +10,7 @@ from verifier_service.model_runner import ModelRunner
 from verifier_service.scheduler import BatchLimits
 from verifier_service.sequence import Draft, GenerationParams
 
-from .conftest import make_engine, save_tiny_llama
+from .conftest import BLOCK, make_engine, save_tiny_llama
 from .test_engine import GREEDY, reference
 
 SEQ_TOKENS = 1024
@@ -21,7 +21,7 @@ NUM_SEQS = 64
 @pytest.fixture(scope="module")
 def long_runner(tmp_path_factory):
     path = save_tiny_llama(tmp_path_factory.mktemp("tiny-llama-2k"), max_context=2048)
-    return ModelRunner(path, "cpu", torch.float32, block_size=16)
+    return ModelRunner(path, "cpu", torch.float32)
 
 
 def prompt(i: int, length: int = PROMPT_LEN) -> list[int]:
@@ -59,16 +59,15 @@ def test_64_sequences_of_1k_fill_a_64k_pool_and_the_65th_waits(long_runner):
     while not all(answers[:NUM_SEQS]):
         engine.step()
     extra = seqs[-1]
-    assert extra.slot is None and not answers[-1]  # waiting, not refused
+    assert extra.blocks is None and not answers[-1]  # waiting, not refused
     drive(engine, seqs, answers)
     # All 64 reached 1024 tokens together, filling the budget to the last block, without preemption.
     assert max(p.kv_used_tokens for p in passes) == NUM_SEQS * SEQ_TOKENS
     assert sum(s.num_steps for s in seqs) == len(seqs) * (SEQ_TOKENS - PROMPT_LEN)
     assert all(s.num_generated == SEQ_TOKENS - PROMPT_LEN for s in seqs)
     engine.step()
-    assert engine.pool.used_blocks == 0 and engine.pool.cached_blocks == 0
-    assert engine.pool.free_blocks == engine.pool.num_blocks
-    assert long_runner.store.num_slots == 0
+    assert engine.blocks.used_blocks == 0 and engine.blocks.free_blocks == engine.blocks.num_blocks
+    engine.blocks.check()
     for seq in seqs[:3] + seqs[-1:]:
         assert seq.tokens[PROMPT_LEN:PROMPT_LEN + 4] == reference_start(long_runner, seq)
 
@@ -89,17 +88,17 @@ def test_one_more_is_refused_when_waiting_is_off(long_runner):
     seqs, answers = fill(engine, 4)
     while not all(answers):
         engine.step()
-    held = engine.pool.used_blocks
+    held = engine.blocks.used_blocks
     late = engine.open("late", prompt(99), GenerationParams(GREEDY, max_new_tokens=4))
     refused = []
     engine.submit(late, Draft(), refused.append)
     engine.step()
     assert isinstance(refused[0], ResourceExhausted)
-    assert engine.pool.used_blocks == held and all(s.slot is not None for s in seqs)
+    assert engine.blocks.used_blocks == held and all(s.blocks is not None for s in seqs)
     for seq in seqs:
         engine.close(seq)
     engine.step()
-    assert engine.pool.used_blocks == 0 and long_runner.store.num_slots == 0
+    assert engine.blocks.used_blocks == 0
 
 
 def test_a_prompt_larger_than_the_budget_is_refused(runner):
@@ -122,7 +121,7 @@ def test_preemption_under_a_tight_budget_is_lossless(runner, hf_model):
     preempted = False
     while not all(s.finished for s in seqs):
         engine.step()
-        preempted |= any(s.slot is None and not s.finished for s in seqs)
+        preempted |= any(s.blocks is None and not s.finished for s in seqs)
         for i, (seq, box) in enumerate(zip(seqs, boxes)):
             if box:
                 assert not isinstance(box[0], Exception)
@@ -144,11 +143,11 @@ def test_a_follow_up_turn_reuses_the_conversation_kv(runner, hf_model):
     engine.prefill(turn1)
     while not turn1.finished:
         engine.verify(turn1, Draft())
-    assert engine.pool.cached_blocks > 0
+    assert engine.blocks.cached_blocks > 0
     second_prompt = turn1.tokens + [9, 10, 11]
     turn2 = engine.open("t2", second_prompt, params)
     passes.clear()
     first = engine.prefill(turn2)
-    # Only the tokens after the cached conversation ran through the model.
-    assert passes[0].num_tokens == len(second_prompt) - (len(turn1.tokens) - 1)
+    # Only the tokens after the cached conversation's full blocks ran through the model.
+    assert passes[0].num_tokens == len(second_prompt) - (len(turn1.tokens) - 1) // BLOCK * BLOCK
     assert first.token_ids == reference(hf_model, second_prompt, 1)

@@ -44,16 +44,16 @@ def test_prefix_cache_lookups_are_counted_in_tokens(runner):
     engine.prefill(turn2)
     reused = turn2.num_cached - 1  # the KV the second turn took over (all but the token the pass just ran)
     assert reused >= 32  # at least two 16-token blocks
-    assert engine.scheduler.prefix_cache_queries == len(first_prompt) + len(turn2.tokens) - 1
-    assert engine.scheduler.prefix_cache_hits > 0
-    assert metric(metrics, "vllm:prefix_cache_queries_total") == engine.scheduler.prefix_cache_queries
-    assert metric(metrics, "vllm:prefix_cache_hits_total") == engine.scheduler.prefix_cache_hits
+    assert engine.blocks.prefix_cache_queries == len(first_prompt) + len(turn2.tokens) - 1
+    assert engine.blocks.prefix_cache_hits > 0
+    assert metric(metrics, "vllm:prefix_cache_queries_total") == engine.blocks.prefix_cache_queries
+    assert metric(metrics, "vllm:prefix_cache_hits_total") == engine.blocks.prefix_cache_hits
 
 
 def test_without_prefix_caching_nothing_is_looked_up(runner):
     engine = make_engine(runner, prefix_caching=False)
     run_to_end(engine, engine.open("a", PROMPT, GenerationParams(GREEDY, max_new_tokens=3, ignore_eos=True)))
-    assert engine.scheduler.prefix_cache_queries == engine.scheduler.prefix_cache_hits == 0
+    assert engine.blocks.prefix_cache_queries == engine.blocks.prefix_cache_hits == 0
 
 
 def test_preemptions_are_counted(runner):

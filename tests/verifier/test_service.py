@@ -25,7 +25,7 @@ from verifier_service.prompt_lookup import lookup_draft
 from verifier_service.sequence import Draft
 from verifier_service.service import VerifierServicer, add_to_server, params_from_proto
 
-from .conftest import BLOCK, GENERATION_EOS, MAX_CONTEXT, VOCAB, make_engine
+from .conftest import GENERATION_EOS, MAX_CONTEXT, VOCAB, make_engine
 
 PROMPT = [5, 17, 9, 40, 22, 8, 31]
 SERVICE = "speclane.verifier.v1.Verifier"
@@ -36,7 +36,7 @@ OK_SAMPLING = verifier_pb2.SamplingParams(max_new_tokens=8, ignore_eos=True)
 async def running_verifier(model_dir: str, warm: asyncio.Event | None = None, **engine_args):
     """Serves the verifier on port 0; yields (channel, engine). `warm` holds the warm-up back."""
     def load():
-        return make_engine(ModelRunner(model_dir, "cpu", torch.float32, block_size=BLOCK), **engine_args)
+        return make_engine(ModelRunner(model_dir, "cpu", torch.float32), **engine_args)
 
     engine = AsyncEngine(load, threads=1)
 

@@ -1,0 +1,56 @@
+"""Attention over the paged KV cache, plugged into the Hugging Face model
+through `AttentionInterface`: the model keeps its own weights, projections
+and rotary embeddings, and calls `paged_attention` instead of its attention.
+
+The model runs without a transformers cache and with no mask function
+registered for this implementation, so transformers builds no mask; which
+keys each query sees comes from the pass's metadata, built once per pass by
+the device's backend (backend.py). Each device's backend:
+
+- CPU: torch_sdpa.TorchAttention, one padded SDPA call per layer.
+- CUDA and Ascend: the same backend until they get kernels of their own.
+- --batch-invariant: invariant.InvariantAttention on any device.
+"""
+
+from dataclasses import dataclass
+
+import torch
+from transformers import AttentionInterface
+
+from verifier_service.attention.backend import AttentionBackend, LayerCall
+from verifier_service.attention.invariant import InvariantAttention
+from verifier_service.attention.torch_sdpa import TorchAttention
+from verifier_service.kv_cache import PagedKVCache
+
+ATTENTION_NAME = "speclane_paged"
+
+
+@dataclass(frozen=True)
+class PassContext:
+    """What every layer of one pass needs (transformers hands it to the attention function)."""
+
+    cache: PagedKVCache
+    backend: AttentionBackend
+    metadata: object
+
+
+def select_backend(device: torch.device, batch_invariant: bool) -> AttentionBackend:
+    return InvariantAttention() if batch_invariant else TorchAttention()
+
+
+def paged_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, sliding_window=None,
+                    softcap=None, s_aux=None, **kwargs):
+    """query [1, heads, T, d], key/value [1, kv_heads, T, d] for the packed new
+    tokens; writes their KV to the cache, then attends; returns [1, T, heads, d_v]."""
+    context: PassContext = kwargs["speclane_pass"]
+    layer = module.layer_idx
+    context.cache.write(layer, context.metadata.slot_mapping, key[0].transpose(0, 1), value[0].transpose(0, 1))
+    call = LayerCall(layer, scaling if scaling is not None else query.shape[-1] ** -0.5, sliding_window, softcap,
+                     s_aux)
+    return context.backend.attend(context.metadata, call, query[0].transpose(0, 1), context.cache)[None], None
+
+
+def register() -> str:
+    """Registers the implementation with transformers (idempotent); returns its name."""
+    AttentionInterface.register(ATTENTION_NAME, paged_attention)
+    return ATTENTION_NAME

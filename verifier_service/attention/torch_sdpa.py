@@ -1,0 +1,183 @@
+"""Attention over the paged cache in plain torch: the backend of the CPU, and
+of any device that has none of its own yet.
+
+The batch's segments are laid out padded, [sequences, longest segment] queries
+against [sequences, longest context] keys gathered from the cache through the
+block tables, and attended in one scaled_dot_product_attention call per layer.
+Which key a query sees comes from the segments' compact descriptions (start,
+length, pending tokens, draft parents, the layer's window), turned into one
+boolean mask per pass on the device and shared by every layer with the same
+window. Models whose scores need more than SDPA offers (softcapping,
+attention sinks) take the same layout through explicit products.
+
+Decode and verify segments share one call; prompt chunks much longer than the
+rest go into calls of their own, so that one long chunk does not pad every
+decode of the pass to its length.
+"""
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from verifier_service.attention.backend import LayerCall, slot_mapping
+from verifier_service.batch import PassInputs, Segment
+from verifier_service.kv_cache import PagedKVCache
+from verifier_service.tree import depths, is_chain
+
+# Segments up to this long are padded to one another; longer ones are grouped by powers of two.
+SHORT_SEGMENT = 32
+
+
+@dataclass
+class Group:
+    """Segments attended in one padded call."""
+
+    query_index: torch.Tensor  # [B, Q] rows of the pass (the last, T, is a zero row for padding)
+    pass_rows: torch.Tensor  # [n] the pass rows the group's real queries answer
+    padded_rows: torch.Tensor  # [n] where those are in the flattened [B * Q] output
+    key_slots: torch.Tensor  # [B, K]
+    visible: torch.Tensor  # [B, Q, K] bool, before any window
+    query_positions: torch.Tensor  # [B, Q]
+    key_positions: torch.Tensor  # [B, K]
+    windowed: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    def mask(self, window: int | None) -> torch.Tensor:
+        if not window:
+            return self.visible
+        if window not in self.windowed:
+            near = self.query_positions[:, :, None] - self.key_positions[:, None, :] < window
+            self.windowed[window] = self.visible & near
+        return self.windowed[window]
+
+
+@dataclass
+class Metadata:
+    slot_mapping: torch.Tensor
+    num_tokens: int
+    groups: list[Group]
+
+
+def _bucket(num_tokens: int) -> int:
+    return 0 if num_tokens <= SHORT_SEGMENT else (num_tokens - 1).bit_length()
+
+
+class TorchAttention:
+    name = "torch-sdpa"
+
+    def prepare(self, segments: tuple[Segment, ...], inputs: PassInputs, block_size: int,
+                device: torch.device) -> Metadata:
+        buckets: dict[int, list[int]] = {}
+        for i, seg in enumerate(segments):
+            buckets.setdefault(_bucket(seg.num_tokens), []).append(i)
+        positions = inputs.positions[0]
+        groups = [_group([segments[i] for i in members], [inputs.offsets[i] for i in members], positions,
+                         block_size, device) for members in buckets.values()]
+        return Metadata(slot_mapping(segments, block_size, device), positions.shape[0], groups)
+
+    def attend(self, metadata: Metadata, call: LayerCall, query: torch.Tensor, cache: PagedKVCache) -> torch.Tensor:
+        keys, values = cache.keys[call.layer], cache.values[call.layer]
+        heads = query.shape[1]
+        padded_query = torch.cat([query, query.new_zeros(1, *query.shape[1:])])
+        out = query.new_empty(metadata.num_tokens, heads, values.shape[-1])
+        for group in metadata.groups:
+            q = padded_query[group.query_index].transpose(1, 2)  # [B, heads, Q, d]
+            k = keys[group.key_slots].transpose(1, 2)  # [B, kv_heads, K, d]
+            v = values[group.key_slots].transpose(1, 2)
+            mask = group.mask(call.sliding_window)
+            if call.softcap or call.sinks is not None:
+                o = _explicit_attention(q, k, v, mask, call)
+            else:
+                o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None], scale=call.scaling,
+                                                   enable_gqa=k.shape[1] != heads)
+            out[group.pass_rows] = o.transpose(1, 2).reshape(-1, heads, o.shape[-1])[group.padded_rows]
+        return out
+
+
+def _explicit_attention(q, k, v, mask, call: LayerCall) -> torch.Tensor:
+    """What SDPA computes, with Gemma 2's score softcapping and GPT-OSS's sinks (a
+    per-head logit in every softmax's denominator). Heads h = j * group + g share kv head j."""
+    batch, heads, num_queries, dim = q.shape
+    kv_heads = k.shape[1]
+    grouped = q.reshape(batch, kv_heads, heads // kv_heads * num_queries, dim)
+    scores = (grouped @ k.transpose(-1, -2)).float().view(batch, heads, num_queries, -1) * call.scaling
+    if call.softcap:
+        scores = torch.tanh(scores / call.softcap) * call.softcap
+    scores = scores.masked_fill(~mask[:, None], float("-inf"))
+    if call.sinks is not None:
+        sinks = call.sinks.float().view(1, heads, 1, 1).expand(batch, heads, num_queries, 1)
+        probs = torch.softmax(torch.cat([scores, sinks], dim=-1), dim=-1)[..., :-1]
+    else:
+        probs = torch.softmax(scores, dim=-1)
+    probs = probs.to(v.dtype).reshape(batch, kv_heads, -1, scores.shape[-1])
+    return (probs @ v).view(batch, heads, num_queries, v.shape[-1])
+
+
+def _group(segments: list[Segment], offsets: list[int], positions: torch.Tensor, block_size: int,
+           device: torch.device) -> Group:
+    num_tokens = positions.shape[0]
+    batch = len(segments)
+    longest = max(seg.num_tokens for seg in segments)
+    context = max(seg.start + seg.num_tokens for seg in segments)
+
+    def column(values) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.long, device=device)[:, None]
+
+    starts, lengths = column([s.start for s in segments]), column([s.num_tokens for s in segments])
+    pending, first_row = column([s.num_pending for s in segments]), column(offsets)
+    q_index = torch.arange(longest, device=device)[None, :]
+    k_index = torch.arange(context, device=device)[None, :]
+
+    real_query = q_index < lengths  # [B, Q]
+    query_index = torch.where(real_query, first_row + q_index, num_tokens)
+    flat = real_query.flatten().nonzero()[:, 0]
+    pass_rows = query_index.flatten()[flat]
+
+    widest = max(len(s.block_table) for s in segments)
+    tables = torch.tensor([list(s.block_table) + [0] * (widest - len(s.block_table)) for s in segments],
+                          dtype=torch.long, device=device)
+    local = k_index - starts  # [B, K] a key's index among the segment's new tokens (< 0: cached before)
+    real_key = local < lengths
+    block_of = (k_index // block_size).clamp(max=widest - 1).expand(batch, -1)
+    slots = tables.gather(1, block_of) * block_size + k_index % block_size
+    # Padding keys read the segment's first new slot, written this pass: masked, but finite (0 * NaN is NaN).
+    key_slots = torch.where(real_key, slots, slots.gather(1, starts))
+
+    padded_positions = torch.cat([positions, positions.new_zeros(1)])
+    query_positions = padded_positions[query_index]
+    new_key_rows = torch.where(real_key & (local >= 0), first_row + local, num_tokens)
+    key_positions = torch.where(local < 0, k_index, padded_positions[new_key_rows])
+
+    # Cached keys are seen by all; new ones causally (pending tokens, then a chain's nodes)...
+    new_seen = (local[:, None, :] <= q_index[:, :, None]) & real_key[:, None, :]
+    visible = (local[:, None, :] < 0) | new_seen
+    trees = [i for i, s in enumerate(segments) if s.parents and not is_chain(s.parents)]
+    if trees:  # ... and a tree's nodes only by their descendants
+        visible &= _tree_visibility(segments, trees, pending, q_index, local, device)
+    visible |= ~real_query[:, :, None]  # padding queries see everything: no empty softmax
+    return Group(query_index, pass_rows, flat, key_slots, visible, query_positions, key_positions)
+
+
+def _tree_visibility(segments: list[Segment], trees: list[int], pending: torch.Tensor, q_index: torch.Tensor,
+                     local: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """[B, Q, K] False where a draft node would see a node that is not its ancestor.
+    Ancestors are found by following parent pointers, as many times as the deepest tree is deep."""
+    batch = len(segments)
+    most = max(len(segments[i].parents) for i in trees)
+    none = most  # the sentinel parent of a root's child, and of padding
+    parents = torch.full((batch, most + 1), none, dtype=torch.long, device=device)
+    for i in trees:
+        tree = segments[i].parents
+        parents[i, :len(tree)] = torch.tensor([p if p >= 0 else none for p in tree], dtype=torch.long)
+    ancestor = torch.zeros(batch, most, most + 1, dtype=torch.bool, device=device)
+    node = torch.arange(most, device=device).expand(batch, -1).contiguous()
+    for _ in range(max(max(depths(segments[i].parents)) for i in trees)):
+        ancestor.scatter_(2, node[..., None], True)
+        node = parents.gather(1, node)
+    query_node, key_node = q_index - pending, local - pending  # indices among the draft nodes
+    both_drafts = (query_node >= 0)[:, :, None] & (key_node >= 0)[:, None, :] & (key_node < most)[:, None, :]
+    is_tree = torch.zeros(batch, 1, 1, dtype=torch.bool, device=device)
+    is_tree[trees] = True
+    rows = torch.arange(batch, device=device)[:, None, None]
+    seen = ancestor[rows, query_node.clamp(0, most - 1)[:, :, None], key_node.clamp(0, most - 1)[:, None, :]]
+    return ~(both_drafts & is_tree) | seen

@@ -1,0 +1,187 @@
+"""The KV cache's blocks, as vLLM's v1 KV cache manager keeps them: a pool of
+fixed-size blocks, a block table per sequence, automatic prefix caching.
+
+A block is identified, once full of committed tokens, by a hash of its
+parent block's hash and its tokens. Every running sequence whose prompt
+starts with the same blocks shares them read-only (reference-counted); a
+block whose last holder ends stays cached, evictable least recently used
+first, until its space is needed. So a system prompt shared by concurrent
+requests is computed once, and an agent's next turn resumes from its cached
+blocks whichever request computed them.
+
+This module is rank 0's bookkeeping: it never touches a tensor. The engine
+copies KV rows inside a sequence's own blocks (an accepted tree path) through
+`moves`, which reach every rank with the next pass.
+"""
+
+import hashlib
+from array import array
+from collections import OrderedDict
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class MoveSlots:
+    """Copies the KV of flat slots `src[i]` to `dst[i]` in every layer."""
+
+    src: tuple[int, ...]
+    dst: tuple[int, ...]
+
+
+def block_hash(parent: bytes, tokens) -> bytes:
+    """A full block's identity: its tokens and everything before them."""
+    return hashlib.blake2b(parent + array("q", tokens).tobytes(), digest_size=16).digest()
+
+
+class BlockTable:
+    """One sequence's blocks, and the hashes of those that are full and committed."""
+
+    def __init__(self):
+        self.blocks: list[int] = []
+        self.hashes: list[bytes] = []
+
+    def slot(self, index: int, block_size: int) -> int:
+        """The flat cache slot of the sequence's token `index`."""
+        return self.blocks[index // block_size] * block_size + index % block_size
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        if num_blocks < 1:
+            raise ValueError(f"the KV cache needs at least one block, got {num_blocks}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self._refs = [0] * num_blocks
+        self._hash_of: list[bytes | None] = [None] * num_blocks
+        self._cached: dict[bytes, int] = {}  # hash -> block, for blocks in use or evictable
+        # Blocks no sequence holds, least recently freed first: evictable cached ones and empty ones alike.
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self._num_free_cached = 0
+        self.moves: list[MoveSlots] = []
+        self.prefix_cache_queries = 0  # prompt tokens looked up, and of them found, since start (vLLM's counters)
+        self.prefix_cache_hits = 0
+
+    @property
+    def max_tokens(self) -> int:
+        return self.num_blocks * self.block_size
+
+    @property
+    def free_blocks(self) -> int:
+        """Blocks no sequence holds (some of them hold cached prefixes)."""
+        return len(self._free)
+
+    @property
+    def used_blocks(self) -> int:
+        return self.num_blocks - len(self._free)
+
+    @property
+    def cached_blocks(self) -> int:
+        """Free blocks that still hold a cached prefix."""
+        return self._num_free_cached
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def fits_ever(self, num_tokens: int) -> bool:
+        return self.blocks_for(num_tokens) <= self.num_blocks
+
+    def allocate(self, table: BlockTable, tokens, num_tokens: int, headroom_blocks: int = 0) -> int | None:
+        """Gives a new sequence blocks for `num_tokens`, sharing the cached ones
+        that hold the start of `tokens`; returns how many tokens they already
+        hold (the sequence computes the rest), or None when the cache cannot
+        spare the blocks and keep `headroom_blocks` free."""
+        hits = self._cached_prefix(tokens) if self.enable_prefix_caching else []
+        # Hit blocks that were free come out of the free pool: they must be counted as needed too.
+        reused_free = sum(1 for block in hits if self._refs[block] == 0)
+        needed = self.blocks_for(num_tokens) - len(hits)
+        if needed + reused_free + headroom_blocks > len(self._free):
+            return None
+        for block in hits:
+            self._hold(block)
+        table.blocks = hits + [self._take() for _ in range(needed)]
+        table.hashes = [self._hash_of[block] for block in hits]
+        num_cached = len(hits) * self.block_size
+        if self.enable_prefix_caching:
+            self.prefix_cache_queries += len(tokens)
+            self.prefix_cache_hits += num_cached
+        return num_cached
+
+    def grow(self, table: BlockTable, num_tokens: int) -> bool:
+        """Makes the table hold at least `num_tokens`; False (unchanged) when no blocks are free."""
+        extra = self.blocks_for(num_tokens) - len(table.blocks)
+        if extra > len(self._free):
+            return False
+        table.blocks += [self._take() for _ in range(max(extra, 0))]
+        return True
+
+    def reachable(self, table: BlockTable) -> int:
+        """Most tokens the table could hold with every free block."""
+        return (len(table.blocks) + len(self._free)) * self.block_size
+
+    def commit(self, table: BlockTable, tokens, num_computed: int) -> None:
+        """Registers the blocks that `num_computed` committed tokens (with their
+        KV in place) now fill, so that later prompts can share them."""
+        if not self.enable_prefix_caching:
+            return
+        size = self.block_size
+        while len(table.hashes) < num_computed // size:
+            i = len(table.hashes)
+            parent = table.hashes[-1] if table.hashes else b""
+            digest = block_hash(parent, tokens[i * size:(i + 1) * size])
+            table.hashes.append(digest)
+            block = table.blocks[i]
+            if self._hash_of[block] is None and digest not in self._cached:
+                self._hash_of[block] = digest
+                self._cached[digest] = block
+
+    def free(self, table: BlockTable) -> None:
+        """Gives a sequence's blocks back: cached ones stay findable until evicted.
+        The last blocks go back first, so that a prefix's first blocks, which
+        more prompts share, are evicted last."""
+        for block in reversed(table.blocks):
+            self._refs[block] -= 1
+            if self._refs[block] == 0:
+                self._free[block] = None
+                self._num_free_cached += self._hash_of[block] is not None
+        table.blocks, table.hashes = [], []
+
+    def take_moves(self) -> list[MoveSlots]:
+        moves, self.moves = self.moves, []
+        return moves
+
+    def check(self) -> None:
+        """Raises AssertionError where the bookkeeping disagrees with itself (tests)."""
+        assert all(ref >= 0 for ref in self._refs)
+        assert {b for b in range(self.num_blocks) if self._refs[b] == 0} == set(self._free)
+        assert all(self._hash_of[block] == digest for digest, block in self._cached.items())
+        assert self._num_free_cached == sum(1 for block in self._free if self._hash_of[block] is not None)
+
+    def _cached_prefix(self, tokens) -> list[int]:
+        """The cached blocks holding `tokens`' first full blocks. The last token
+        is never among them: it must run to give the next token's logits."""
+        size, parent, hits = self.block_size, b"", []
+        for i in range((len(tokens) - 1) // size):
+            parent = block_hash(parent, tokens[i * size:(i + 1) * size])
+            block = self._cached.get(parent)
+            if block is None:
+                break
+            hits.append(block)
+        return hits
+
+    def _hold(self, block: int) -> None:
+        if self._refs[block] == 0:
+            del self._free[block]
+            self._num_free_cached -= 1  # a hit: it holds a cached prefix
+        self._refs[block] += 1
+
+    def _take(self) -> int:
+        """A free block for new tokens: the least recently freed, its cached prefix forgotten."""
+        block, _ = self._free.popitem(last=False)
+        digest = self._hash_of[block]
+        if digest is not None:
+            del self._cached[digest]
+            self._hash_of[block] = None
+            self._num_free_cached -= 1
+        self._refs[block] = 1
+        return block
