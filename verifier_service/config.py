@@ -3,6 +3,7 @@
 No torch here: a launcher builds and checks this config without the model's libraries."""
 
 import dataclasses
+import os
 import re
 from dataclasses import dataclass
 
@@ -25,6 +26,8 @@ BATCH_INVARIANT_MODES = ("auto", "on", "off")
 HEAD_INT8 = "int8"  # a head's linear weights in int8 over bf16 activations (heads/int8.py)
 MAX_SEED = 2**64  # torch seeds are uint64
 DEFAULT_MAX_DRAFT_TOKENS = 256
+DEFAULT_CPU_KV_CACHE_GIB = 4  # vLLM's CPU default; pages are committed only as blocks fill
+REFERENCE_CHECK_MODES = ("refuse", "warn")
 
 
 @dataclass(frozen=True)
@@ -45,15 +48,17 @@ class VerifierConfig:
                                           "pass holds, so that speculation never changes a greedy output: auto (on "
                                           "for bfloat16/float16 where the start-up check finds this platform's "
                                           "kernels allow it), on (refuse to start where they do not) or off")
-    threads: int = option(0, "torch intra-op CPU threads per rank; 0 means 1 (decode is memory-bound)")
+    threads: int = option(0, "torch intra-op CPU threads per rank; 0: the cores this process may run on, shared "
+                             "among the ranks (as vLLM's CPU build takes every core)")
     tensor_parallel_size: int = option(1, "ranks the model is split over (gloo on CPU, nccl on CUDA, hccl on "
                                           "Ascend); rank 0 serves gRPC")
-    max_kv_tokens: int = option(0, "KV cache budget in tokens; 0 derives it from --kv-memory-fraction")
-    kv_memory_fraction: float = option(0.4, "share of the memory free after loading the model given to the KV "
-                                            "cache, when --max-kv-tokens and --gpu-memory-utilization are 0")
-    gpu_memory_utilization: float = option(0.0, "vLLM's flag: share of the device's total memory (host RAM on CPU) "
-                                                "the engine may use, weights and KV cache together; the KV cache "
-                                                "gets what the weights leave of it. 0: --kv-memory-fraction decides")
+    gpu_memory_utilization: float = option(0.9, "on an accelerator, the share of its total memory for the weights, "
+                                                "the activations at their profiled peak and the KV cache, which "
+                                                "gets the rest (vLLM's flag and default)")
+    kv_cache_space: float = option(0.0, "on a CPU, the KV cache's size in GiB (vLLM's VLLM_CPU_KVCACHE_SPACE, "
+                                        f"also read); 0: {DEFAULT_CPU_KV_CACHE_GIB} GiB")
+    num_gpu_blocks_override: int = option(0, "vLLM's override: exactly this many KV blocks, whatever the memory "
+                                             "(tests, experiments); 0: sized from the two flags above")
     seed: int = option(0, "vLLM's global seed: Python's and torch's random generators are seeded with it at start; "
                           "a request's own seed makes its sampling reproducible")
     kv_block_size: int = option(64, "KV allocation unit in tokens", aliases=("--block-size",))
@@ -65,6 +70,8 @@ class VerifierConfig:
     max_model_len: int = option(0, "longest sequence (prompt + output) served; 0: the model's "
                                    "max_position_embeddings")
     trust_remote_code: bool = option(False, "let transformers run the model repository's own code")
+    reference_check: str = option("refuse", "at start-up the engine's passes are compared with transformers' "
+                                            "reference forward: refuse (to serve a model they differ on) or warn")
     batch_wait_ms: float = option(10.0, "how long a pass waits for running sequences whose next step is on its "
                                         "way, to batch them together (a tenth of the last pass where that is "
                                         "longer); 0 starts each pass at once")
@@ -107,18 +114,21 @@ class VerifierConfig:
             raise ValueError("threads must be >= 0")
         if self.tensor_parallel_size < 1:
             raise ValueError("tensor_parallel_size must be >= 1")
-        if self.max_kv_tokens < 0:
-            raise ValueError("max_kv_tokens must be >= 0")
-        if not 0 < self.kv_memory_fraction <= 1:
-            raise ValueError("kv_memory_fraction must be in (0, 1]")
-        if not 0 <= self.gpu_memory_utilization <= 1:
-            raise ValueError("gpu_memory_utilization must be in [0, 1] (0: use kv_memory_fraction)")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError("gpu_memory_utilization must be in (0, 1]")
+        if not self.kv_cache_space:
+            object.__setattr__(self, "kv_cache_space", float(os.environ.get("VLLM_CPU_KVCACHE_SPACE") or
+                                                             DEFAULT_CPU_KV_CACHE_GIB))
+        if self.kv_cache_space <= 0:
+            raise ValueError("kv_cache_space must be > 0 GiB")
+        if self.num_gpu_blocks_override < 0:
+            raise ValueError("num_gpu_blocks_override must be >= 0")
+        if self.reference_check not in REFERENCE_CHECK_MODES:
+            raise ValueError(f"reference_check must be one of {', '.join(REFERENCE_CHECK_MODES)}")
         if not 0 <= self.seed < MAX_SEED:
             raise ValueError("seed must be between 0 and 2**64 - 1")
         if self.kv_block_size < 1:
             raise ValueError("kv_block_size must be >= 1")
-        if self.max_kv_tokens and self.max_kv_tokens < self.kv_block_size:
-            raise ValueError("max_kv_tokens must be at least one block (kv_block_size)")
         if self.max_model_len < 0:
             raise ValueError("max_model_len must be >= 0")
         if self.max_batch_tokens < 1 or self.max_batch_sequences < 1:

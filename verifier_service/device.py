@@ -8,6 +8,7 @@ the selection logic is testable without either backend.
 
 import importlib
 import itertools
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from types import ModuleType
@@ -121,15 +122,23 @@ def resolve_head_precision(requested: str, device: str, target_dtype: torch.dtyp
     return HeadPrecision(target_dtype if requested == "auto" else resolve_dtype(requested, device))
 
 
-def resolve_threads(threads: int) -> int:
-    """0 means auto: one intra-op thread, since decode is memory-bound and a
-    second OpenMP thread makes step latency explode on a busy small host."""
-    return threads if threads > 0 else 1
+def available_cores() -> int:
+    """The cores this process may run on (its affinity, which containers and taskset narrow)."""
+    return len(os.sched_getaffinity(0))
 
 
-def set_threads(threads: int) -> None:
+def resolve_threads(threads: int, ranks_here: int = 1, cores: int | None = None) -> int:
+    """0 means auto: the cores this process may use, shared among the ranks on this
+    host. Measured on a 2-core host: 2 threads served SmolLM2 25% faster than 1
+    at one request and 53% faster with 15 in flight."""
+    if threads > 0:
+        return threads
+    return max(1, (available_cores() if cores is None else cores) // ranks_here)
+
+
+def set_threads(threads: int, ranks_here: int = 1) -> None:
     """Sets torch's intra-op threads; call before the first torch op of the process."""
-    torch.set_num_threads(resolve_threads(threads))
+    torch.set_num_threads(resolve_threads(threads, ranks_here))
 
 
 def _meminfo_bytes(name: str, meminfo_path: str) -> int:
@@ -169,26 +178,41 @@ def weights_bytes(model: torch.nn.Module) -> int:
 _GIB = 1 << 30
 
 
-def kv_budget_tokens(max_kv_tokens: int, memory_fraction: float, free_bytes: int, bytes_per_token: int, *,
-                     gpu_memory_utilization: float = 0.0, total_bytes: int = 0, weights_bytes: int = 0) -> int:
-    """The KV budget: `max_kv_tokens` if set; else, given `gpu_memory_utilization`
-    (vLLM's meaning: the share of the device's total memory the engine may use,
-    weights included), that share less the weights; else `memory_fraction` of
-    the memory free after loading the weights. Memory figures are measured after
-    loading."""
-    if max_kv_tokens:
-        return max_kv_tokens
-    if not gpu_memory_utilization:
-        return int(free_bytes * memory_fraction) // bytes_per_token
-    allowed = int(total_bytes * gpu_memory_utilization)
-    kv_bytes = allowed - weights_bytes
-    if kv_bytes <= 0:
-        raise ValueError(f"--gpu-memory-utilization {gpu_memory_utilization} allows {allowed / _GIB:.2f} GiB of "
-                         f"{total_bytes / _GIB:.2f} GiB, but the weights alone take {weights_bytes / _GIB:.2f} GiB; "
-                         "raise it")
-    if kv_bytes > free_bytes:
-        # As vLLM refuses to start: memory that other processes hold is not ours to plan with.
-        raise ValueError(f"--gpu-memory-utilization {gpu_memory_utilization} leaves {kv_bytes / _GIB:.2f} GiB for "
-                         f"the KV cache, but only {free_bytes / _GIB:.2f} GiB is free after loading the weights; "
-                         "lower it or free memory")
-    return kv_bytes // bytes_per_token
+@dataclass(frozen=True)
+class Memory:
+    """What sizes the KV cache, measured on one rank after the model loaded."""
+
+    total_bytes: int
+    free_bytes: int
+    weights_bytes: int
+    activation_bytes: int = 0  # the profiled peak of a full pass (accelerators)
+
+
+def kv_cache_blocks(*, accelerator: bool, block_bytes: int, memory: Memory, gpu_memory_utilization: float,
+                    kv_cache_space_gib: float, num_blocks_override: int = 0) -> int:
+    """KV blocks, as vLLM sizes them: on an accelerator, `gpu_memory_utilization`
+    of its total memory less the weights and the activations' peak; on a CPU,
+    `kv_cache_space_gib`. Refuses (ValueError) memory that is not there."""
+    if num_blocks_override:
+        return num_blocks_override
+    if accelerator:
+        allowed = int(memory.total_bytes * gpu_memory_utilization)
+        kv_bytes = allowed - memory.weights_bytes - memory.activation_bytes
+        if kv_bytes < block_bytes:
+            raise ValueError(f"--gpu-memory-utilization {gpu_memory_utilization} allows {allowed / _GIB:.2f} GiB of "
+                             f"{memory.total_bytes / _GIB:.2f} GiB, but the weights take "
+                             f"{memory.weights_bytes / _GIB:.2f} GiB and a pass's activations "
+                             f"{memory.activation_bytes / _GIB:.2f} GiB, leaving no KV cache; raise it")
+        if kv_bytes > memory.free_bytes:
+            # As vLLM refuses to start: memory that other processes hold is not ours to plan with.
+            raise ValueError(f"--gpu-memory-utilization {gpu_memory_utilization} leaves {kv_bytes / _GIB:.2f} GiB "
+                             f"for the KV cache, but only {memory.free_bytes / _GIB:.2f} GiB is free; "
+                             "lower it or free memory")
+    else:
+        kv_bytes = int(kv_cache_space_gib * _GIB)
+        if kv_bytes > memory.free_bytes:
+            raise ValueError(f"--kv-cache-space {kv_cache_space_gib:g} GiB is more than the "
+                             f"{memory.free_bytes / _GIB:.2f} GiB of memory available; lower it")
+    if kv_bytes < block_bytes:
+        raise ValueError("the KV cache space holds less than one block")
+    return kv_bytes // block_bytes

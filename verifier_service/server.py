@@ -15,7 +15,7 @@ from speclane.log import configure_logging
 from speclane.models import resolve_model
 from verifier_service.async_engine import AsyncEngine
 from verifier_service.config import ENV_PREFIX, VerifierConfig
-from verifier_service.device import set_threads
+from verifier_service.device import resolve_threads, set_threads
 from verifier_service.metrics import VerifierMetrics
 from verifier_service.service import VerifierServicer, add_to_server
 from verifier_service.workers import Rank0
@@ -35,14 +35,14 @@ async def run(config: VerifierConfig, *, ready: Callable[[int], None] | None = N
     # A packaged model name or a hub model id becomes its directory (fetched once if missing).
     config = dataclasses.replace(config, model=str(resolve_model(config.model)))
     # Before any torch op: threads started later (the model thread) inherit it.
-    set_threads(config.threads)
+    set_threads(config.threads, config.tensor_parallel_size)
     seed_everything(config.seed)
     metrics = VerifierMetrics(config.model_name)
     if config.metrics_port:
         metrics.serve(config.metrics_port, config.address.rsplit(":", 1)[0])
     rank0 = Rank0(config, on_step=metrics.observe)
-    engine = AsyncEngine(rank0.load, threads=config.threads, on_stop=rank0.stop,
-                         batch_wait_seconds=config.batch_wait_ms / 1000)
+    engine = AsyncEngine(rank0.load, threads=resolve_threads(config.threads, config.tensor_parallel_size),
+                         on_stop=rank0.stop, batch_wait_seconds=config.batch_wait_ms / 1000)
     servicer = VerifierServicer(engine, config.model_name, config.model, config.max_draft_tokens)
 
     async def shutdown() -> None:

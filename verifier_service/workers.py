@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import structlog
+import torch
 import torch.distributed as dist
 from transformers import AutoConfig
 from transformers.utils import logging as transformers_logging
@@ -16,11 +17,13 @@ from transformers.utils import logging as transformers_logging
 from speclane.config import settable_fields
 from speclane.log import configure_logging
 from speclane.net import free_port
+from verifier_service.batch import Segment, StepPlan
 from verifier_service.block_manager import BlockManager
 from verifier_service.config import VerifierConfig
 from verifier_service.device import (
+    Memory,
     free_memory_bytes,
-    kv_budget_tokens,
+    kv_cache_blocks,
     resolve_device,
     resolve_dtype,
     resolve_head_precision,
@@ -41,6 +44,7 @@ from verifier_service.heads.capture import HiddenStateCapture
 from verifier_service.heads.loading import load_head
 from verifier_service.model_runner import ModelRunner
 from verifier_service.scheduler import BatchLimits
+from verifier_service.self_check import check_against_reference
 from verifier_service.sequence import GenerationParams
 
 log = structlog.get_logger()
@@ -55,6 +59,27 @@ def build_runner(config: VerifierConfig, device: str, tp: TensorParallel | None)
     return ModelRunner(config.model, device, resolve_dtype(config.dtype, device), tp=tp,
                        max_model_len=config.max_model_len, trust_remote_code=config.trust_remote_code,
                        batch_invariant=config.batch_invariant)
+
+
+def _measure_memory(runner: ModelRunner, limits: BatchLimits, block_size: int) -> Memory:
+    """This rank's memory once the weights (and a head) are in. On an accelerator
+    the activations' peak is profiled with a pass of the most tokens a pass may
+    have, on a throwaway cache."""
+    where = str(runner.device)
+    activations = 0
+    if runner.device.type != "cpu":
+        backend = getattr(torch, runner.device.type)  # torch.cuda, or torch.npu once torch_npu is imported
+        tokens = min(limits.max_tokens, runner.max_context_len - 1)
+        runner.allocate_cache(-(-tokens // block_size), block_size)
+        backend.synchronize()
+        before = backend.memory_allocated()
+        backend.reset_peak_memory_stats()
+        table = tuple(range(runner.cache.num_blocks))
+        runner.execute(StepPlan((), (0,) * tokens, (Segment(table, 0, tokens),)))
+        backend.synchronize()
+        activations = backend.max_memory_allocated() - before
+        runner.cache = None
+    return Memory(total_memory_bytes(where), free_memory_bytes(where), weights_bytes(runner.model), activations)
 
 
 def warm_up(engine: Engine) -> None:
@@ -83,27 +108,28 @@ class Rank0:
             self.followers = [_spawn(config, rank, port) for rank in range(1, config.tensor_parallel_size)]
             self.tp = init_tensor_parallel(device, 0, config.tensor_parallel_size, port)
         runner = build_runner(config, device, self.tp)
-        where = str(runner.device)
-        # Ranks on one host share its RAM; accelerators each have their own memory.
-        ranks_here = runner.tp_size if runner.device.type == "cpu" else 1
-        per_token = runner.kv_bytes_per_token * ranks_here
-        budget = kv_budget_tokens(config.max_kv_tokens, config.kv_memory_fraction, free_memory_bytes(where),
-                                  per_token, gpu_memory_utilization=config.gpu_memory_utilization,
-                                  total_bytes=total_memory_bytes(where),
-                                  weights_bytes=weights_bytes(runner.model) * ranks_here)
-        # A captured prompt needs every position's hidden states: none may come from the prefix cache.
-        blocks = BlockManager(budget // config.kv_block_size, config.kv_block_size,
-                              config.enable_prefix_caching and not config.draft.capture_dir)
-        limits = BatchLimits(config.max_batch_tokens, config.max_batch_sequences, config.max_queue_wait)
-        # The head runs on rank 0 only (draft_tensor_parallel_size 1, as in vLLM).
+        # The head runs on rank 0 only (draft_tensor_parallel_size 1, as in vLLM), loaded before the KV cache
+        # is sized, so that its memory is not counted twice.
         draft = config.draft
         head = (load_head(draft.head_method, draft.head_model, runner,
                           resolve_head_precision(config.head_dtype, runner.device.type, runner.dtype), draft.tree)
                 if draft.head_method else None)
+        limits = BatchLimits(config.max_batch_tokens, config.max_batch_sequences, config.max_queue_wait)
+        block_bytes = runner.kv_bytes_per_token * config.kv_block_size
+        num_blocks = kv_cache_blocks(accelerator=runner.device.type != "cpu", block_bytes=block_bytes,
+                                     memory=_measure_memory(runner, limits, config.kv_block_size),
+                                     gpu_memory_utilization=config.gpu_memory_utilization,
+                                     kv_cache_space_gib=config.kv_cache_space,
+                                     num_blocks_override=config.num_gpu_blocks_override)
+        # A captured prompt needs every position's hidden states: none may come from the prefix cache.
+        blocks = BlockManager(num_blocks, config.kv_block_size,
+                              config.enable_prefix_caching and not config.draft.capture_dir)
         engine = Engine(runner, blocks, limits, on_step=self.on_step, head=head)
         log.info("kv_cache_ready", num_blocks=blocks.num_blocks, block_size=blocks.block_size,
-                 max_kv_tokens=blocks.max_tokens, bytes_per_token=per_token,
+                 max_kv_tokens=blocks.max_tokens, bytes_per_token=runner.kv_bytes_per_token,
                  prefix_caching=blocks.enable_prefix_caching)
+        if self.tp is None:  # the reference forward is one more collective under TP: checked at TP 1
+            check_against_reference(runner, refuse=config.reference_check == "refuse")
         warm_up(engine)
         # Measured with or without a head: the gateway weighs every draft with it.
         engine.draft_token_costs = (measure_token_costs(engine) if draft.draft_token_cost is None
@@ -137,7 +163,7 @@ def _spawn(config: VerifierConfig, rank: int, port: int) -> subprocess.Popen:
 
 def follow(config: VerifierConfig, rank: int, port: int) -> None:
     """A follower rank: runs rank 0's messages until it broadcasts None."""
-    set_threads(config.threads)
+    set_threads(config.threads, config.tensor_parallel_size)
     exit_with_parent()
     tp = init_tensor_parallel(resolve_device(config.device), rank, config.tensor_parallel_size, port)
     runner = build_runner(config, resolve_device(config.device), tp)

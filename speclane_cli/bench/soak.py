@@ -22,6 +22,7 @@ from speclane.models import DEFAULT_MODEL
 
 DEFAULT_SPECULATIVE_CONFIG = '{"method": "suffix", "num_speculative_tokens": 8}'
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
+KV_BLOCK = 64  # the verifier's block size in the stack started here
 PROMPT_ALLOWANCE_TOKENS = 256  # per client, beside max_tokens: twice the median prompt (the longest is 435)
 _UNITS = {"": 1, "s": 1, "m": 60, "h": 3600}
 
@@ -65,8 +66,9 @@ def add_arguments(parser) -> None:
     own = parser.add_argument_group("the stack started here (no --url)")
     own.add_argument("--model", default=DEFAULT_MODEL, help="packaged model name or model directory")
     own.add_argument("--speculative-config", default=DEFAULT_SPECULATIVE_CONFIG, help="the gateway's default")
-    own.add_argument("--max-kv-tokens", type=int, default=0,
-                     help=f"the verifier's KV budget; 0: concurrency x (max-tokens + {PROMPT_ALLOWANCE_TOKENS})")
+    own.add_argument("--num-gpu-blocks-override", type=int, default=0,
+                     help="the verifier's KV blocks (of 64 tokens); 0: enough for concurrency x "
+                          f"(max-tokens + {PROMPT_ALLOWANCE_TOKENS})")
     own.add_argument("--drafter-max-cached-requests", type=int, default=0,
                      help="responses the drafter's global tree keeps; 0: 2 x concurrency")
 
@@ -92,8 +94,8 @@ def _settings(args) -> dict:
                         drafter_metrics_url=args.drafter_metrics_url)
     else:
         settings.update(model=args.model, speculative_config=args.speculative_config,
-                        max_kv_tokens=args.max_kv_tokens or args.concurrency * (args.max_tokens
-                                                                                + PROMPT_ALLOWANCE_TOKENS),
+                        num_gpu_blocks_override=args.num_gpu_blocks_override or args.concurrency * -(
+                            -(args.max_tokens + PROMPT_ALLOWANCE_TOKENS) // KV_BLOCK),
                         drafter_max_cached_requests=args.drafter_max_cached_requests or 2 * args.concurrency,
                         max_concurrent_requests=2 * args.concurrency)
     return settings
@@ -119,7 +121,7 @@ def command_line(settings: dict) -> str:
     if settings["start_stack"]:
         del flags["--url"]
         flags.update({"--model": settings["model"], "--speculative-config": settings["speculative_config"],
-                      "--max-kv-tokens": settings["max_kv_tokens"],
+                      "--num-gpu-blocks-override": settings["num_gpu_blocks_override"],
                       "--drafter-max-cached-requests": settings["drafter_max_cached_requests"]})
     return "speclane bench soak " + " ".join(f"{flag} {shlex.quote(str(value))}" for flag, value in flags.items())
 
@@ -141,7 +143,8 @@ def _own_configs(settings: dict) -> dict:
     drafter = DrafterConfig(address=f"127.0.0.1:{free_port()}", metrics_port=free_port(),
                             max_cached_requests=settings["drafter_max_cached_requests"])
     verifier = VerifierConfig(model=model_dir, model_name=name, address=f"127.0.0.1:{free_port()}",
-                              metrics_port=free_port(), max_kv_tokens=settings["max_kv_tokens"])
+                              metrics_port=free_port(), num_gpu_blocks_override=settings["num_gpu_blocks_override"],
+                              kv_block_size=KV_BLOCK)
     gateway = GatewayConfig(model=model_dir, served_model_name=name, port=free_port(),
                             grpc_address=f"127.0.0.1:{free_port()}", drafter_address=drafter.address,
                             verifier_addresses=(verifier.address,), speculative_config=settings["speculative_config"],

@@ -88,5 +88,5 @@ def test_durations_and_refusals():
     settings = soak._settings(parser.parse_args(["--concurrency", "8", "--max-tokens", "32"]))
     # The stack it starts: room for twice the clients, caches sized to fill in the warm-up.
     assert settings["max_concurrent_requests"] == 16 and settings["drafter_max_cached_requests"] == 16
-    assert settings["max_kv_tokens"] == 8 * (32 + soak.PROMPT_ALLOWANCE_TOKENS)
-    assert "--max-kv-tokens" in soak.command_line(settings) and "--url" not in soak.command_line(settings)
+    assert settings["num_gpu_blocks_override"] == 8 * -(-(32 + soak.PROMPT_ALLOWANCE_TOKENS) // soak.KV_BLOCK)
+    assert "--num-gpu-blocks-override" in soak.command_line(settings) and "--url" not in soak.command_line(settings)

@@ -35,9 +35,10 @@ def test_a_packaged_model_name_is_a_model():
     ({"threads": -1}, "threads"),
     ({"max_concurrent_rpcs": 0}, "max_concurrent_rpcs"),
     ({"tensor_parallel_size": 0}, "tensor_parallel_size"),
-    ({"max_kv_tokens": -1}, "max_kv_tokens"),
-    ({"max_kv_tokens": 8, "kv_block_size": 16}, "at least one block"),
-    ({"kv_memory_fraction": 0}, "kv_memory_fraction"),
+    ({"num_gpu_blocks_override": -1}, "num_gpu_blocks_override"),
+    ({"kv_cache_space": -1}, "kv_cache_space"),
+    ({"gpu_memory_utilization": 0}, "gpu_memory_utilization"),
+    ({"reference_check": "maybe"}, "reference_check"),
     ({"max_batch_tokens": 0}, "max_batch_tokens"),
     ({"max_queue_wait": -1}, "max_queue_wait"),
     ({"metrics_port": 70000}, "metrics_port"),
@@ -69,8 +70,8 @@ def test_vllm_memory_and_seed_flags_are_checked(tiny_model_dir, overrides, messa
 
 
 def test_vllm_memory_and_seed_flags(tiny_model_dir):
-    assert (VerifierConfig(model=tiny_model_dir).gpu_memory_utilization, VerifierConfig(model=tiny_model_dir).seed) \
-        == (0.0, 0)  # 0: --kv-memory-fraction decides, as before; vLLM's default seed
+    default = VerifierConfig(model=tiny_model_dir)
+    assert (default.gpu_memory_utilization, default.kv_cache_space, default.seed) == (0.9, 4.0, 0)  # vLLM's
     parser = argparse.ArgumentParser()
     add_arguments(parser, VerifierConfig, ENV_PREFIX)
     config = from_namespace(VerifierConfig, parser.parse_args(

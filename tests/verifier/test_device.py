@@ -93,9 +93,11 @@ def test_dtype_defaults_per_device():
         resolve_dtype("fp8", "cpu")
 
 
-def test_auto_threads_is_one():
-    assert resolve_threads(0) == 1
-    assert resolve_threads(3) == 3
+def test_auto_threads_share_the_cores_among_the_ranks():
+    assert resolve_threads(0, cores=16) == 16
+    assert resolve_threads(0, ranks_here=4, cores=16) == 4
+    assert resolve_threads(0, ranks_here=4, cores=2) == 1
+    assert resolve_threads(3, cores=16) == 3
 
 
 def test_a_head_has_int8_weights_by_default_only_on_a_cpu_that_multiplies_bf16_natively():

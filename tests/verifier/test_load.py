@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from protos.verifier.v1 import verifier_pb2, verifier_pb2_grpc
-from verifier_service.device import kv_budget_tokens, total_memory_bytes, weights_bytes
+from verifier_service.device import Memory, free_memory_bytes, kv_cache_blocks, total_memory_bytes, weights_bytes
 from verifier_service.metrics import VerifierMetrics
 from verifier_service.sequence import Draft, GenerationParams
 from verifier_service.server import seed_everything
@@ -113,30 +113,35 @@ def test_get_load_while_loading_is_unavailable(tiny_model_dir):
     asyncio.run(main())
 
 
-def test_gpu_memory_utilization_budgets_total_memory_less_the_weights():
-    per_token = 1 << 20
-    # 0.5 of 16 GiB is 8 GiB; the weights take 3 GiB, so the KV cache gets 5 GiB.
-    assert kv_budget_tokens(0, 0.4, 10 * GIB, per_token, gpu_memory_utilization=0.5, total_bytes=16 * GIB,
-                            weights_bytes=3 * GIB) == 5 * 1024
-    # 0 keeps --kv-memory-fraction's meaning (a share of the free memory); --max-kv-tokens wins over both.
-    assert kv_budget_tokens(0, 0.4, 10 * GIB, per_token, total_bytes=16 * GIB, weights_bytes=3 * GIB) == 4096
-    assert kv_budget_tokens(777, 0.4, 10 * GIB, per_token, gpu_memory_utilization=0.5, total_bytes=16 * GIB,
-                            weights_bytes=3 * GIB) == 777
+def blocks(memory: Memory, accelerator: bool = True, **flags) -> int:
+    return kv_cache_blocks(accelerator=accelerator, block_bytes=GIB // 1024,
+                           **{"memory": memory, "gpu_memory_utilization": 0.9, "kv_cache_space_gib": 4, **flags})
 
 
-def test_gpu_memory_utilization_that_cannot_be_met_is_refused():
-    with pytest.raises(ValueError, match="weights alone take"):
-        kv_budget_tokens(0, 0.4, 10 * GIB, 1024, gpu_memory_utilization=0.1, total_bytes=16 * GIB,
-                         weights_bytes=3 * GIB)
+def test_the_kv_cache_is_sized_as_vllm_sizes_it():
+    memory = Memory(total_bytes=16 * GIB, free_bytes=10 * GIB, weights_bytes=3 * GIB, activation_bytes=GIB)
+    # An accelerator: 0.5 of 16 GiB is 8 GiB; the weights take 3 and a pass's activations 1, so the KV gets 4.
+    assert blocks(memory, gpu_memory_utilization=0.5) == 4 * 1024
+    # A CPU: the KV cache space, whatever the utilization; the override wins over both.
+    assert blocks(memory, accelerator=False, kv_cache_space_gib=2.5) == 2560
+    assert blocks(memory, num_blocks_override=777) == 777
+
+
+def test_kv_cache_sizes_that_cannot_be_met_are_refused():
+    memory = Memory(total_bytes=16 * GIB, free_bytes=2 * GIB, weights_bytes=3 * GIB, activation_bytes=GIB)
+    with pytest.raises(ValueError, match="weights take 3.00 GiB"):
+        blocks(memory, gpu_memory_utilization=0.2)
     with pytest.raises(ValueError, match="only 2.00 GiB is free"):  # other processes hold the rest
-        kv_budget_tokens(0, 0.4, 2 * GIB, 1024, gpu_memory_utilization=0.9, total_bytes=16 * GIB,
-                         weights_bytes=3 * GIB)
+        blocks(memory, gpu_memory_utilization=0.9)
+    with pytest.raises(ValueError, match="more than the 2.00 GiB"):
+        blocks(memory, accelerator=False, kv_cache_space_gib=4)
 
 
 def test_memory_figures(tmp_path, runner):
     meminfo = tmp_path / "meminfo"
     meminfo.write_text("MemTotal: 2000 kB\nMemAvailable: 1000 kB\n")
     assert total_memory_bytes("cpu", meminfo_path=str(meminfo)) == 2000 * 1024
+    assert free_memory_bytes("cpu", meminfo_path=str(meminfo)) == 1000 * 1024
     params = sum(p.numel() for p in runner.model.parameters())
     assert params * 4 <= weights_bytes(runner.model) < params * 4 + 64 * 1024  # fp32, plus small buffers
 

@@ -14,7 +14,6 @@ from protos.common.v1 import common_pb2
 from protos.conventions import chain_parents
 from protos.verifier.v1 import verifier_pb2, verifier_pb2_grpc
 from speclane.net import free_port
-from verifier_service.device import free_memory_bytes, kv_budget_tokens
 from verifier_service.distributed import backend_for, check_shardable, rank_device
 from verifier_service.sequence import Draft, GenerationParams
 from verifier_service.tree import depths, is_chain
@@ -37,15 +36,6 @@ def test_shardability():
     check_shardable(smollm2, 3)
     qwen3_32b = SimpleNamespace(num_attention_heads=64, num_key_value_heads=8, intermediate_size=25600)
     check_shardable(qwen3_32b, 4)
-
-
-def test_kv_budget_from_memory(tmp_path):
-    meminfo = tmp_path / "meminfo"
-    meminfo.write_text("MemTotal: 100 kB\nMemAvailable: 1000 kB\n")
-    free = free_memory_bytes("cpu", meminfo_path=str(meminfo))
-    assert free == 1024000
-    assert kv_budget_tokens(0, 0.5, free, 1000) == 512
-    assert kv_budget_tokens(4096, 0.5, free, 1000) == 4096
 
 
 
@@ -88,7 +78,8 @@ def test_two_ranks_give_the_same_greedy_tokens_as_one(tiny_model_dir, engine):
     port = free_port()
     server = subprocess.Popen([sys.executable, "-m", "verifier_service", "--model", tiny_model_dir,
                                "--device", "cpu", "--address", f"127.0.0.1:{port}", "--threads", "1",
-                               "--tensor-parallel-size", "2", "--max-kv-tokens", "4096", "--log-level", "warning"])
+                               "--tensor-parallel-size", "2", "--num-gpu-blocks-override", "64",
+                               "--log-level", "warning"])
     try:
         tp_size, tokens = asyncio.run(asyncio.wait_for(_generate(port), 120))
     finally:
@@ -148,7 +139,8 @@ def test_three_ranks_with_an_eagle3_head_on_rank_0_give_the_plain_greedy_tokens(
     port = free_port()
     server = subprocess.Popen([sys.executable, "-m", "verifier_service", "--model", str(tmp_path / "target"),
                                "--device", "cpu", "--address", f"127.0.0.1:{port}", "--threads", "1",
-                               "--tensor-parallel-size", "3", "--max-kv-tokens", "4096", "--log-level", "warning",
+                               "--tensor-parallel-size", "3", "--num-gpu-blocks-override", "64",
+                               "--log-level", "warning",
                                "--speculative-config", json.dumps({"method": "eagle3", "model": str(head_dir),
                                                                    "draft_token_cost": 0, **tree})])
     try:

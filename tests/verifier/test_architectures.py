@@ -1,0 +1,151 @@
+"""Every architecture family served is right: the engine's prefill, decode and
+tree-verify passes give transformers' own logits (eager attention, the whole
+sequence at once), two sequences share a pass without changing them, and
+greedy speculation (a chain and a tree) decodes what plain greedy decoding
+does. The features that made earlier engines wrong are shown to matter here
+(dropping them changes the logits). What is not served is refused by name."""
+
+import dataclasses
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from verifier_service.attention import backend as attention_backend
+from verifier_service.batch import Segment, StepPlan
+from verifier_service.block_manager import BlockManager, BlockTable
+from verifier_service.engine import Engine
+from verifier_service.model_runner import ModelRunner, UnsupportedModel
+from verifier_service.sampling import SamplingParams
+from verifier_service.self_check import check_against_reference
+from verifier_service.sequence import Draft, GenerationParams
+
+from .architectures import REFUSED, SERVED, save_tiny
+
+BLOCK = 4  # several blocks per sequence, so block tables are exercised
+PROMPT = [(7 * i) % 90 + 3 for i in range(13)]
+TREE = (9, 11, 13, 17, 21)
+PARENTS = (-1, -1, 0, 2, 2)
+TOLERANCE = 1e-4
+
+
+@pytest.fixture(scope="module", params=sorted(SERVED))
+def model(request, tmp_path_factory):
+    """(runner, transformers' model) of one architecture."""
+    path = save_tiny(request.param, tmp_path_factory.mktemp(request.param))
+    runner = ModelRunner(path, "cpu", torch.float32)
+    runner.allocate_cache(64, BLOCK)
+    reference = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
+    return runner, reference
+
+
+def last_logits(reference, tokens) -> torch.Tensor:
+    with torch.no_grad():
+        return reference(torch.tensor([tokens])).logits[0, -1]
+
+
+def table_for(blocks: BlockManager, num_tokens: int) -> BlockTable:
+    table = BlockTable()
+    assert blocks.allocate(table, [], num_tokens) == 0
+    return table
+
+
+def test_prefill_decode_and_tree_verify_passes_equal_transformers(model):
+    runner, reference = model
+    blocks = BlockManager(64, BLOCK, enable_prefix_caching=False)
+    a, b = table_for(blocks, 32), table_for(blocks, 32)
+    other = [(5 * i) % 90 + 3 for i in range(6)]
+    # Pass 1: a's prompt and b's shorter one; pass 2: a decodes, b verifies a tree; pass 3: a verifies a chain.
+    logits, _ = runner.execute(StepPlan((), (*PROMPT, *other), (Segment(tuple(a.blocks), 0, len(PROMPT)),
+                                                               Segment(tuple(b.blocks), 0, len(other)))))
+    assert torch.allclose(logits[0], last_logits(reference, PROMPT), atol=TOLERANCE)
+    assert torch.allclose(logits[1], last_logits(reference, other), atol=TOLERANCE)
+    logits, _ = runner.execute(StepPlan((), (4, 5, *TREE), (Segment(tuple(a.blocks), len(PROMPT), 1),
+                                                          Segment(tuple(b.blocks), len(other), 1, PARENTS))))
+    assert torch.allclose(logits[0], last_logits(reference, PROMPT + [4]), atol=TOLERANCE)
+    paths = ([], [0], [1], [0, 2], [0, 2, 3], [0, 2, 4])
+    for row, path in enumerate(paths, start=1):
+        expected = last_logits(reference, other + [5] + [TREE[i] for i in path])
+        assert torch.allclose(logits[row], expected, atol=TOLERANCE), path
+    chain = (30, 31, 32)
+    logits, _ = runner.execute(StepPlan((), (6, *chain), (Segment(tuple(a.blocks), len(PROMPT) + 1, 1, (-1, 0, 1)),)))
+    for row in range(len(chain) + 1):
+        expected = last_logits(reference, PROMPT + [4, 6, *chain[:row]])
+        assert torch.allclose(logits[row], expected, atol=TOLERANCE)
+
+
+# Each feature, with where transformers hands it to the attention function, and a model that has it.
+FEATURES = {"sliding_window": "mistral", "softcap": "gemma2", "sinks": "gpt_oss"}
+
+
+@pytest.mark.parametrize("feature", sorted(FEATURES))
+def test_dropping_a_feature_changes_the_logits(feature, tmp_path, monkeypatch):
+    """The matrix would catch an engine that ignores the feature, as an earlier one did."""
+    runner = ModelRunner(save_tiny(FEATURES[feature], tmp_path), "cpu", torch.float32)
+    runner.allocate_cache(16, BLOCK)
+    table = table_for(BlockManager(16, BLOCK, False), len(PROMPT))
+    plan = StepPlan((), tuple(PROMPT), (Segment(tuple(table.blocks), 0, len(PROMPT)),))
+    served = runner.execute(plan)[0]
+    original = attention_backend.LayerCall
+
+    def without(*args, **kwargs):
+        return dataclasses.replace(original(*args, **kwargs), **{feature: None})
+
+    monkeypatch.setattr("verifier_service.attention.LayerCall", without)
+    assert (runner.execute(plan)[0] - served).abs().max() > 1e-3
+
+
+def greedy_reference(reference, prompt, n) -> list[int]:
+    with torch.no_grad():
+        out = reference.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, eos_token_id=None,
+                                 pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+def test_greedy_speculation_with_chains_and_trees_equals_plain_decoding(model):
+    runner, reference = model
+    expected = greedy_reference(reference, PROMPT, 16)
+    engine = Engine(runner, BlockManager(64, BLOCK, enable_prefix_caching=True))
+    params = GenerationParams(SamplingParams(temperature=0.0), max_new_tokens=16, ignore_eos=True)
+    for tree in (False, True):
+        seq = engine.open("s", PROMPT, params)
+        engine.prefill(seq)
+        while not seq.finished:
+            future = expected[seq.num_generated:]
+            right = tuple(future[:3])
+            # A tree whose first branch is wrong and whose second holds the right continuation.
+            draft = (Draft((right[0] ^ 1, *right), (-1, -1, 1, 2)[:len(right) + 1]) if tree and len(right) == 3
+                     else Draft(right))
+            engine.verify(seq, draft)
+        assert seq.tokens[len(PROMPT):] == expected
+        engine.close(seq)
+
+
+@pytest.mark.parametrize("model_type", sorted(REFUSED))
+def test_unsupported_architectures_are_refused_by_name(model_type, tmp_path):
+    fields, words = REFUSED[model_type]
+    path = save_tiny(model_type, tmp_path, fields)
+    with pytest.raises(UnsupportedModel) as refused:
+        ModelRunner(path, "cpu", torch.float32)
+    message = str(refused.value)
+    assert "\n" not in message and all(word in message for word in words), message
+
+
+@pytest.mark.parametrize("model_type", ["llama", "gemma2", "deepseek_v3"])
+def test_the_start_up_check_passes_where_the_engine_is_right(model_type, tmp_path):
+    runner = ModelRunner(save_tiny(model_type, tmp_path), "cpu", torch.float32)
+    runner.allocate_cache(16, BLOCK)
+    check_against_reference(runner)
+
+
+def test_the_start_up_check_refuses_an_engine_that_is_wrong(tmp_path, monkeypatch):
+    """As the last guard: an attention that drops the window (what an earlier engine did) is caught at start."""
+    runner = ModelRunner(save_tiny("mistral", tmp_path), "cpu", torch.float32)
+    runner.allocate_cache(16, BLOCK)
+    original = attention_backend.LayerCall
+    monkeypatch.setattr("verifier_service.attention.LayerCall",
+                        lambda *args, **kwargs: dataclasses.replace(original(*args, **kwargs), sliding_window=None))
+    with pytest.raises(ValueError, match=r"^mistral: the engine's logits differ from transformers' reference") as err:
+        check_against_reference(runner)
+    assert "\n" not in str(err.value)
+    check_against_reference(runner, refuse=False)  # --reference-check warn: served, with a warning

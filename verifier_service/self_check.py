@@ -1,0 +1,75 @@
+"""The last guard against wrong logits: at start-up the engine's own passes
+(a prefill, then a tree verify, through the paged cache) are compared with
+transformers' reference forward (eager attention over the whole sequence) of
+the same tokens. A model whose attention needs something the engine does not
+do (a new mask kind, a state outside the KV cache) differs there, and is
+refused before it serves a request."""
+
+import structlog
+import torch
+
+from verifier_service.batch import Segment, StepPlan
+from verifier_service.block_manager import BlockManager, BlockTable
+from verifier_service.model_runner import ModelRunner
+
+log = structlog.get_logger()
+
+_PROMPT_LEN = 24  # longer than the windows of tiny test models, short enough to cost nothing
+_TREE = (-1, -1, 0, 2, 2)  # two branches, one of them forking
+
+
+def tolerance(dtype: torch.dtype, scale: float) -> float:
+    """How far the engine's logits may be from the reference's: both compute the
+    same math in another order, so the bound follows the dtype's precision."""
+    relative = 1e-4 if dtype == torch.float32 else 5e-2
+    return relative * max(scale, 1.0)
+
+
+def largest_difference(runner: ModelRunner) -> tuple[float, float]:
+    """(the largest absolute difference between the engine's logits and the
+    reference's over a prefill's last row and a tree's rows, the reference's
+    largest absolute logit). Uses the cache's first blocks, before any request."""
+    vocab = runner.vocab_size
+    prompt = [(i * 7919 + 11) % vocab for i in range(_PROMPT_LEN)]
+    tree = [(i * 104729 + 3) % vocab for i in range(len(_TREE))]
+    size = runner.cache.block_size
+    table = BlockTable()
+    if BlockManager(runner.cache.num_blocks, size, False).allocate(table, [], _PROMPT_LEN + len(_TREE) + 1) is None:
+        raise ValueError("the KV cache is too small for the start-up check")
+    blocks = tuple(table.blocks)
+    prefill, _ = runner.run(StepPlan((), tuple(prompt[:-1]), (Segment(blocks, 0, _PROMPT_LEN - 1, ()),)))
+    verify, _ = runner.run(StepPlan((), (prompt[-1], *tree), (Segment(blocks, _PROMPT_LEN - 1, 1, _TREE),)))
+    paths, sequences = [[]], []
+    for i, parent in enumerate(_TREE):
+        paths.append((paths[parent + 1] if parent >= 0 else []) + [i])
+    sequences = [prompt[:-1]] + [prompt + [tree[i] for i in path] for path in paths]
+    ours = torch.cat([prefill, verify])
+    reference = torch.stack([_reference_logits(runner.model, tokens) for tokens in sequences])
+    return (ours - reference).abs().max().item(), reference.abs().max().item()
+
+
+@torch.inference_mode()
+def _reference_logits(model, tokens: list[int]) -> torch.Tensor:
+    served = model.config._attn_implementation
+    model.set_attn_implementation("eager")
+    try:
+        ids = torch.tensor([tokens], device=model.device)
+        return model(input_ids=ids, use_cache=False, logits_to_keep=1).logits[0, -1].float()
+    finally:
+        model.set_attn_implementation(served)
+
+
+def check_against_reference(runner: ModelRunner, refuse: bool = True) -> None:
+    """Raises ValueError (or, with refuse False, logs a warning) where the
+    engine's logits differ from the reference's beyond the dtype's tolerance."""
+    difference, scale = largest_difference(runner)
+    allowed = tolerance(runner.dtype, scale)
+    log.info("reference_check", max_logit_difference=round(difference, 7), allowed=round(allowed, 7))
+    if difference <= allowed:
+        return
+    name = runner.model.config.get_text_config().model_type
+    message = (f"{name}: the engine's logits differ from transformers' reference forward by {difference:.3g} "
+               f"(allowed {allowed:.3g}); this architecture needs something the engine does not do")
+    if refuse:
+        raise ValueError(message + " (--reference-check warn serves it anyway)")
+    log.warning("reference_check_failed", message=message)
