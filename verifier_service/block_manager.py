@@ -157,6 +157,10 @@ class BlockManager:
         assert all(self._hash_of[block] == digest for digest, block in self._cached.items())
         assert self._num_free_cached == sum(1 for block in self._free if self._hash_of[block] is not None)
 
+    def cached_tokens(self, tokens) -> int:
+        """How many of `tokens`' first tokens the cache holds now (whole blocks)."""
+        return len(self._cached_prefix(tokens)) * self.block_size if self.enable_prefix_caching else 0
+
     def _cached_prefix(self, tokens) -> list[int]:
         """The cached blocks holding `tokens`' first full blocks. The last token
         is never among them: it must run to give the next token's logits."""

@@ -61,7 +61,8 @@ class VerifierConfig:
                                              "(tests, experiments); 0: sized from the two flags above")
     seed: int = option(0, "vLLM's global seed: Python's and torch's random generators are seeded with it at start; "
                           "a request's own seed makes its sampling reproducible")
-    kv_block_size: int = option(64, "KV allocation unit in tokens", aliases=("--block-size",))
+    kv_block_size: int = option(16, "tokens per KV block: the unit of allocation and of prefix caching (vLLM's "
+                                    "default)", aliases=("--block-size",))
     enable_prefix_caching: bool = option(True, "keep finished sequences' KV so a prompt extending them "
                                                "(multi-turn) skips their prefill")
     max_batch_tokens: int = option(512, "tokens in one forward pass (long prompts are prefilled in chunks)",

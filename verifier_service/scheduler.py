@@ -18,6 +18,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
+from speclane.tokens import common_prefix
 from verifier_service.batch import Segment
 from verifier_service.block_manager import BlockManager, BlockTable
 from verifier_service.errors import ResourceExhausted
@@ -89,7 +90,7 @@ class Scheduler:
                 self._refuse(work, f"the prompt needs {len(seq.tokens)} KV tokens but the budget is "
                                    f"{self.blocks.max_tokens}")
                 continue
-            if not self._allocate(seq):
+            if self._prefix_in_flight(seq) or not self._allocate(seq):
                 break
             self.admitted[seq] = None
             self.ready.append(self.waiting.popleft())
@@ -155,6 +156,20 @@ class Scheduler:
                         break
                 return True
         return False
+
+    def _prefix_in_flight(self, seq: Sequence) -> bool:
+        """Whether a sequence still prefilling is computing blocks this prompt starts
+        with that the cache does not hold yet: it then waits for them rather than
+        computing them a second time, so a system prompt that many concurrent
+        requests share is computed once."""
+        if not self.blocks.enable_prefix_caching:
+            return False
+        size = self.blocks.block_size
+        reusable = (len(seq.tokens) - 1) // size * size
+        held = self.blocks.cached_tokens(seq.tokens)
+        return any(other.num_cached < len(other.tokens) - 1
+                   and min(common_prefix(other.tokens, seq.tokens) // size * size, reusable) > held
+                   for other in self.admitted)
 
     def _allocate(self, seq: Sequence) -> bool:
         table = BlockTable()

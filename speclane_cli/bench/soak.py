@@ -22,7 +22,7 @@ from speclane.models import DEFAULT_MODEL
 
 DEFAULT_SPECULATIVE_CONFIG = '{"method": "suffix", "num_speculative_tokens": 8}'
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
-KV_BLOCK = 64  # the verifier's block size in the stack started here
+KV_BLOCK = 16  # the verifier's block size in the stack started here
 PROMPT_ALLOWANCE_TOKENS = 256  # per client, beside max_tokens: twice the median prompt (the longest is 435)
 _UNITS = {"": 1, "s": 1, "m": 60, "h": 3600}
 
@@ -67,7 +67,7 @@ def add_arguments(parser) -> None:
     own.add_argument("--model", default=DEFAULT_MODEL, help="packaged model name or model directory")
     own.add_argument("--speculative-config", default=DEFAULT_SPECULATIVE_CONFIG, help="the gateway's default")
     own.add_argument("--num-gpu-blocks-override", type=int, default=0,
-                     help="the verifier's KV blocks (of 64 tokens); 0: enough for concurrency x "
+                     help=f"the verifier's KV blocks (of {KV_BLOCK} tokens); 0: enough for concurrency x "
                           f"(max-tokens + {PROMPT_ALLOWANCE_TOKENS})")
     own.add_argument("--drafter-max-cached-requests", type=int, default=0,
                      help="responses the drafter's global tree keeps; 0: 2 x concurrency")

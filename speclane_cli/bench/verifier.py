@@ -1,17 +1,21 @@
 """`speclane bench verifier`: the verifier engine's goals, side by side in one run.
 
-- throughput: tokens/s of 8 concurrent greedy requests vs 1 at a time, through
-  the real `speclane serve` stack (OpenAI HTTP API), with speculation off,
-  suffix (chain) and suffix tree drafts; each run has its own tenant, so the
-  drafter's global tree never holds the answers of an earlier run;
-- verify overhead: one engine verify step of k draft tokens vs a bare
-  transformers forward of the same k+1 input tokens on a DynamicCache of the
-  same context (medians, interleaved);
-- KV: 64 sequences of 1k tokens in a 64k-token budget (tiny random model).
+- overhead: one pass of the engine (paged cache, one attention call per layer)
+  against transformers' own padded batched forward (SDPA, a DynamicCache) of
+  the same batch, on a tiny deep random model where the host's work is what
+  a pass costs: 64 sequences of 100 tokens, 1 new token each (decode) and 5
+  (a chain verify); medians of interleaved repeats;
+- memory: the KV 64 live sequences of mixed lengths hold against their
+  tokens' own, and the tokens 16 concurrent requests sharing a 1,000-token
+  system prompt compute against their unique prompt tokens;
+- scale: decode tokens/s of SmolLM2 in process at 32, 64 and 128 sequences;
+- throughput: 8 concurrent greedy requests against 1 at a time through the
+  real `speclane serve` stack, with speculation off, suffix chains and trees.
 """
 
 import asyncio
 import json
+import random
 import statistics
 import subprocess
 import sys
@@ -25,65 +29,90 @@ from speclane.net import free_port, wait_http_ok
 
 MODES = {"none": {"method": "none"}, "suffix": {"method": "suffix"},
          "suffix-tree": {"method": "suffix", "suffix_decoding_use_tree_spec": True}}
+SECTIONS = ("overhead", "memory", "scale", "throughput")
+BLOCK = 16
 
 
 def add_arguments(parser) -> None:
-    parser.add_argument("--model", default=DEFAULT_MODEL, help="model name or directory")
-    parser.add_argument("--concurrency", type=int, default=8)
-    parser.add_argument("--max-tokens", type=int, default=64, help="tokens generated per request")
-    parser.add_argument("--context", type=int, default=512, help="context length of the verify-overhead step")
-    parser.add_argument("--draft-len", type=int, default=8)
+    parser.add_argument("--model", default=DEFAULT_MODEL, help="model name or directory (scale, throughput)")
+    parser.add_argument("--layers", default="24,48", help="comma-separated depths of the overhead model")
+    parser.add_argument("--sequences", type=int, default=64, help="sequences in the overhead batch")
+    parser.add_argument("--context", type=int, default=100, help="tokens each overhead sequence holds")
     parser.add_argument("--repeats", type=int, default=20)
-    parser.add_argument("--skip", nargs="*", default=[], choices=["throughput", "overhead", "kv"])
+    parser.add_argument("--scale", default="32,64,128", help="comma-separated batch sizes of the scale section")
+    parser.add_argument("--concurrency", type=int, default=8, help="of the throughput section")
+    parser.add_argument("--max-tokens", type=int, default=64, help="tokens generated per throughput request")
+    parser.add_argument("--skip", nargs="*", default=[], choices=SECTIONS)
     parser.add_argument("--json", default="", help="also write the results to this file")
 
 
-def verify_overhead(model_dir: str, context: int, k: int, repeats: int) -> dict:
-    from transformers import AutoModelForCausalLM, DynamicCache
-
-    from verifier_service.block_manager import BlockManager
-    from verifier_service.engine import Engine
-    from verifier_service.model_runner import ModelRunner
-    from verifier_service.sequence import Draft, GenerationParams
-
-    torch.set_num_threads(1)
-    runner = ModelRunner(model_dir, "cpu", torch.float32)
-    engine = Engine(runner, BlockManager(-(-(context + 4 * repeats + 256) // 64), 64, False))
-    prompt = [(i * 7919) % (runner.vocab_size - 200) + 100 for i in range(context)]
-    seq = engine.open("overhead", prompt, GenerationParams(max_new_tokens=repeats * 3, ignore_eos=True))
-    engine.prefill(seq)
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa").eval()
-    cache = DynamicCache(config=hf.config)
-    with torch.inference_mode():
-        hf(torch.tensor([seq.tokens[:-1]]), past_key_values=cache, use_cache=True)
-    engine_times, bare_times, bare_k_times = [], [], []
-    for _ in range(repeats):
-        # A draft the target rejects: every step commits one token, so both caches grow alike.
-        draft = tuple(((seq.tokens[-1] + 1 + i) % runner.vocab_size) for i in range(k))
-        fed = [seq.tokens[-1], *draft]
-        with torch.inference_mode():
-            keep = cache.get_seq_length()
-            started = time.perf_counter()
-            hf(torch.tensor([fed[1:]]), past_key_values=cache, use_cache=True)
-            bare_k_times.append(time.perf_counter() - started)
-            cache.crop(-(cache.get_seq_length() - keep))  # transformers 5: a negative count to remove
-            started = time.perf_counter()
-            hf(torch.tensor([fed]), past_key_values=cache, use_cache=True)
-            bare_times.append(time.perf_counter() - started)
-            cache.crop(-(cache.get_seq_length() - keep - 1))
-        started = time.perf_counter()
-        engine.verify(seq, Draft(draft))
-        engine_times.append(time.perf_counter() - started)
-    engine_ms, bare_ms = statistics.median(engine_times) * 1e3, statistics.median(bare_times) * 1e3
-    bare_k_ms = statistics.median(bare_k_times) * 1e3
-    return {"context": context, "draft_len": k, "engine_verify_ms": round(engine_ms, 2),
-            "bare_forward_k_plus_1_ms": round(bare_ms, 2), "bare_forward_k_ms": round(bare_k_ms, 2),
-            "ratio": round(engine_ms / bare_ms, 3), "ratio_vs_k_tokens": round(engine_ms / bare_k_ms, 3)}
-
-
-def kv_budget(num_seqs: int = 64, seq_tokens: int = 1024, prompt_len: int = 1000) -> dict:
+def _tiny_llama(path: str, layers: int, max_context: int = 2048) -> str:
     from transformers import AutoModelForCausalLM, LlamaConfig
 
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_context)
+    AutoModelForCausalLM.from_config(config).save_pretrained(path)
+    return path
+
+
+def pass_overhead(layers: int, num_seqs: int, context: int, repeats: int) -> list[dict]:
+    """Medians of the engine's pass and transformers' batched forward, 1 and 5 new tokens a sequence."""
+    from transformers import AutoModelForCausalLM, DynamicCache
+
+    from verifier_service.batch import Segment, StepPlan
+    from verifier_service.block_manager import BlockManager, BlockTable
+    from verifier_service.model_runner import ModelRunner
+
+    with tempfile.TemporaryDirectory() as path:
+        _tiny_llama(path, layers)
+        runner = ModelRunner(path, "cpu", torch.float32)
+        hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa").eval()
+    blocks = BlockManager(num_seqs * -(-(context + 8) // BLOCK), BLOCK, False)
+    runner.allocate_cache(blocks.num_blocks, BLOCK)
+    prompts = [[(s * 31 + i * 7) % 500 + 4 for i in range(context)] for s in range(num_seqs)]
+    tables = []
+    for prompt in prompts:
+        tables.append(BlockTable())
+        blocks.allocate(tables[-1], prompt, context + 8)
+    for first in range(0, num_seqs, 8):  # prefill, 8 sequences a pass
+        group = range(first, min(first + 8, num_seqs))
+        runner.execute(StepPlan((), tuple(t for s in group for t in prompts[s]),
+                                tuple(Segment(tuple(tables[s].blocks), 0, context) for s in group)))
+    cache = DynamicCache(config=hf.config)
+    with torch.inference_mode():
+        hf(torch.tensor(prompts), past_key_values=cache, use_cache=True)
+    rows = []
+    for new in (1, 5):
+        parents = tuple(range(-1, new - 2))  # a chain of new - 1 draft tokens after the pending one
+        fed = [[(s + j) % 500 + 4 for j in range(new)] for s in range(num_seqs)]
+        plan = StepPlan((), tuple(t for f in fed for t in f),
+                        tuple(Segment(tuple(tables[s].blocks), context, 1, parents) for s in range(num_seqs)))
+        ours, theirs = [], []
+        for _ in range(repeats):
+            started = time.perf_counter()
+            runner.execute(plan)
+            ours.append(time.perf_counter() - started)
+            with torch.inference_mode():
+                started = time.perf_counter()
+                hf(torch.tensor(fed), past_key_values=cache, use_cache=True)
+                theirs.append(time.perf_counter() - started)
+                cache.crop(-new)  # transformers 5: a negative count to remove
+        ours_ms, theirs_ms = statistics.median(ours) * 1e3, statistics.median(theirs) * 1e3
+        rows.append({"layers": layers, "sequences": num_seqs, "context": context, "new_tokens": new,
+                     "engine_ms": round(ours_ms, 2), "transformers_ms": round(theirs_ms, 2),
+                     "ratio": round(ours_ms / theirs_ms, 3)})
+    return rows
+
+
+def _drive(engine, answers) -> None:
+    """Steps until every sequence is answered once more (the caller resubmits)."""
+    while not all(answers):
+        engine.step()
+
+
+def memory() -> dict:
+    """Mixed-length live sequences' KV against their tokens', and a shared system prompt's computed tokens."""
     from verifier_service.block_manager import BlockManager
     from verifier_service.engine import Engine
     from verifier_service.model_runner import ModelRunner
@@ -91,33 +120,64 @@ def kv_budget(num_seqs: int = 64, seq_tokens: int = 1024, prompt_len: int = 1000
     from verifier_service.sequence import Draft, GenerationParams
 
     with tempfile.TemporaryDirectory() as path:
-        config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048)
-        AutoModelForCausalLM.from_config(config).save_pretrained(path)
-        runner = ModelRunner(path, "cpu", torch.float32)
-    engine = Engine(runner, BlockManager(num_seqs * seq_tokens // 16, 16, False),
-                    BatchLimits(max_tokens=2048, max_sequences=128, max_queue_wait=3600))
-    params = GenerationParams(max_new_tokens=seq_tokens - prompt_len, ignore_eos=True)
-    seqs = [engine.open(f"s{i}", [(i + j) % 60 + 4 for j in range(prompt_len)], params) for i in range(num_seqs + 1)]
-    answered = [0] * len(seqs)
-    boxes = [[] for _ in seqs]
-    for seq, box in zip(seqs, boxes):
+        runner = ModelRunner(_tiny_llama(path, 2), "cpu", torch.float32)
+    rng = random.Random(0)
+    limits = BatchLimits(max_tokens=4096, max_sequences=128, max_queue_wait=3600)
+    params = GenerationParams(max_new_tokens=4, ignore_eos=True)
+    engine = Engine(runner, BlockManager(64 * 1024 // BLOCK, BLOCK, False), limits)
+    seqs = [engine.open(f"m{i}", [rng.randrange(4, 500) for _ in range(rng.randrange(50, 1000))], params)
+            for i in range(64)]
+    answers = [[] for _ in seqs]
+    for seq, box in zip(seqs, answers):
         engine.submit(seq, Draft(), box.append)
-    most_used, extra_admitted_early, started = 0, False, time.perf_counter()
-    while not all(s.finished for s in seqs):
-        engine.step()
-        most_used = max(most_used, engine.blocks.used_blocks * engine.blocks.block_size)
-        extra_admitted_early |= seqs[-1].blocks is not None and not any(s.finished for s in seqs[:-1])
-        for i, (seq, box) in enumerate(zip(seqs, boxes)):
-            if len(box) > answered[i]:
-                answered[i] = len(box)
-                if not seq.finished:
-                    engine.submit(seq, Draft(), box.append)
-    engine.step()
-    return {"budget_tokens": engine.blocks.max_tokens, "peak_used_tokens": most_used,
-            "65th_waited": not extra_admitted_early, "all_finished": all(s.finished for s in seqs),
-            "pool_empty_after": engine.blocks.used_blocks == 0,
-            "seconds": round(time.perf_counter() - started, 2)}
+    _drive(engine, answers)
+    held = engine.blocks.used_blocks * BLOCK
+    tokens = sum(seq.num_cached for seq in seqs)
+
+    passes = []
+    engine = Engine(runner, BlockManager(64 * 1024 // BLOCK, BLOCK, True), limits, on_step=passes.append)
+    system = [rng.randrange(4, 500) for _ in range(1000)]
+    prompts = [system + [rng.randrange(4, 500) for _ in range(20)] for _ in range(16)]
+    shared = [engine.open(f"p{i}", p, params) for i, p in enumerate(prompts)]
+    answers = [[] for _ in shared]
+    for seq, box in zip(shared, answers):
+        engine.submit(seq, Draft(), box.append)
+    _drive(engine, answers)
+    computed, unique = sum(p.num_tokens for p in passes), len(system) + 16 * 20
+    return {"live_sequences": 64, "kv_tokens_held": held, "tokens": tokens, "held_ratio": round(held / tokens, 3),
+            "shared_prompt_requests": 16, "computed_tokens": computed, "unique_prompt_tokens": unique,
+            "computed_ratio": round(computed / unique, 3), "block_size": BLOCK}
+
+
+def scale(model_dir: str, sizes: list[int], steps: int = 4) -> list[dict]:
+    """Decode tokens/s of `model_dir` in process with each number of sequences running."""
+    from verifier_service.block_manager import BlockManager
+    from verifier_service.device import set_threads
+    from verifier_service.engine import Engine
+    from verifier_service.model_runner import ModelRunner
+    from verifier_service.scheduler import BatchLimits
+    from verifier_service.sequence import Draft, GenerationParams
+
+    set_threads(0)
+    runner = ModelRunner(model_dir, "cpu", torch.float32)
+    rows = []
+    for size in sizes:
+        engine = Engine(runner, BlockManager(size * 8, BLOCK, False),
+                        BatchLimits(max_tokens=4096, max_sequences=size, max_queue_wait=3600))
+        params = GenerationParams(max_new_tokens=steps + 2, ignore_eos=True)
+        seqs = [engine.open(f"s{i}", [(i * 97 + j * 13) % 40000 + 100 for j in range(32)], params)
+                for i in range(size)]
+        engine.run_together([(seq, Draft()) for seq in seqs])
+        engine.run_together([(seq, Draft()) for seq in seqs])  # a first decode pass: warm
+        started = time.perf_counter()
+        for _ in range(steps):
+            engine.run_together([(seq, Draft()) for seq in seqs])
+        seconds = time.perf_counter() - started
+        rows.append({"sequences": size, "tokens_per_s": round(size * steps / seconds, 1),
+                     "pass_ms": round(seconds / steps * 1e3, 1), "threads": torch.get_num_threads()})
+        for seq in seqs:
+            engine.close(seq)
+    return rows
 
 
 def _humaneval_messages(count: int) -> list[list[dict]]:
@@ -180,17 +240,22 @@ def throughput(model: str, concurrency: int, max_tokens: int, serve_args: list[s
 
 
 def run(args) -> int:
+    torch.set_num_threads(1)  # the overhead and memory sections; scale takes the verifier's default
     results = {}
+
+    def report(name, value):
+        results[name] = value
+        print(json.dumps({name: value}), flush=True)
+
     if "overhead" not in args.skip:
-        results["verify_overhead"] = verify_overhead(str(resolve_model(args.model)), args.context,
-                                                     args.draft_len, args.repeats)
-        print(json.dumps({"verify_overhead": results["verify_overhead"]}), flush=True)
-    if "kv" not in args.skip:
-        results["kv"] = kv_budget()
-        print(json.dumps({"kv": results["kv"]}), flush=True)
+        report("overhead", [row for layers in args.layers.split(",")
+                            for row in pass_overhead(int(layers), args.sequences, args.context, args.repeats)])
+    if "memory" not in args.skip:
+        report("memory", memory())
+    if "scale" not in args.skip:
+        report("scale", scale(str(resolve_model(args.model)), [int(n) for n in args.scale.split(",")]))
     if "throughput" not in args.skip:
-        results["throughput"] = throughput(args.model, args.concurrency, args.max_tokens, [])
-        print(json.dumps({"throughput": results["throughput"]}), flush=True)
+        report("throughput", throughput(args.model, args.concurrency, args.max_tokens, []))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2)

@@ -118,6 +118,11 @@ class Stack:
                     process.wait()
 
 
+# The suite runs several stacks and itself on a small host: a verifier that took every core would
+# oversubscribe them (a pass then takes 10-40x longer), so each takes one.
+TEST_THREADS = 1
+
+
 def start_stack(model_dir: pathlib.Path, log_dir: pathlib.Path, speculative_config: str = "",
                 tls_dir: pathlib.Path | None = None, num_verifiers: int = 1, dtype: str = "auto") -> Stack:
     """With `tls_dir` (made by `speclane certs`): mTLS between the services, TLS on the
@@ -126,7 +131,7 @@ def start_stack(model_dir: pathlib.Path, log_dir: pathlib.Path, speculative_conf
     # As `speclane serve`: the verifier loads the head a head method names.
     verifier, *more_verifiers = (
         VerifierConfig(model=str(model_dir), model_name="smollm2-135m-instruct", address=f"127.0.0.1:{free_port()}",
-                       speculative_config=speculative_config, dtype=dtype,
+                       speculative_config=speculative_config, dtype=dtype, threads=TEST_THREADS,
                        **tls_fields(tls_dir, "verifier"))
         for _ in range(num_verifiers))
     gateway_tls = tls_fields(tls_dir, "gateway")
@@ -155,7 +160,7 @@ def speclane_serve(args: list[str], log_path: pathlib.Path):
     port = free_port()
     process = subprocess.Popen(
         [sys.executable, "-m", "speclane_cli", "serve", "--port", str(port), "--grpc-port", str(free_port()),
-         "--log-level", "warning", *args],
+         "--log-level", "warning", "--threads", str(TEST_THREADS), *args],
         stdout=log_path.open("wb"), stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
         preexec_fn=die_with_parent)
     try:

@@ -12,7 +12,7 @@ import pytest
 from drafter_service.config import DrafterConfig
 from gateway.config import GatewayConfig
 from speclane.net import free_port, probe_http
-from tests.e2e.stack import Stack
+from tests.e2e.stack import TEST_THREADS, Stack
 from verifier_service.config import VerifierConfig
 
 pytestmark = pytest.mark.e2e
@@ -33,7 +33,8 @@ def stack(model_dir, tmp_path_factory):
     keys = work / "keys.json"
     keys.write_text(json.dumps({KEY_A: {"tenant": "team-a"}, KEY_B: {"tenant": "team-b"}}))
     drafter = DrafterConfig(address=f"127.0.0.1:{free_port()}")
-    verifier = VerifierConfig(model=str(model_dir), model_name=MODEL, address=f"127.0.0.1:{free_port()}")
+    verifier = VerifierConfig(model=str(model_dir), model_name=MODEL, address=f"127.0.0.1:{free_port()}",
+                              threads=TEST_THREADS)
     gateway = GatewayConfig(
         model=str(model_dir), served_model_name=MODEL, port=free_port(), grpc_address=f"127.0.0.1:{free_port()}",
         drafter_address=drafter.address, verifier_addresses=(verifier.address,),

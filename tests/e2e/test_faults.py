@@ -26,7 +26,7 @@ from protos.verifier.v1 import verifier_pb2, verifier_pb2_grpc
 from speclane.net import free_port
 from tests.e2e.link_proxy import LinkProxy
 from tests.e2e.prompts import code_edit_messages
-from tests.e2e.stack import Stack, grpc_health
+from tests.e2e.stack import TEST_THREADS, Stack, grpc_health
 from verifier_service.config import VerifierConfig
 
 pytestmark = pytest.mark.e2e
@@ -122,7 +122,8 @@ class FaultyStack:
 @pytest.fixture(scope="module")
 def faulty(model_dir, tmp_path_factory):
     log_dir = tmp_path_factory.mktemp("faults")
-    verifier = VerifierConfig(model=str(model_dir), model_name=MODEL, address=f"127.0.0.1:{free_port()}")
+    verifier = VerifierConfig(model=str(model_dir), model_name=MODEL, address=f"127.0.0.1:{free_port()}",
+                              threads=TEST_THREADS)
     link = LinkProxy(verifier.address)
     drafter = DrafterConfig(address=f"127.0.0.1:{free_port()}", metrics_port=free_port(),
                             snapshot_path=str(log_dir / "drafter.snapshot"),

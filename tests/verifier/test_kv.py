@@ -72,10 +72,10 @@ def test_64_sequences_of_1k_fill_a_64k_pool_and_the_65th_waits(long_runner):
         assert seq.tokens[PROMPT_LEN:PROMPT_LEN + 4] == reference_start(long_runner, seq)
 
 
-def reference_start(runner, seq) -> list[int]:
-    """First tokens of the same prompt decoded alone on an empty engine (replaces the runner's store)."""
+def reference_start(runner, seq, prompt_len: int = PROMPT_LEN) -> list[int]:
+    """First tokens of the same prompt decoded alone on an empty engine (it takes the runner's cache over)."""
     alone = make_engine(runner)
-    other = alone.open("alone", seq.tokens[:PROMPT_LEN], GenerationParams(GREEDY, max_new_tokens=4, ignore_eos=True))
+    other = alone.open("alone", seq.tokens[:prompt_len], GenerationParams(GREEDY, max_new_tokens=4, ignore_eos=True))
     tokens = alone.prefill(other).token_ids
     while not other.finished:
         tokens += alone.verify(other, Draft()).token_ids
@@ -151,3 +151,26 @@ def test_a_follow_up_turn_reuses_the_conversation_kv(runner, hf_model):
     # Only the tokens after the cached conversation's full blocks ran through the model.
     assert passes[0].num_tokens == len(second_prompt) - (len(turn1.tokens) - 1) // BLOCK * BLOCK
     assert first.token_ids == reference(hf_model, second_prompt, 1)
+
+
+def test_a_system_prompt_shared_by_concurrent_requests_is_computed_once(long_runner):
+    """16 requests arriving together with one 1,000-token system prompt: the first
+    computes it, the others wait for its blocks instead of computing them again."""
+    passes = []
+    engine = make_engine(long_runner, max_kv_tokens=32 * 1024, prefix_caching=True, on_step=passes.append,
+                         limits=BatchLimits(max_tokens=512, max_sequences=64))
+    system = prompt(7, 1000)
+    prompts = [system + [(i * 5 + j) % 60 + 4 for j in range(20)] for i in range(16)]
+    params = GenerationParams(GREEDY, max_new_tokens=2, ignore_eos=True)
+    seqs = [engine.open(f"s{i}", p, params) for i, p in enumerate(prompts)]
+    answers = [[] for _ in seqs]
+    for seq, box in zip(seqs, answers):
+        engine.submit(seq, Draft(), box.append)
+    while not all(answers):
+        engine.step()
+    computed = sum(p.num_tokens for p in passes)
+    unique = len(system) + 16 * 20
+    assert computed <= 1.1 * unique, (computed, unique)
+    assert engine.blocks.prefix_cache_hits >= 15 * (len(system) // BLOCK * BLOCK)
+    for seq, p in list(zip(seqs, prompts))[:2]:  # and what they computed is right
+        assert seq.tokens[len(p):] == reference_start(long_runner, seq, len(p))[:1]

@@ -33,10 +33,11 @@ SHORT_SEGMENT = 32
 class Group:
     """Segments attended in one padded call."""
 
-    query_index: torch.Tensor  # [B, Q] rows of the pass (the last, T, is a zero row for padding)
+    query_index: torch.Tensor | None  # [B * Q] rows of the pass (T: a zero row for padding); None: rows first..
+    first_row: int  # with query_index None: the group's queries are rows first .. first + B * Q, in order
     pass_rows: torch.Tensor  # [n] the pass rows the group's real queries answer
     padded_rows: torch.Tensor  # [n] where those are in the flattened [B * Q] output
-    key_slots: torch.Tensor  # [B, K]
+    key_slots: torch.Tensor  # [B * K] flat
     visible: torch.Tensor  # [B, Q, K] bool, before any window
     query_positions: torch.Tensor  # [B, Q]
     key_positions: torch.Tensor  # [B, K]
@@ -56,6 +57,11 @@ class Metadata:
     slot_mapping: torch.Tensor
     num_tokens: int
     groups: list[Group]
+
+    @property
+    def whole(self) -> bool:
+        """One group whose padded queries are the pass's rows (decode or same-length verify steps)."""
+        return len(self.groups) == 1 and self.groups[0].query_index is None
 
 
 def _bucket(num_tokens: int) -> int:
@@ -77,21 +83,33 @@ class TorchAttention:
 
     def attend(self, metadata: Metadata, call: LayerCall, query: torch.Tensor, cache: PagedKVCache) -> torch.Tensor:
         keys, values = cache.keys[call.layer], cache.values[call.layer]
+        if metadata.whole:
+            return self._attend(metadata.groups[0], call, query, keys, values)
         heads = query.shape[1]
         padded_query = torch.cat([query, query.new_zeros(1, *query.shape[1:])])
         out = query.new_empty(metadata.num_tokens, heads, values.shape[-1])
         for group in metadata.groups:
-            q = padded_query[group.query_index].transpose(1, 2)  # [B, heads, Q, d]
-            k = keys[group.key_slots].transpose(1, 2)  # [B, kv_heads, K, d]
-            v = values[group.key_slots].transpose(1, 2)
-            mask = group.mask(call.sliding_window)
-            if call.softcap or call.sinks is not None:
-                o = _explicit_attention(q, k, v, mask, call)
-            else:
-                o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None], scale=call.scaling,
-                                                   enable_gqa=k.shape[1] != heads)
-            out[group.pass_rows] = o.transpose(1, 2).reshape(-1, heads, o.shape[-1])[group.padded_rows]
+            q = (padded_query.index_select(0, group.query_index) if group.query_index is not None
+                 else query[group.first_row:group.first_row + group.visible.shape[0] * group.visible.shape[1]])
+            out[group.pass_rows] = self._attend(group, call, q, keys, values)[group.padded_rows]
         return out
+
+    @staticmethod
+    def _attend(group: Group, call: LayerCall, query: torch.Tensor, keys: torch.Tensor,
+                values: torch.Tensor) -> torch.Tensor:
+        """query [B * Q, heads, d] in the group's padded order; returns [B * Q, heads, d_v]."""
+        batch, num_queries, context = group.visible.shape
+        heads = query.shape[1]
+        q = query.view(batch, num_queries, heads, -1).transpose(1, 2)  # [B, heads, Q, d]
+        k = keys.index_select(0, group.key_slots).view(batch, context, *keys.shape[1:]).transpose(1, 2)
+        v = values.index_select(0, group.key_slots).view(batch, context, *values.shape[1:]).transpose(1, 2)
+        mask = group.mask(call.sliding_window)
+        if call.softcap or call.sinks is not None:
+            o = _explicit_attention(q, k, v, mask, call)
+        else:
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None], scale=call.scaling,
+                                               enable_gqa=k.shape[1] != heads)
+        return o.transpose(1, 2).reshape(batch * num_queries, heads, o.shape[-1])
 
 
 def _explicit_attention(q, k, v, mask, call: LayerCall) -> torch.Tensor:
@@ -155,7 +173,9 @@ def _group(segments: list[Segment], offsets: list[int], positions: torch.Tensor,
     if trees:  # ... and a tree's nodes only by their descendants
         visible &= _tree_visibility(segments, trees, pending, q_index, local, device)
     visible |= ~real_query[:, :, None]  # padding queries see everything: no empty softmax
-    return Group(query_index, pass_rows, flat, key_slots, visible, query_positions, key_positions)
+    dense = bool(real_query.all()) and offsets == list(range(offsets[0], offsets[0] + batch * longest, longest))
+    return Group(None if dense else query_index.flatten(), offsets[0], pass_rows, flat, key_slots.flatten(), visible,
+                 query_positions, key_positions)
 
 
 def _tree_visibility(segments: list[Segment], trees: list[int], pending: torch.Tensor, q_index: torch.Tensor,
