@@ -44,6 +44,7 @@ from gateway.serving import (
     ServingContext,
     build_generation_request,
     generate_text,
+    prompt_tail,
 )
 from gateway.structured_output import response_format_grammar, tool_choice_plan
 from protos.conventions import TENANT_METADATA_KEY
@@ -256,7 +257,8 @@ def create_app(ctx: ServingContext) -> FastAPI:
                 for index in range(body.n)]
             events = choice_events(ctx, requests, stop, caller)
             writer = ResponseWriter(ctx, flavor, response_id, body.n, UsageTally(len(base.prompt_token_ids)),
-                                    tool_parser=tool_parser, logprobs=base.logprobs is not None)
+                                    tool_parser=tool_parser, logprobs=base.logprobs is not None,
+                                    prompt_text=prompt_tail(ctx, base))
             if body.stream:
                 include_usage = bool(body.stream_options and body.stream_options.include_usage)
                 # Waiting for the first tokens lets overload and bad input still get a status code.
