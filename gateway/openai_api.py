@@ -1,22 +1,21 @@
 """OpenAI-compatible HTTP API: /v1/chat/completions, /v1/completions (with SSE
 streaming), /v1/models, /health and /metrics, over a ServingContext."""
 
-import asyncio
-import contextlib
 import dataclasses
 import time
 import uuid
 
-import anyio
 import structlog
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException
 
-from gateway.auth import ApiKey, tenant_for
+from gateway.anthropic_api import MESSAGES_PATH, add_messages_routes, anthropic_error_body
+from gateway.auth import tenant_for
 from gateway.chat_template import ChatPrompt
 from gateway.errors import InvalidRequest
+from gateway.http_serving import choice_events, client_request_id, request_caller, unless_disconnected
 from gateway.metrics import CONTENT_TYPE
 from gateway.openai_protocol import (
     LEGACY_DEFAULT_MAX_TOKENS,
@@ -43,7 +42,6 @@ from gateway.serving import (
     GenerationParams,
     ServingContext,
     build_generation_request,
-    generate_text,
     prompt_tail,
 )
 from gateway.structured_output import response_format_grammar, tool_choice_plan
@@ -51,56 +49,6 @@ from protos.conventions import TENANT_METADATA_KEY
 from speclane.log import bind_request_id
 
 log = structlog.get_logger()
-
-
-async def choice_events(ctx: ServingContext, requests, stop_strings, caller: ApiKey | None):
-    """(choice index, TextDelta) from the n generations as they come; holds n limiter slots."""
-    with ctx.limiter.acquire(len(requests), caller):
-        if len(requests) == 1:  # the common case needs no task and no queue
-            async with contextlib.aclosing(generate_text(ctx, requests[0], stop_strings)) as deltas:
-                async for delta in deltas:
-                    yield 0, delta
-            return
-        queue = asyncio.Queue()
-
-        async def pump(index, request):
-            try:
-                async for delta in generate_text(ctx, request, stop_strings):
-                    queue.put_nowait((index, delta, None))
-            except Exception as error:  # noqa: BLE001 - handed to the consumer, which raises it
-                queue.put_nowait((index, None, error))
-
-        tasks = [asyncio.create_task(pump(index, request)) for index, request in enumerate(requests)]
-        try:
-            unfinished = len(requests)
-            while unfinished:
-                index, delta, error = await queue.get()
-                if error is not None:
-                    raise error
-                unfinished -= delta.finish_reason is not None
-                yield index, delta
-        finally:
-            for task in tasks:
-                task.cancel()  # closes the generations that are still running: downstream abort
-            with anyio.CancelScope(shield=True):
-                await asyncio.gather(*tasks, return_exceptions=True)
-
-
-async def unless_disconnected(request: Request, work):
-    """Awaits coroutine `work`, cancelling it (and returning None) if the client goes away first."""
-
-    async def disconnected():
-        while (await request.receive())["type"] != "http.disconnect":
-            pass
-
-    task, watcher = asyncio.ensure_future(work), asyncio.ensure_future(disconnected())
-    try:
-        await asyncio.wait([task, watcher], return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watcher.cancel()
-        task.cancel()  # a no-op once done
-        await asyncio.wait([task])
-    return None if task.cancelled() else task.result()
 
 
 def _tool_plan(ctx: ServingContext, body: ChatCompletionRequest):
@@ -116,15 +64,9 @@ def _chat_prompt(body: ChatCompletionRequest) -> ChatPrompt:
                       template_kwargs=body.chat_template_kwargs or {})
 
 
-def _client_request_id(request: Request) -> str | None:
-    """The caller's X-Request-Id if it can travel as gRPC metadata (printable ASCII, at most 256 chars)."""
-    value = request.headers.get("x-request-id", "")
-    return value if 0 < len(value) <= 256 and value.isascii() and value.isprintable() else None
-
-
-def _caller(request: Request) -> ApiKey | None:
-    """The key RequireApiKey authenticated the request with; None without keys."""
-    return request.scope.get("state", {}).get("api_key")
+def error_shape(path: str):
+    """The error body of the API a path belongs to: Anthropic's for /v1/messages, else OpenAI's."""
+    return anthropic_error_body if path.startswith(MESSAGES_PATH) else error_body
 
 
 class RequireApiKey:
@@ -140,12 +82,16 @@ class RequireApiKey:
 
     async def __call__(self, scope, receive, send):
         if scope["type"] == "http" and self.ctx.keyring and self._protected(scope["path"]):
-            authorization = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
+            headers = dict(scope["headers"])
+            authorization = headers.get(b"authorization", b"").decode("latin-1")
+            if not authorization and b"x-api-key" in headers:  # Anthropic's clients send their key so
+                authorization = "Bearer " + headers[b"x-api-key"].decode("latin-1")
             caller = self.ctx.keyring.authenticate(authorization)
             if caller is None:
                 self.ctx.metrics.record_error("unauthenticated")
-                body = error_body("Incorrect or missing API key: send Authorization: Bearer KEY",
-                                  "authentication_error", code="invalid_api_key")
+                body = error_shape(scope["path"])(
+                    "Incorrect or missing API key: send Authorization: Bearer KEY (or x-api-key: KEY)",
+                    "authentication_error", code="invalid_api_key")
                 await JSONResponse(body, status_code=401)(scope, receive, send)
                 return
             scope.setdefault("state", {})["api_key"] = caller
@@ -197,8 +143,8 @@ class LimitRequestBody:
     async def _refuse(self, scope, receive, send):
         self.ctx.metrics.record_error("request_too_large")
         limit = self.ctx.max_request_body_bytes
-        body = error_body(f"The request body is larger than this server's limit of {limit} bytes",
-                          "invalid_request_error", code="request_too_large")
+        body = error_shape(scope["path"])(f"The request body is larger than this server's limit of {limit} bytes",
+                                          "invalid_request_error", code="request_too_large")
         # The rest of the body is never read, so this connection cannot carry another request.
         await JSONResponse(body, status_code=413, headers={"Connection": "close"})(scope, receive, send)
 
@@ -214,20 +160,21 @@ def create_app(ctx: ServingContext) -> FastAPI:
     async def invalid_body(request: Request, error: RequestValidationError):
         message, param = validation_message(error.errors()[0])
         ctx.metrics.record_error("invalid_request")
-        return JSONResponse(error_body(message, "invalid_request_error", param), status_code=400)
+        return JSONResponse(error_shape(request.url.path)(message, "invalid_request_error", param), status_code=400)
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, error: HTTPException):
-        return JSONResponse(error_body(str(error.detail), "invalid_request_error"), status_code=error.status_code,
-                            headers=error.headers)
+        body = error_shape(request.url.path)(str(error.detail), "invalid_request_error",
+                                             code="not_found" if error.status_code == 404 else None)
+        return JSONResponse(body, status_code=error.status_code, headers=error.headers)
 
     async def complete(request: Request, flavor: ApiFlavor, body: CompletionBase, max_tokens: int | None):
         response_id = f"{flavor.id_prefix}-{uuid.uuid4().hex}"
         # A caller's X-Request-Id (as vLLM honours it) ties our logs on every service to its trace.
-        request_id = _client_request_id(request) or response_id
+        request_id = client_request_id(request) or response_id
         bind_request_id(request_id)
         headers = {"X-Request-Id": request_id}
-        caller = _caller(request)
+        caller = request_caller(request)
         try:
             check_extra_fields(body)
             if not 1 <= body.n <= ctx.max_concurrent_requests:
@@ -283,6 +230,8 @@ def create_app(ctx: ServingContext) -> FastAPI:
     async def completions(body: CompletionRequest, request: Request):
         max_tokens = body.max_tokens if body.max_tokens is not None else LEGACY_DEFAULT_MAX_TOKENS
         return await complete(request, TEXT, body, max_tokens)
+
+    add_messages_routes(app, ctx)
 
     @app.get("/v1/models")
     async def models():

@@ -68,8 +68,8 @@ def error_body(message: str, kind: str, param: str | None = None, code: str | No
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
-def error_for(ctx: ServingContext, error: Exception) -> tuple[int, dict]:
-    """HTTP status and OpenAI error body for an exception; counts it."""
+def error_for(ctx: ServingContext, error: Exception, shape=error_body) -> tuple[int, dict]:
+    """HTTP status and error body for an exception (OpenAI's, or the `shape` of another API); counts it."""
     if isinstance(error, ModelNotFound):
         status, kind, code, label = 404, "invalid_request_error", "model_not_found", "model_not_found"
     elif isinstance(error, InvalidRequest):
@@ -81,9 +81,9 @@ def error_for(ctx: ServingContext, error: Exception) -> tuple[int, dict]:
     else:
         log.error("request failed", exc_info=error)
         ctx.metrics.record_error("internal")
-        return 500, error_body("Internal server error", "server_error")
+        return 500, shape("Internal server error", "server_error")
     ctx.metrics.record_error(label)
-    return status, error_body(str(error), kind, error.param if isinstance(error, InvalidRequest) else None, code)
+    return status, shape(str(error), kind, error.param if isinstance(error, InvalidRequest) else None, code)
 
 
 def reasoning_fields(reasoning: str) -> dict:
