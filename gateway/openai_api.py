@@ -37,6 +37,7 @@ from gateway.openai_responses import (
     error_body,
     error_for,
 )
+from gateway.responses_api import add_responses_routes
 from gateway.serving import (
     MAX_SEED,
     GenerationParams,
@@ -44,7 +45,7 @@ from gateway.serving import (
     build_generation_request,
     prompt_tail,
 )
-from gateway.structured_output import response_format_grammar, tool_choice_plan
+from gateway.structured_output import response_format_grammar, tool_choice_plan, tools_or_format_grammar
 from protos.conventions import TENANT_METADATA_KEY
 from speclane.log import bind_request_id
 
@@ -182,11 +183,11 @@ def create_app(ctx: ServingContext) -> FastAPI:
             if body.stream_options is not None and not body.stream:
                 raise InvalidRequest("stream_options is only allowed with stream=true", "stream_options")
             stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or ())
-            grammar = response_format_grammar(body.response_format)
             tool_grammar, tool_parser = _tool_plan(ctx, body) if flavor.chat else (None, None)
-            if grammar and tool_grammar:
-                raise InvalidRequest("response_format cannot be combined with a tool_choice that requires a call",
-                                     "response_format")
+            grammar = response_format_grammar(body.response_format)
+            if flavor.chat:
+                grammar = tools_or_format_grammar(grammar, tool_grammar, tool_parser, body.tools,
+                                                  body.parallel_tool_calls)
             params = GenerationParams(
                 model=body.model, max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p,
                 top_k=body.top_k, seed=body.seed, stop=stop, stop_token_ids=body.stop_token_ids or (),
@@ -194,7 +195,7 @@ def create_app(ctx: ServingContext) -> FastAPI:
                 tenant=tenant_for(caller, request.headers.get(TENANT_METADATA_KEY)),
                 logit_controls=body.logit_controls(),
                 logit_bias=body.logit_bias or {}, logprobs=body.top_logprobs_count(),
-                prediction=body.prediction_text() if flavor.chat else None, grammar=grammar or tool_grammar)
+                prediction=body.prediction_text() if flavor.chat else None, grammar=grammar)
             prompt = {"chat": _chat_prompt(body)} if flavor.chat else completion_prompt(body.prompt)
             base = build_generation_request(ctx, request_id, params, **prompt)
             requests = [base] if body.n == 1 else [
@@ -232,6 +233,7 @@ def create_app(ctx: ServingContext) -> FastAPI:
         return await complete(request, TEXT, body, max_tokens)
 
     add_messages_routes(app, ctx)
+    add_responses_routes(app, ctx)
 
     @app.get("/v1/models")
     async def models():

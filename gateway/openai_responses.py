@@ -11,7 +11,7 @@ import structlog
 from fastapi.responses import StreamingResponse
 
 from gateway.assistant_stream import AssistantMessage, AssistantStream
-from gateway.errors import InvalidRequest, ModelNotFound, Overloaded, Unavailable
+from gateway.errors import InvalidRequest, ModelNotFound, NotFound, Overloaded, Unavailable
 from gateway.openai_logprobs import TextLogprobs, chat_logprobs, merge_text_logprobs
 from gateway.serving import ServingContext, TextDelta
 from gateway.tool_calls import CallArguments, CallStart, ToolCallParser
@@ -72,6 +72,8 @@ def error_for(ctx: ServingContext, error: Exception, shape=error_body) -> tuple[
     """HTTP status and error body for an exception (OpenAI's, or the `shape` of another API); counts it."""
     if isinstance(error, ModelNotFound):
         status, kind, code, label = 404, "invalid_request_error", "model_not_found", "model_not_found"
+    elif isinstance(error, NotFound):
+        status, kind, code, label = 404, "invalid_request_error", "not_found", "not_found"
     elif isinstance(error, InvalidRequest):
         status, kind, code, label = 400, "invalid_request_error", None, "invalid_request"
     elif isinstance(error, Overloaded):

@@ -14,6 +14,7 @@ from gateway.errors import InvalidRequest, ModelNotFound
 from gateway.limits import DEFAULT_MAX_REQUEST_BODY_BYTES, ConcurrencyLimiter
 from gateway.metrics import GatewayMetrics
 from gateway.reasoning import ReasoningParser
+from gateway.response_store import DEFAULT_MAX_STORED_RESPONSES, ResponseStore
 from gateway.sampling_defaults import SamplingDefaults
 from gateway.stop_strings import StopStringMatcher
 from gateway.tool_calls import TOOL_CALL_PARSERS, ToolCallParser
@@ -48,6 +49,7 @@ class ServingContext:
     tool_call_parser: ToolCallParser | None = TOOL_CALL_PARSERS["hermes"]  # None: tools are refused
     auto_tool_choice: bool = True  # tool_choice auto reads calls from the output
     reasoning_parser: ReasoningParser | None = None  # None: reasoning stays in the content
+    responses: ResponseStore = field(default_factory=lambda: ResponseStore(DEFAULT_MAX_STORED_RESPONSES))
     # What the drafter reported of itself (None until reached): requests are checked against it.
     drafter_limits: Callable[[], DrafterLimits | None] = lambda: None
     draft_head: str = ""  # the verifiers' head method (eagle, eagle3, mtp); "" without one
