@@ -92,6 +92,8 @@ def _text(blocks, where: str) -> str:
     """A string, or text blocks joined (system prompts, tool results)."""
     if isinstance(blocks, str):
         return blocks
+    if not isinstance(blocks, list):
+        raise InvalidRequest(f"{where} must be a string or a list of text blocks", where)
     parts = []
     for index, block in enumerate(blocks):
         if not isinstance(block, dict) or block.get("type") != "text" or not isinstance(block.get("text"), str):
@@ -110,7 +112,7 @@ def _user_messages(content: list[dict], where: str, known_calls: set[str]) -> li
             texts.append(block["text"])
         elif kind == "tool_result":
             call_id = block.get("tool_use_id")
-            if call_id not in known_calls:
+            if not isinstance(call_id, str) or call_id not in known_calls:
                 raise InvalidRequest(f"{at}.tool_use_id {call_id!r} answers no tool_use block of an earlier "
                                      "assistant message", f"{at}.tool_use_id")
             result = _text(block.get("content", ""), f"{at}.content")

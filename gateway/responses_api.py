@@ -32,7 +32,7 @@ from protos.conventions import TENANT_METADATA_KEY
 from speclane.log import bind_request_id
 
 log = structlog.get_logger()
-_TEXT_PARTS = ("input_text", "output_text", "text")
+_TEXT_PARTS = ("input_text", "output_text", "text", "reasoning_text")
 
 
 class ResponsesRequest(BaseModel):
@@ -106,19 +106,19 @@ def input_messages(items: str | list[dict], history: list[dict]) -> list[dict]:
             if item["role"] == "assistant" and reasoning is not None:
                 message["reasoning_content"], reasoning = reasoning, None
             messages.append(message)
-        elif kind == "function_call" and all(isinstance(item.get(key), str) for key in ("call_id", "name")):
+        elif kind == "function_call" and all(isinstance(item.get(key), str) for key in ("call_id", "name")) \
+                and isinstance(item.get("arguments", ""), str):
             known.add(item["call_id"])
             assistant()["tool_calls"].append({"id": item["call_id"], "type": "function", "function": {
                 "name": item["name"], "arguments": item.get("arguments") or "{}"}})
         elif kind == "function_call_output":
-            if item.get("call_id") not in known:
+            if not isinstance(item.get("call_id"), str) or item["call_id"] not in known:
                 raise InvalidRequest(f"{where}.call_id {item.get('call_id')!r} answers no function_call of the "
                                      "conversation", f"{where}.call_id")
             messages.append({"role": "tool", "tool_call_id": item["call_id"],
                              "content": _part_text(item.get("output", ""), f"{where}.output")})
         elif kind == "reasoning":
-            parts = item.get("content") or []
-            reasoning = "".join(part.get("text", "") for part in parts if isinstance(part, dict))
+            reasoning = _part_text(item.get("content") or [], f"{where}.content")
         else:
             raise InvalidRequest(f"{where}: items are messages (user, system, developer, assistant), "
                                  f"function_call, function_call_output or reasoning; got {kind!r}", where)
@@ -151,7 +151,10 @@ def chat_tool_choice(choice):
 def response_format(text: dict | None) -> dict | None:
     """text.format as chat completions' response_format."""
     fmt = (text or {}).get("format")
-    if not isinstance(fmt, dict) or fmt.get("type") != "json_schema":
+    if fmt is not None and not isinstance(fmt, dict):
+        raise InvalidRequest("text.format must be an object with a type (text, json_object or json_schema)",
+                             "text.format")
+    if fmt is None or fmt.get("type") != "json_schema":
         return fmt
     return {"type": "json_schema", "json_schema": {"name": fmt.get("name"), "schema": fmt.get("schema")}}
 
