@@ -66,7 +66,8 @@ def _template_message(index: int, message: dict) -> dict:
                              f"{where}.tool_call_id")
     # "developer" is OpenAI's newer name for "system"; chat templates know only the latter.
     rendered = {"role": "system" if role == "developer" else role, "content": content or ""}
-    for key in ("name", "tool_call_id"):
+    # reasoning_content: an assistant's earlier thinking, which reasoning models' templates render (or drop).
+    for key in ("name", "tool_call_id", "reasoning_content"):
         if message.get(key):
             rendered[key] = message[key]
     if tool_calls:

@@ -5,6 +5,8 @@ from dataclasses import dataclass
 
 from gateway.auth import Keyring
 from gateway.limits import DEFAULT_MAX_REQUEST_BODY_BYTES
+from gateway.reasoning import REASONING_PARSERS
+from gateway.response_store import DEFAULT_MAX_STORED_RESPONSES
 from gateway.sampling_defaults import GENERATION_CONFIG_MODES
 from gateway.tool_calls import TOOL_CALL_PARSERS
 from speclane.config import option
@@ -39,8 +41,13 @@ class GatewayConfig:
                                     "model's")
     tool_call_parser: str = option("hermes", "how tool calls are read from the output: hermes (<tool_call> "
                                              "blocks: Qwen2.5, Qwen3, Hermes) or json; empty: tools are refused")
+    reasoning_parser: str = option("", "how reasoning is split off the output: qwen3 or deepseek_r1 (<think> "
+                                       "blocks, as vLLM's flag); empty: reasoning stays in the content")
     enable_auto_tool_choice: bool = option(True, "read tool calls from the output when tool_choice is auto "
                                                  "(vLLM needs the flag; here it is on by default)")
+    max_stored_responses: int = option(DEFAULT_MAX_STORED_RESPONSES, "Responses API responses kept in memory for "
+                                       "previous_response_id and GET /v1/responses/{id}, the oldest dropped "
+                                       "first (lost on restart); 0: store nothing")
     draft_timeout_ms: int = option(200, "a draft slower than this is skipped and the drafter given a rest")
     # Above the verifier's default --max-queue-wait (30 s), which a prefill may legitimately spend waiting for KV.
     verifier_timeout_s: float = option(60.0, "seconds a prefill or verify step waits for the verifier's answer "
@@ -99,6 +106,11 @@ class GatewayConfig:
         if self.tool_call_parser and self.tool_call_parser not in TOOL_CALL_PARSERS:
             raise ValueError(f"tool_call_parser must be one of {', '.join(TOOL_CALL_PARSERS)}, "
                              f"got {self.tool_call_parser!r}")
+        if self.reasoning_parser and self.reasoning_parser not in REASONING_PARSERS:
+            raise ValueError(f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)}, "
+                             f"got {self.reasoning_parser!r}")
+        if self.max_stored_responses < 0:
+            raise ValueError("max_stored_responses must be >= 0")
         if self.draft_timeout_ms <= 0:
             raise ValueError("draft_timeout_ms must be positive")
         if self.verifier_timeout_s < 0:

@@ -11,7 +11,11 @@ class InvalidRequest(ValueError):
         self.param = param
 
 
-class ModelNotFound(InvalidRequest):
+class NotFound(InvalidRequest):
+    """The request names something that does not exist (a stored response): HTTP 404 / NOT_FOUND."""
+
+
+class ModelNotFound(NotFound):
     """The request names a model we do not serve: HTTP 404 / NOT_FOUND."""
 
 

@@ -6,11 +6,11 @@ import contextlib
 import grpc
 
 from gateway import grpc_messages
+from gateway.assistant_stream import AssistantMessage, AssistantStream
 from gateway.auth import AUTHORIZATION_METADATA_KEY, ApiKey, tenant_for
 from gateway.errors import InvalidRequest, ModelNotFound, Overloaded, Unavailable
 from gateway.model_info import Backends, model_info
 from gateway.serving import ServingContext, build_generation_request, generate_text
-from gateway.tool_calls import ToolCallReader
 from protos.conventions import TENANT_METADATA_KEY
 from protos.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from speclane.grpc_server import bind_request_id_from
@@ -48,14 +48,16 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServicer):
             tool_grammar, tool_parser = grpc_messages.tool_plan(self._ctx, request)
             params = grpc_messages.params(request, tenant, tool_grammar)
             generation = build_generation_request(self._ctx, request_id, params, **grpc_messages.prompt(request))
-            tools = ToolCallReader(tool_parser)
+            output = AssistantStream(tool_parser)  # the proto has no reasoning field: it stays in the text
             with self._ctx.limiter.acquire(1, caller):
                 completion_tokens = 0
                 async with contextlib.aclosing(generate_text(self._ctx, generation, params.stop)) as deltas:
                     async for delta in deltas:
                         completion_tokens += len(delta.token_ids)
-                        text, calls, finish_reason = tools.read(delta.text, delta.finish_reason)
-                        yield grpc_messages.response(delta, text, calls, finish_reason,
+                        events, finish_reason = output.read(delta.text, delta.finish_reason)
+                        message = AssistantMessage()
+                        message.add(events)
+                        yield grpc_messages.response(delta, message.content, message.calls, finish_reason,
                                                      len(generation.prompt_token_ids), completion_tokens)
         except ModelNotFound as error:
             await context.abort(grpc.StatusCode.NOT_FOUND, str(error))

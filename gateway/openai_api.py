@@ -1,22 +1,21 @@
 """OpenAI-compatible HTTP API: /v1/chat/completions, /v1/completions (with SSE
 streaming), /v1/models, /health and /metrics, over a ServingContext."""
 
-import asyncio
-import contextlib
 import dataclasses
 import time
 import uuid
 
-import anyio
 import structlog
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException
 
-from gateway.auth import ApiKey, tenant_for
+from gateway.anthropic_api import MESSAGES_PATH, add_messages_routes, anthropic_error_body
+from gateway.auth import tenant_for
 from gateway.chat_template import ChatPrompt
 from gateway.errors import InvalidRequest
+from gateway.http_serving import choice_events, client_request_id, request_caller, unless_disconnected
 from gateway.metrics import CONTENT_TYPE
 from gateway.openai_protocol import (
     LEGACY_DEFAULT_MAX_TOKENS,
@@ -38,68 +37,19 @@ from gateway.openai_responses import (
     error_body,
     error_for,
 )
+from gateway.responses_api import add_responses_routes
 from gateway.serving import (
     MAX_SEED,
     GenerationParams,
     ServingContext,
     build_generation_request,
-    generate_text,
+    prompt_tail,
 )
-from gateway.structured_output import response_format_grammar, tool_choice_plan
+from gateway.structured_output import response_format_grammar, tool_choice_plan, tools_or_format_grammar
 from protos.conventions import TENANT_METADATA_KEY
 from speclane.log import bind_request_id
 
 log = structlog.get_logger()
-
-
-async def choice_events(ctx: ServingContext, requests, stop_strings, caller: ApiKey | None):
-    """(choice index, TextDelta) from the n generations as they come; holds n limiter slots."""
-    with ctx.limiter.acquire(len(requests), caller):
-        if len(requests) == 1:  # the common case needs no task and no queue
-            async with contextlib.aclosing(generate_text(ctx, requests[0], stop_strings)) as deltas:
-                async for delta in deltas:
-                    yield 0, delta
-            return
-        queue = asyncio.Queue()
-
-        async def pump(index, request):
-            try:
-                async for delta in generate_text(ctx, request, stop_strings):
-                    queue.put_nowait((index, delta, None))
-            except Exception as error:  # noqa: BLE001 - handed to the consumer, which raises it
-                queue.put_nowait((index, None, error))
-
-        tasks = [asyncio.create_task(pump(index, request)) for index, request in enumerate(requests)]
-        try:
-            unfinished = len(requests)
-            while unfinished:
-                index, delta, error = await queue.get()
-                if error is not None:
-                    raise error
-                unfinished -= delta.finish_reason is not None
-                yield index, delta
-        finally:
-            for task in tasks:
-                task.cancel()  # closes the generations that are still running: downstream abort
-            with anyio.CancelScope(shield=True):
-                await asyncio.gather(*tasks, return_exceptions=True)
-
-
-async def unless_disconnected(request: Request, work):
-    """Awaits coroutine `work`, cancelling it (and returning None) if the client goes away first."""
-
-    async def disconnected():
-        while (await request.receive())["type"] != "http.disconnect":
-            pass
-
-    task, watcher = asyncio.ensure_future(work), asyncio.ensure_future(disconnected())
-    try:
-        await asyncio.wait([task, watcher], return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watcher.cancel()
-        task.cancel()  # a no-op once done
-        await asyncio.wait([task])
-    return None if task.cancelled() else task.result()
 
 
 def _tool_plan(ctx: ServingContext, body: ChatCompletionRequest):
@@ -115,15 +65,9 @@ def _chat_prompt(body: ChatCompletionRequest) -> ChatPrompt:
                       template_kwargs=body.chat_template_kwargs or {})
 
 
-def _client_request_id(request: Request) -> str | None:
-    """The caller's X-Request-Id if it can travel as gRPC metadata (printable ASCII, at most 256 chars)."""
-    value = request.headers.get("x-request-id", "")
-    return value if 0 < len(value) <= 256 and value.isascii() and value.isprintable() else None
-
-
-def _caller(request: Request) -> ApiKey | None:
-    """The key RequireApiKey authenticated the request with; None without keys."""
-    return request.scope.get("state", {}).get("api_key")
+def error_shape(path: str):
+    """The error body of the API a path belongs to: Anthropic's for /v1/messages, else OpenAI's."""
+    return anthropic_error_body if path.startswith(MESSAGES_PATH) else error_body
 
 
 class RequireApiKey:
@@ -139,12 +83,16 @@ class RequireApiKey:
 
     async def __call__(self, scope, receive, send):
         if scope["type"] == "http" and self.ctx.keyring and self._protected(scope["path"]):
-            authorization = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
+            headers = dict(scope["headers"])
+            authorization = headers.get(b"authorization", b"").decode("latin-1")
+            if not authorization and b"x-api-key" in headers:  # Anthropic's clients send their key so
+                authorization = "Bearer " + headers[b"x-api-key"].decode("latin-1")
             caller = self.ctx.keyring.authenticate(authorization)
             if caller is None:
                 self.ctx.metrics.record_error("unauthenticated")
-                body = error_body("Incorrect or missing API key: send Authorization: Bearer KEY",
-                                  "authentication_error", code="invalid_api_key")
+                body = error_shape(scope["path"])(
+                    "Incorrect or missing API key: send Authorization: Bearer KEY (or x-api-key: KEY)",
+                    "authentication_error", code="invalid_api_key")
                 await JSONResponse(body, status_code=401)(scope, receive, send)
                 return
             scope.setdefault("state", {})["api_key"] = caller
@@ -196,8 +144,8 @@ class LimitRequestBody:
     async def _refuse(self, scope, receive, send):
         self.ctx.metrics.record_error("request_too_large")
         limit = self.ctx.max_request_body_bytes
-        body = error_body(f"The request body is larger than this server's limit of {limit} bytes",
-                          "invalid_request_error", code="request_too_large")
+        body = error_shape(scope["path"])(f"The request body is larger than this server's limit of {limit} bytes",
+                                          "invalid_request_error", code="request_too_large")
         # The rest of the body is never read, so this connection cannot carry another request.
         await JSONResponse(body, status_code=413, headers={"Connection": "close"})(scope, receive, send)
 
@@ -213,20 +161,21 @@ def create_app(ctx: ServingContext) -> FastAPI:
     async def invalid_body(request: Request, error: RequestValidationError):
         message, param = validation_message(error.errors()[0])
         ctx.metrics.record_error("invalid_request")
-        return JSONResponse(error_body(message, "invalid_request_error", param), status_code=400)
+        return JSONResponse(error_shape(request.url.path)(message, "invalid_request_error", param), status_code=400)
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, error: HTTPException):
-        return JSONResponse(error_body(str(error.detail), "invalid_request_error"), status_code=error.status_code,
-                            headers=error.headers)
+        body = error_shape(request.url.path)(str(error.detail), "invalid_request_error",
+                                             code="not_found" if error.status_code == 404 else None)
+        return JSONResponse(body, status_code=error.status_code, headers=error.headers)
 
     async def complete(request: Request, flavor: ApiFlavor, body: CompletionBase, max_tokens: int | None):
         response_id = f"{flavor.id_prefix}-{uuid.uuid4().hex}"
         # A caller's X-Request-Id (as vLLM honours it) ties our logs on every service to its trace.
-        request_id = _client_request_id(request) or response_id
+        request_id = client_request_id(request) or response_id
         bind_request_id(request_id)
         headers = {"X-Request-Id": request_id}
-        caller = _caller(request)
+        caller = request_caller(request)
         try:
             check_extra_fields(body)
             if not 1 <= body.n <= ctx.max_concurrent_requests:
@@ -234,11 +183,11 @@ def create_app(ctx: ServingContext) -> FastAPI:
             if body.stream_options is not None and not body.stream:
                 raise InvalidRequest("stream_options is only allowed with stream=true", "stream_options")
             stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or ())
-            grammar = response_format_grammar(body.response_format)
             tool_grammar, tool_parser = _tool_plan(ctx, body) if flavor.chat else (None, None)
-            if grammar and tool_grammar:
-                raise InvalidRequest("response_format cannot be combined with a tool_choice that requires a call",
-                                     "response_format")
+            grammar = response_format_grammar(body.response_format)
+            if flavor.chat:
+                grammar = tools_or_format_grammar(grammar, tool_grammar, tool_parser, body.tools,
+                                                  body.parallel_tool_calls)
             params = GenerationParams(
                 model=body.model, max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p,
                 top_k=body.top_k, seed=body.seed, stop=stop, stop_token_ids=body.stop_token_ids or (),
@@ -246,7 +195,7 @@ def create_app(ctx: ServingContext) -> FastAPI:
                 tenant=tenant_for(caller, request.headers.get(TENANT_METADATA_KEY)),
                 logit_controls=body.logit_controls(),
                 logit_bias=body.logit_bias or {}, logprobs=body.top_logprobs_count(),
-                prediction=body.prediction_text() if flavor.chat else None, grammar=grammar or tool_grammar)
+                prediction=body.prediction_text() if flavor.chat else None, grammar=grammar)
             prompt = {"chat": _chat_prompt(body)} if flavor.chat else completion_prompt(body.prompt)
             base = build_generation_request(ctx, request_id, params, **prompt)
             requests = [base] if body.n == 1 else [
@@ -256,7 +205,8 @@ def create_app(ctx: ServingContext) -> FastAPI:
                 for index in range(body.n)]
             events = choice_events(ctx, requests, stop, caller)
             writer = ResponseWriter(ctx, flavor, response_id, body.n, UsageTally(len(base.prompt_token_ids)),
-                                    tool_parser=tool_parser, logprobs=base.logprobs is not None)
+                                    tool_parser=tool_parser, logprobs=base.logprobs is not None,
+                                    prompt_text=prompt_tail(ctx, base))
             if body.stream:
                 include_usage = bool(body.stream_options and body.stream_options.include_usage)
                 # Waiting for the first tokens lets overload and bad input still get a status code.
@@ -281,6 +231,9 @@ def create_app(ctx: ServingContext) -> FastAPI:
     async def completions(body: CompletionRequest, request: Request):
         max_tokens = body.max_tokens if body.max_tokens is not None else LEGACY_DEFAULT_MAX_TOKENS
         return await complete(request, TEXT, body, max_tokens)
+
+    add_messages_routes(app, ctx)
+    add_responses_routes(app, ctx)
 
     @app.get("/v1/models")
     async def models():

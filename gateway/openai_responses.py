@@ -10,10 +10,11 @@ import anyio
 import structlog
 from fastapi.responses import StreamingResponse
 
-from gateway.errors import InvalidRequest, ModelNotFound, Overloaded, Unavailable
+from gateway.assistant_stream import AssistantMessage, AssistantStream
+from gateway.errors import InvalidRequest, ModelNotFound, NotFound, Overloaded, Unavailable
 from gateway.openai_logprobs import TextLogprobs, chat_logprobs, merge_text_logprobs
 from gateway.serving import ServingContext, TextDelta
-from gateway.tool_calls import ToolCallParser, ToolCallReader
+from gateway.tool_calls import CallArguments, CallStart, ToolCallParser
 from gateway.types import SpeculationUsage
 
 log = structlog.get_logger()
@@ -67,10 +68,12 @@ def error_body(message: str, kind: str, param: str | None = None, code: str | No
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
-def error_for(ctx: ServingContext, error: Exception) -> tuple[int, dict]:
-    """HTTP status and OpenAI error body for an exception; counts it."""
+def error_for(ctx: ServingContext, error: Exception, shape=error_body) -> tuple[int, dict]:
+    """HTTP status and error body for an exception (OpenAI's, or the `shape` of another API); counts it."""
     if isinstance(error, ModelNotFound):
         status, kind, code, label = 404, "invalid_request_error", "model_not_found", "model_not_found"
+    elif isinstance(error, NotFound):
+        status, kind, code, label = 404, "invalid_request_error", "not_found", "not_found"
     elif isinstance(error, InvalidRequest):
         status, kind, code, label = 400, "invalid_request_error", None, "invalid_request"
     elif isinstance(error, Overloaded):
@@ -80,50 +83,67 @@ def error_for(ctx: ServingContext, error: Exception) -> tuple[int, dict]:
     else:
         log.error("request failed", exc_info=error)
         ctx.metrics.record_error("internal")
-        return 500, error_body("Internal server error", "server_error")
+        return 500, shape("Internal server error", "server_error")
     ctx.metrics.record_error(label)
-    return status, error_body(str(error), kind, error.param if isinstance(error, InvalidRequest) else None, code)
+    return status, shape(str(error), kind, error.param if isinstance(error, InvalidRequest) else None, code)
+
+
+def reasoning_fields(reasoning: str) -> dict:
+    """vLLM's current field and the DeepSeek convention many clients still read."""
+    return {"reasoning": reasoning, "reasoning_content": reasoning} if reasoning else {}
+
+
+def chunk_tool_calls(events: list) -> list[dict]:
+    """A step's call events as OpenAI streams them: id and name first, then argument fragments."""
+    entries = {}
+    for event in events:
+        if isinstance(event, CallStart):
+            entries[event.index] = {"index": event.index, "id": event.id, "type": "function",
+                                    "function": {"name": event.name, "arguments": ""}}
+        elif isinstance(event, CallArguments):
+            entry = entries.setdefault(event.index, {"index": event.index, "function": {"arguments": ""}})
+            entry["function"]["arguments"] += event.delta
+    return list(entries.values())
 
 
 class _Choice:
-    """One choice's output so far: its text split into content and tool calls,
-    and its logprobs in the flavor's shape."""
+    """One choice's output so far: its text split into reasoning, content and tool
+    calls, and its logprobs in the flavor's shape."""
 
     def __init__(self, writer: "ResponseWriter", index: int):
         self.index = index
         self.chat = writer.flavor.chat
         self.tokenizer = writer.ctx.tokenizer
         self.want_logprobs = writer.logprobs
-        self.tools = ToolCallReader(writer.tool_parser)
+        self.output = (AssistantStream(writer.tool_parser, writer.ctx.reasoning_parser, writer.prompt_text)
+                       if self.chat else AssistantStream())
         self.text_logprobs = TextLogprobs(self.tokenizer)
 
     def read(self, delta: TextDelta) -> dict:
-        """The delta's part of the choice: content/text, tool_calls, logprobs, finish_reason."""
-        first = self.tools.num_calls
-        text, calls, finish_reason = self.tools.read(delta.text, delta.finish_reason)
-        part = {"text": text, "tool_calls": [self._call(first + i, call) for i, call in enumerate(calls)],
-                "logprobs": None, "finish_reason": finish_reason}
+        """The delta's part of the choice: content/text, reasoning, tool_calls, logprobs, finish_reason."""
+        events, finish_reason = self.output.read(delta.text, delta.finish_reason)
+        message = AssistantMessage()
+        message.add(events)
+        part = {"text": message.content, "reasoning": message.reasoning, "calls": message.calls,
+                "tool_calls": chunk_tool_calls(events), "logprobs": None, "finish_reason": finish_reason}
         if self.want_logprobs:
             part["logprobs"] = (chat_logprobs(self.tokenizer, delta.token_ids, delta.logprobs) if self.chat
                                 else self.text_logprobs.add(delta.token_ids, delta.logprobs))
         return part
 
-    @staticmethod
-    def _call(index: int, call) -> dict:
-        return {"index": index, "id": call.id, "type": "function",
-                "function": {"name": call.name, "arguments": call.arguments}}
-
     def whole(self, parts: list[dict]) -> dict:
         text = "".join(part["text"] for part in parts)
-        calls = [call for part in parts for call in part["tool_calls"]]
+        calls = [call for part in parts for call in part["calls"]]
         logprobs = None
         if self.want_logprobs:
             logprobs = ({"content": [entry for part in parts for entry in part["logprobs"]]} if self.chat
                         else merge_text_logprobs([part["logprobs"] for part in parts]))
         if self.chat:
-            message = {"role": "assistant", "content": text if text or not calls else None}
+            message = {"role": "assistant", "content": text if text or not calls else None,
+                       **reasoning_fields("".join(part["reasoning"] for part in parts))}
             if calls:
-                message["tool_calls"] = [{key: value for key, value in call.items() if key != "index"}
+                message["tool_calls"] = [{"id": call.id, "type": "function",
+                                          "function": {"name": call.name, "arguments": call.arguments}}
                                          for call in calls]
             body = {"message": message}
         else:
@@ -133,6 +153,7 @@ class _Choice:
     def chunk(self, part: dict) -> dict:
         if self.chat:
             delta = {"content": part["text"]} if part["text"] else {}
+            delta.update(reasoning_fields(part["reasoning"]))
             if part["tool_calls"]:
                 delta["tool_calls"] = part["tool_calls"]
             body = {"delta": delta}
@@ -153,6 +174,7 @@ class ResponseWriter:
     usage: UsageTally
     tool_parser: ToolCallParser | None = None  # set: tool calls are read from the output
     logprobs: bool = False
+    prompt_text: str = ""  # the prompt's end: whether it opened a reasoning block
     created: int = dataclasses.field(default_factory=lambda: int(time.time()))
 
     def __post_init__(self):
@@ -180,7 +202,8 @@ class ResponseWriter:
     def delta_event(self, index: int, delta: TextDelta, include_usage: bool) -> str | None:
         self.usage.add(delta)
         part = self.choices[index].read(delta)
-        if not (part["text"] or part["tool_calls"] or part["finish_reason"] or (self.logprobs and delta.token_ids)):
+        if not (part["text"] or part["reasoning"] or part["tool_calls"] or part["finish_reason"]
+                or (self.logprobs and delta.token_ids)):
             return None
         return self.event([self.choices[index].chunk(part)], include_usage)
 

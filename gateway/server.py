@@ -14,6 +14,8 @@ from gateway.metrics import GatewayMetrics
 from gateway.model_info import Backends
 from gateway.openai_api import create_app
 from gateway.orchestrator import LoopPolicy, Orchestrator
+from gateway.reasoning import REASONING_PARSERS
+from gateway.response_store import ResponseStore
 from gateway.sampling_defaults import read_sampling_defaults
 from gateway.serving import ServingContext
 from gateway.tokenizer import files_from_verifier, hide_torch, load_tokenizer
@@ -108,6 +110,8 @@ async def run(config: GatewayConfig) -> None:
         chat_template=read_chat_template(config.chat_template),
         tool_call_parser=TOOL_CALL_PARSERS.get(config.tool_call_parser),
         auto_tool_choice=config.enable_auto_tool_choice,
+        reasoning_parser=REASONING_PARSERS.get(config.reasoning_parser),
+        responses=ResponseStore(config.max_stored_responses),
         ready=verifiers.ready,
         drafter_limits=(lambda: drafter.limits) if drafter is not None else (lambda: None),
         draft_head=info.draft_head,

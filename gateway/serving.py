@@ -13,6 +13,8 @@ from gateway.detokenizer import IncrementalDetokenizer
 from gateway.errors import InvalidRequest, ModelNotFound
 from gateway.limits import DEFAULT_MAX_REQUEST_BODY_BYTES, ConcurrencyLimiter
 from gateway.metrics import GatewayMetrics
+from gateway.reasoning import ReasoningParser
+from gateway.response_store import DEFAULT_MAX_STORED_RESPONSES, ResponseStore
 from gateway.sampling_defaults import SamplingDefaults
 from gateway.stop_strings import StopStringMatcher
 from gateway.tool_calls import TOOL_CALL_PARSERS, ToolCallParser
@@ -46,6 +48,8 @@ class ServingContext:
     chat_template: str | None = None  # None: the tokenizer's
     tool_call_parser: ToolCallParser | None = TOOL_CALL_PARSERS["hermes"]  # None: tools are refused
     auto_tool_choice: bool = True  # tool_choice auto reads calls from the output
+    reasoning_parser: ReasoningParser | None = None  # None: reasoning stays in the content
+    responses: ResponseStore = field(default_factory=lambda: ResponseStore(DEFAULT_MAX_STORED_RESPONSES))
     # What the drafter reported of itself (None until reached): requests are checked against it.
     drafter_limits: Callable[[], DrafterLimits | None] = lambda: None
     draft_head: str = ""  # the verifiers' head method (eagle, eagle3, mtp); "" without one
@@ -85,6 +89,11 @@ class GenerationParams:
     logprobs: int | None = None  # top alternatives per token; None: no logprobs
     prediction: str | None = None  # OpenAI's predicted output
     grammar: str | None = None  # structured output (llguidance Lark), from response_format or tool_choice
+
+
+def prompt_tail(ctx: ServingContext, request: GenerationRequest) -> str:
+    """The prompt's last few tokens as text: enough to see whether it opened a reasoning block."""
+    return ctx.tokenizer.decode(request.prompt_token_ids[-8:]) if ctx.reasoning_parser is not None else ""
 
 
 def text_prompt_ids(ctx: ServingContext, text: str) -> list[int]:
@@ -230,6 +239,7 @@ class TextDelta:
     finish_reason: str | None = None  # "stop" | "length" | "abort" on the last delta
     speculation: SpeculationUsage | None = None  # cumulative, on the last delta
     logprobs: tuple[TokenLogprob, ...] = ()  # one per token id when asked for
+    stop_string: str | None = None  # on the last delta, the stop string that ended the output
 
 
 class _TextStream:
@@ -290,7 +300,8 @@ async def generate_text(ctx: ServingContext, request: GenerationRequest,
                     finish_reason = "stop" if stopped else delta.finish_reason
                     if finish_reason:
                         outcome = finish_reason
-                        yield TextDelta(token_ids, text, finish_reason, usage or SpeculationUsage(), logprobs)
+                        yield TextDelta(token_ids, text, finish_reason, usage or SpeculationUsage(), logprobs,
+                                        stream.stops.matched)
                         return
                     if token_ids or text:
                         yield TextDelta(token_ids, text, logprobs=logprobs)

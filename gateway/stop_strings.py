@@ -11,16 +11,14 @@ string is held back until the next chunk decides it.
 from collections.abc import Sequence
 
 
-def truncate_at_stop(text: str, stop_strings: Sequence[str]) -> tuple[str, bool]:
-    """Cuts `text` before its first stop string; returns (text, found)."""
-    best = None  # (end, start) of the first complete occurrence
+def first_stop(text: str, stop_strings: Sequence[str]) -> tuple[int, str] | None:
+    """(where it starts, which) of the first stop string in `text`; None if there is none."""
+    best = None  # (end, start, stop) of the first complete occurrence
     for stop in stop_strings:
         start = text.find(stop)
-        if start >= 0 and (best is None or (start + len(stop), start) < best):
-            best = (start + len(stop), start)
-    if best is None:
-        return text, False
-    return text[:best[1]], True
+        if start >= 0 and (best is None or (start + len(stop), start) < best[:2]):
+            best = (start + len(stop), start, stop)
+    return None if best is None else best[1:]
 
 
 def partial_stop_len(text: str, stop_strings: Sequence[str]) -> int:
@@ -40,6 +38,7 @@ class StopStringMatcher:
             raise ValueError("stop strings must not be empty")
         self.stop_strings = list(stop_strings)
         self.held = ""
+        self.matched: str | None = None  # the stop string that ended the output
 
     def push(self, text: str) -> tuple[str, bool]:
         """Adds streamed text; returns (text safe to emit, whether a stop string was hit).
@@ -47,10 +46,10 @@ class StopStringMatcher:
         After a hit, the caller ends the output: nothing more should be pushed.
         """
         buffer = self.held + text
-        emitted, stopped = truncate_at_stop(buffer, self.stop_strings)
-        if stopped:
-            self.held = ""
-            return emitted, True
+        found = first_stop(buffer, self.stop_strings)
+        if found is not None:
+            self.held, self.matched = "", found[1]
+            return buffer[:found[0]], True
         keep = partial_stop_len(buffer, self.stop_strings)
         self.held = buffer[len(buffer) - keep:]
         return buffer[:len(buffer) - keep], False

@@ -71,3 +71,16 @@ def tool_choice_plan(parser: ToolCallParser | None, tools: list[dict] | None, to
     if not named:
         raise InvalidRequest(f"tool_choice names {name!r}, which is not among the tools", "tool_choice")
     return parser.grammar(named, parallel=False), parser
+
+
+def tools_or_format_grammar(format_grammar: str | None, tool_grammar: str | None, tool_parser: ToolCallParser | None,
+                            tools: list[dict] | None, parallel_tool_calls: bool | None) -> str | None:
+    """The grammar of a request with both a response format and tools (which vLLM refuses, #16313, and
+    the Agents SDK's output_type sends): with tool_choice auto, the output is either calls or the
+    formatted answer; a call the request insists on comes first (the answer after its result is formatted)."""
+    if format_grammar is None or tool_grammar is not None:
+        return tool_grammar or format_grammar
+    if tool_parser is None:
+        return format_grammar
+    calls = tool_parser.grammar(tools, parallel_tool_calls is not False).replace("start:", "tool_calls:", 1)
+    return f"start: tool_calls | answer\n{calls}\n{format_grammar.replace('start:', 'answer:', 1)}"

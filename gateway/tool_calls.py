@@ -2,17 +2,23 @@
 them, and the grammars that make a model call a tool when the request insists.
 
 `hermes`: each call is `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`,
-the format Qwen2.5, Qwen3 and Hermes models are trained on. `json`: the whole
-output is one such object, or a list of them ("parameters" may stand for
-"arguments"). Text streams through as content until a call starts; a call is
-sent whole, in one delta, once it is complete.
+the format Qwen2.5, Qwen3 and Hermes models are trained on. A call streams as
+OpenAI streams one: its id and name as soon as the name is complete, then its
+arguments' JSON text as it comes. The stream is a function of the text alone,
+never of how it was cut into steps (a speculative step commits many tokens at
+once, which is where peers' streamed parsers break). `json`: the whole output
+is one such object, or a list of them ("parameters" may stand for "arguments"),
+read once it is complete.
 """
 
 import json
+import re
 import uuid
 from dataclasses import dataclass
 
 HERMES_START, HERMES_END = "<tool_call>", "</tool_call>"
+# A call's head up to the first character of its arguments' value: from here on they stream.
+_HERMES_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*"([^"\\<]*)"\s*,\s*"(?:arguments|parameters)"\s*:\s*(?=\S)')
 
 
 @dataclass(frozen=True)
@@ -22,15 +28,45 @@ class ToolCall:
     arguments: str  # JSON text, as OpenAI sends it
 
 
+# What an output stream yields: the events every API's stream is written from.
+@dataclass(frozen=True)
+class Content:
+    text: str
+
+
+@dataclass(frozen=True)
+class Reasoning:
+    text: str
+
+
+@dataclass(frozen=True)
+class CallStart:
+    index: int
+    id: str
+    name: str
+
+
+@dataclass(frozen=True)
+class CallArguments:
+    index: int
+    delta: str  # a fragment of the arguments' JSON text
+
+
+@dataclass(frozen=True)
+class CallEnd:
+    index: int
+    call: ToolCall  # whole: its arguments are the fragments streamed, joined
+
+
 def new_call_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
 
 
-def _calls_from_json(text: str) -> list[ToolCall] | None:
-    """The calls in a JSON object or list of objects with a name; None if it is not one."""
+def _calls_from_json(text: str) -> list[tuple[str, str]] | None:
+    """(name, arguments) of the calls in a JSON object or list of objects with a name; None if it is not one."""
     try:
         value = json.loads(text)
-    except ValueError:
+    except (ValueError, RecursionError):
         return None
     objects = value if isinstance(value, list) else [value]
     calls = []
@@ -38,11 +74,11 @@ def _calls_from_json(text: str) -> list[ToolCall] | None:
         if not isinstance(item, dict) or not isinstance(item.get("name"), str):
             return None
         arguments = item.get("arguments", item.get("parameters", {}))
-        calls.append(ToolCall(new_call_id(), item["name"], json.dumps(arguments, ensure_ascii=False)))
+        calls.append((item["name"], json.dumps(arguments, ensure_ascii=False)))
     return calls
 
 
-def _held_back(text: str, marker: str) -> int:
+def held_back(text: str, marker: str) -> int:
     """Length of the longest end of `text` that could be the start of `marker`."""
     for length in range(min(len(text), len(marker) - 1), 0, -1):
         if marker.startswith(text[-length:]):
@@ -50,72 +86,156 @@ def _held_back(text: str, marker: str) -> int:
     return 0
 
 
+class _ValueScanner:
+    """Finds where a JSON value ends in text that arrives piece by piece."""
+
+    def __init__(self):
+        self.depth, self.in_string, self.escape, self.done = 0, False, False, False
+
+    def take(self, text: str) -> str:
+        """The part of `text` that belongs to the value."""
+        for position, char in enumerate(text):
+            if self.in_string:
+                if self.escape:
+                    self.escape = False
+                elif char == "\\":
+                    self.escape = True
+                elif char == '"':
+                    self.in_string = False
+                    self.done = self.depth == 0
+            elif char == '"':
+                self.in_string = True
+            elif char in "{[":
+                self.depth += 1
+            elif char in "}]":
+                if self.depth == 0:  # the call object's own brace after a bare number or literal
+                    self.done = True
+                    return text[:position]
+                self.depth -= 1
+                self.done = self.depth == 0
+            elif self.depth == 0 and (char == "," or char.isspace()):
+                self.done = True
+                return text[:position]
+            if self.done:
+                return text[:position + 1]
+        return text
+
+
 class HermesStream:
-    """Splits streamed text into content and the complete <tool_call> blocks."""
+    """Splits streamed text into content and <tool_call> blocks, streaming each call's arguments."""
 
     def __init__(self):
         self._buffer = ""
         self._in_call = False
-        self._seen_call = False
+        self._calls = 0
+        self._pending_space = ""  # whitespace after a call, dropped unless text follows it
 
-    def push(self, text: str) -> tuple[str, list[ToolCall]]:
+    def push(self, text: str) -> list:
         self._buffer += text
-        content, calls = [], []
+        events = []
         while True:
             if self._in_call:
                 end = self._buffer.find(HERMES_END)
+                usable = end if end >= 0 else len(self._buffer) - held_back(self._buffer, HERMES_END)
+                events += self._call_body(self._buffer[self._body_used:usable])
+                self._body_used = usable
                 if end < 0:
                     break
-                calls.extend(_calls_from_json(self._buffer[:end]) or [])
+                events += self._end_call()
                 self._buffer, self._in_call = self._buffer[end + len(HERMES_END):], False
                 continue
             start = self._buffer.find(HERMES_START)
             if start < 0:
-                keep = _held_back(self._buffer, HERMES_START)
-                content.append(self._content(self._buffer[:len(self._buffer) - keep]))
+                keep = held_back(self._buffer, HERMES_START)
+                events += self._content(self._buffer[:len(self._buffer) - keep])
                 self._buffer = self._buffer[len(self._buffer) - keep:]
                 break
-            content.append(self._content(self._buffer[:start]))
-            self._buffer, self._in_call, self._seen_call = self._buffer[start + len(HERMES_START):], True, True
-        return "".join(content), calls
+            events += self._content(self._buffer[:start])
+            self._pending_space = ""
+            self._buffer, self._in_call = self._buffer[start + len(HERMES_START):], True
+            self._body, self._body_used, self._started, self._value = "", 0, False, _ValueScanner()
+        return events
 
-    def finish(self) -> tuple[str, list[ToolCall]]:
-        """The rest: a call cut short (e.g. by max_tokens) counts if its JSON is whole."""
+    def finish(self) -> list:
+        """The rest: a call cut short (e.g. by max_tokens) counts once its name is whole."""
         rest, self._buffer = self._buffer, ""
-        if self._in_call:
-            calls = _calls_from_json(rest)
-            return ("", calls) if calls else (self._content(HERMES_START + rest), [])
-        return self._content(rest), []
+        if not self._in_call:
+            return self._content(rest)
+        events = self._call_body(rest[self._body_used:])
+        if self._started or _calls_from_json(self._body):
+            return events + self._end_call()
+        return [Content(HERMES_START + rest)]
 
-    def _content(self, text: str) -> str:
-        # What the model writes between and after calls is layout, not an answer.
-        return "" if self._seen_call and not text.strip() else text
+    def _call_body(self, text: str) -> list:
+        self._body += text
+        if not self._started:
+            head = _HERMES_HEAD.match(self._body)
+            if head is None:
+                return []  # not yet, or not in the usual order: read whole at its end
+            self._started, self._id, self._name = True, new_call_id(), head.group(1)
+            self._arguments = []
+            text = self._body[head.end():]
+            events = [CallStart(self._calls, self._id, self._name)]
+        else:
+            events = []
+        if not self._value.done and (fragment := self._value.take(text)):
+            self._arguments.append(fragment)
+            events.append(CallArguments(self._calls, fragment))
+        return events
+
+    def _end_call(self) -> list:
+        if self._started:
+            self._started = False
+            self._calls += 1
+            return [CallEnd(self._calls - 1, ToolCall(self._id, self._name, "".join(self._arguments)))]
+        events = []
+        for name, arguments in _calls_from_json(self._body) or []:  # not a call: dropped, as vLLM does
+            call = ToolCall(new_call_id(), name, arguments)
+            events += [CallStart(self._calls, call.id, name), CallArguments(self._calls, arguments),
+                       CallEnd(self._calls, call)]
+            self._calls += 1
+        return events
+
+    def _content(self, text: str) -> list:
+        if not self._calls:
+            return [Content(text)] if text else []
+        # Between and after calls, whitespace is layout, not an answer: it goes out only before more text.
+        text = self._pending_space + text
+        kept = text.rstrip()
+        self._pending_space = text[len(kept):]
+        return [Content(kept)] if kept else []
 
 
 class JsonStream:
-    """Content unless the output starts as JSON; then the whole output is read as calls."""
+    """Content unless the output starts as JSON; then the whole output is read as calls at its end."""
 
     def __init__(self):
         self._buffer = ""
         self._json: bool | None = None  # undecided until the first non-blank character
 
-    def push(self, text: str) -> tuple[str, list[ToolCall]]:
+    def push(self, text: str) -> list:
         if self._json is None:
             self._buffer += text
             stripped = self._buffer.lstrip()
             if not stripped:
-                return "", []
+                return []
             self._json = stripped[0] in "[{"
             text, self._buffer = self._buffer, ""
         if self._json:
             self._buffer += text
-            return "", []
-        return text, []
+            return []
+        return [Content(text)] if text else []
 
-    def finish(self) -> tuple[str, list[ToolCall]]:
+    def finish(self) -> list:
         rest, self._buffer = self._buffer, ""
         calls = _calls_from_json(rest) if self._json else None
-        return ("", calls) if calls else (rest, [])
+        if not calls:
+            return [Content(rest)] if rest else []
+        events = []
+        for index, (name, arguments) in enumerate(calls):
+            call = ToolCall(new_call_id(), name, arguments)
+            events += [CallStart(index, call.id, name), CallArguments(index, arguments), CallEnd(index, call)]
+        return events
 
 
 def _call_schema(tool: dict) -> dict:
@@ -147,29 +267,9 @@ class ToolCallParser:
 
     def parse(self, text: str) -> tuple[str, list[ToolCall]]:
         stream = self.stream()
-        content, calls = stream.push(text)
-        rest, more = stream.finish()
-        return content + rest, calls + more
-
-
-class ToolCallReader:
-    """One choice's output as the front ends send it: text split into content and
-    calls as it streams, and "tool_calls" as the finish reason of an output that
-    called one. Without a parser the text passes through."""
-
-    def __init__(self, parser: ToolCallParser | None):
-        self._stream = parser.stream() if parser is not None else None
-        self.num_calls = 0
-
-    def read(self, text: str, finish_reason: str | None) -> tuple[str, list[ToolCall], str | None]:
-        if self._stream is None:
-            return text, [], finish_reason
-        text, calls = self._stream.push(text)
-        if finish_reason:
-            rest, more = self._stream.finish()
-            text, calls = text + rest, calls + more
-        self.num_calls += len(calls)
-        return text, calls, "tool_calls" if self.num_calls and finish_reason == "stop" else finish_reason
+        events = stream.push(text) + stream.finish()
+        return ("".join(event.text for event in events if isinstance(event, Content)),
+                [event.call for event in events if isinstance(event, CallEnd)])
 
 
 TOOL_CALL_PARSERS = {

@@ -1,7 +1,11 @@
+import dataclasses
+
 import pytest
 
 from speclane.models import DEFAULT_MODEL, resolve_model
-from tests.e2e.stack import start_stack
+from speclane.net import free_port
+from tests.e2e.qwen_template import qwen25_chat_template
+from tests.e2e.stack import Stack, start_stack
 
 
 @pytest.fixture(scope="session")
@@ -18,3 +22,18 @@ def stack(model_dir, tmp_path_factory):
                                              '"next_round_lookup": false}')
     yield running
     running.stop()
+
+
+@pytest.fixture(scope="module")
+def tools_gateway(stack, tmp_path_factory):
+    """A second gateway on the same verifier and drafter, rendering chats with Qwen2.5's template
+    (SmolLM2 speaks the same ChatML, but its own template has no tools)."""
+    gateway = dataclasses.replace(stack.gateway, port=free_port(), grpc_address=f"127.0.0.1:{free_port()}",
+                                  chat_template=str(qwen25_chat_template()))
+    tools_stack = Stack(stack.drafter, stack.verifier, gateway, tmp_path_factory.mktemp("tools-gateway"))
+    tools_stack.start_service("gateway")
+    try:
+        tools_stack.wait_ready()
+        yield tools_stack
+    finally:
+        tools_stack.stop()

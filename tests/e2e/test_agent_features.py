@@ -3,16 +3,12 @@ official openai client: a tool-calling loop (with Qwen2.5's chat template),
 predicted outputs, logprobs, logit controls and structured output, each the
 same with speculation as without (greedy)."""
 
-import dataclasses
 import json
 
 import openai
 import pytest
 
 from gateway.client import GenerationClient
-from speclane.net import free_port
-from tests.e2e.qwen_template import qwen25_chat_template
-from tests.e2e.stack import Stack
 
 pytestmark = pytest.mark.e2e
 MODEL = "smollm2-135m-instruct"
@@ -29,21 +25,6 @@ CODE = [{"role": "user", "content": "Repeat this code exactly:\n\ndef add(a, b):
 @pytest.fixture(scope="module")
 def client(stack):
     return openai.OpenAI(base_url=stack.base_url, api_key="unused", max_retries=0, timeout=120)
-
-
-@pytest.fixture(scope="module")
-def tools_gateway(stack, tmp_path_factory):
-    """A second gateway on the same verifier and drafter, rendering chats with Qwen2.5's template
-    (SmolLM2 speaks the same ChatML, but its own template has no tools)."""
-    gateway = dataclasses.replace(stack.gateway, port=free_port(), grpc_address=f"127.0.0.1:{free_port()}",
-                                  chat_template=str(qwen25_chat_template()))
-    tools_stack = Stack(stack.drafter, stack.verifier, gateway, tmp_path_factory.mktemp("tools-gateway"))
-    tools_stack.start_service("gateway")
-    try:
-        tools_stack.wait_ready()
-        yield tools_stack
-    finally:
-        tools_stack.stop()
 
 
 @pytest.fixture(scope="module")
@@ -80,8 +61,11 @@ def test_streamed_tool_calls_equal_the_whole_response(tools_client):
                  parallel_tool_calls=False)
     chunks = list(chat(tools_client, SUFFIX, messages=ASK, tools=[WEATHER], tool_choice="required",
                    parallel_tool_calls=False, stream=True))
-    calls = [call for c in chunks if c.choices for call in c.choices[0].delta.tool_calls or []]
-    assert [(c.function.name, c.function.arguments) for c in calls] == \
+    calls = {}  # index -> [name, arguments], from the id-and-name delta and the argument fragments after it
+    for fragment in (call for c in chunks if c.choices for call in c.choices[0].delta.tool_calls or []):
+        name, arguments = calls.setdefault(fragment.index, [fragment.function.name, ""])
+        calls[fragment.index][1] = arguments + fragment.function.arguments
+    assert [tuple(call) for call in calls.values()] == \
         [(c.function.name, c.function.arguments) for c in whole.choices[0].message.tool_calls]
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
 

@@ -40,7 +40,7 @@ from tests.gateway.fake_services import FakeDrafter, FakeVerifier, gateway, targ
 from tests.gateway.fakes import MODEL_NAME, make_context
 
 MAX_CONTEXT = 96  # keeps every generation short: the fake verifier runs to max_tokens
-POSTS = ("/v1/chat/completions", "/v1/completions")
+POSTS = ("/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/responses")
 
 
 class CountingVerifier(FakeVerifier):
@@ -167,15 +167,55 @@ def assert_served_within_the_schema(response: httpx.Response) -> None:
     assert not errors, f"served {body}, read as {read}, outside the schema: {errors}"
 
 
+def assert_anthropic_error(response: httpx.Response) -> None:
+    body = response.json()
+    assert set(body) == {"type", "error"} and body["type"] == "error", body
+    assert set(body["error"]) == {"type", "message"} and body["error"]["message"], body
+
+
+def sse_events(response: httpx.Response) -> list[dict]:
+    """The data of each event of an Anthropic or Responses stream (`event:` and `data:` lines)."""
+    events = [event for event in response.text.split("\n\n") if event]
+    assert all(event.startswith("event: ") and "\ndata: " in event for event in events), response.text
+    return [json.loads(event.split("\ndata: ", 1)[1]) for event in events]
+
+
+def assert_message(response: httpx.Response) -> None:
+    if response.headers["content-type"].startswith("text/event-stream"):
+        kinds = [event["type"] for event in sse_events(response)]
+        assert kinds[0] == "message_start" and kinds[-1] == "message_stop", response.text
+    else:
+        body = response.json()
+        assert body["type"] == "message" and body["stop_reason"], body
+
+
+def assert_response(response: httpx.Response) -> None:
+    if response.headers["content-type"].startswith("text/event-stream"):
+        events = sse_events(response)
+        assert events[0]["type"] == "response.created", response.text
+        assert events[-1]["type"] in ("response.completed", "response.incomplete"), response.text
+    else:
+        body = response.json()
+        assert body["object"] == "response" and body["status"] in ("completed", "incomplete"), body
+
+
 def check(response: httpx.Response) -> None:
     """The properties every answer has, whatever was sent."""
     assert response.status_code < 500, f"{response.status_code} {response.text}\n{server_errors(response)}"
+    path = response.request.url.path
     if response.status_code >= 400:
-        assert_openai_error(response)
+        (assert_anthropic_error if path.startswith("/v1/messages") else assert_openai_error)(response)
     elif response.request.method == "POST":
         assert response.status_code == 200, response.text
-        assert_completion(response)
-        assert_served_within_the_schema(response)
+        if path in MODELS:
+            assert_completion(response)
+            assert_served_within_the_schema(response)
+        elif path == "/v1/messages":
+            assert_message(response)
+        elif path == "/v1/messages/count_tokens":
+            assert isinstance(response.json()["input_tokens"], int), response.text
+        else:
+            assert_response(response)
 
 
 # -- schemathesis: bodies from the OpenAPI schema -------------------------------------------------------------
@@ -307,15 +347,50 @@ def mutated(draw, template: dict):
     return body
 
 
+RICH_MESSAGES = {
+    "model": MODEL_NAME, "max_tokens": 6, "system": [{"type": "text", "text": "Be brief."}], "stream": True,
+    "messages": [
+        {"role": "user", "content": "Call f"},
+        {"role": "assistant", "content": [{"type": "thinking", "thinking": "f it is", "signature": ""},
+                                          {"type": "text", "text": "Calling."},
+                                          {"type": "tool_use", "id": "toolu_1", "name": "f", "input": {"x": 1}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": "2"},
+                                     {"type": "text", "text": "And now?"}]},
+    ],
+    "tools": [{"name": "f", "description": "adds one", "input_schema": {
+        "type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]}}],
+    "tool_choice": {"type": "tool", "name": "f", "disable_parallel_tool_use": True},
+    "stop_sequences": ["xyz"], "temperature": 0.5, "top_p": 0.9, "top_k": 5, "thinking": {"type": "disabled"},
+    "metadata": {"user_id": "someone"}, "speculation": {"method": "suffix", "num_speculative_tokens": 3},
+}
+RICH_RESPONSES = {
+    "model": MODEL_NAME, "instructions": "Be brief.", "max_output_tokens": 6, "stream": True, "store": True,
+    "input": [
+        {"role": "user", "content": [{"type": "input_text", "text": "Call f"}]},
+        {"type": "reasoning", "summary": [], "content": [{"type": "reasoning_text", "text": "f it is"}]},
+        {"type": "function_call", "call_id": "call_1", "name": "f", "arguments": "{\"x\": 1}"},
+        {"type": "function_call_output", "call_id": "call_1", "output": "2"},
+        {"type": "message", "role": "user", "content": "And now?"},
+    ],
+    "tools": [{"type": "function", "name": "f", "description": "adds one", "strict": True, "parameters": {
+        "type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]}}],
+    "tool_choice": "auto", "parallel_tool_calls": False, "temperature": 0.5, "top_p": 0.9,
+    "text": {"format": {"type": "json_schema", "name": "s", "schema": {"type": "object"}}},
+    "reasoning": {"effort": "low"}, "speculation": {"method": "ngram", "num_speculative_tokens": 4},
+}
+RICH = {"/v1/chat/completions": RICH_CHAT, "/v1/completions": RICH_TEXT, "/v1/messages": RICH_MESSAGES,
+        "/v1/responses": RICH_RESPONSES}
+
+
 def test_the_rich_requests_are_served(fuzzed):
     """The mutations start from requests that work, so each mutation tests one change."""
-    for path, body in (("/v1/chat/completions", RICH_CHAT), ("/v1/completions", RICH_TEXT)):
+    for path, body in RICH.items():
         response = fuzzed.post(path, body)
         assert response.status_code == 200, response.text
-        assert_completion(response)
+        check(response)
 
 
-@pytest.mark.parametrize("path, template", [("/v1/chat/completions", RICH_CHAT), ("/v1/completions", RICH_TEXT)])
+@pytest.mark.parametrize("path, template", list(RICH.items()))
 def test_mutated_requests(fuzzed, path, template):
     @fuzz_settings(300)
     @given(body=mutated(template), ascii_only=st.booleans())

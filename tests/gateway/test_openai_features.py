@@ -1,6 +1,7 @@
 """Tool calls, logprobs and predicted-output usage in the OpenAI API's bodies
 and streams, read back with the official client."""
 
+import dataclasses
 import json
 
 import httpx
@@ -8,6 +9,7 @@ import openai
 import pytest
 
 from gateway.openai_api import create_app
+from gateway.reasoning import REASONING_PARSERS
 from gateway.types import SpeculationUsage
 from tests.gateway.fakes import MODEL_NAME, ScriptedEngine, make_context
 
@@ -50,9 +52,10 @@ async def test_tool_calls_stream_as_deltas(tiny_tokenizer):
     content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     calls = [call for c in chunks if c.choices for call in (c.choices[0].delta.tool_calls or [])]
     assert content == "Checking."
-    assert [(c.index, c.function.name, json.loads(c.function.arguments)) for c in calls] == \
-        [(0, "get_weather", {"city": "Paris"})]
-    assert calls[0].id.startswith("call_")
+    # As OpenAI streams a call: id and name first, then the arguments in fragments.
+    assert calls[0].id.startswith("call_") and calls[0].function.name == "get_weather"
+    assert len(calls) > 2 and all(c.index == 0 and c.id is None and c.function.name is None for c in calls[1:])
+    assert json.loads("".join(c.function.arguments for c in calls)) == {"city": "Paris"}
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
 
 
@@ -152,3 +155,17 @@ async def test_response_format_and_template_switches_reach_the_engine(tiny_token
     request = engine.requests[0]
     assert request.grammar == 'start: %json {"type": "object"}'
     assert tiny_tokenizer.decode(request.prompt_token_ids) == "salty:Weather in Paris?It is"
+
+
+async def test_reasoning_is_split_off_with_a_reasoning_parser(tiny_tokenizer):
+    _, ctx = scripted(tiny_tokenizer, "<think>Paris is in France.</think>\n\nSunny.")
+    ctx = dataclasses.replace(ctx, reasoning_parser=REASONING_PARSERS["qwen3"])
+    reply = await openai_client(ctx).chat.completions.create(model=MODEL_NAME, messages=ASK)
+    message = reply.choices[0].message
+    assert message.content == "Sunny."
+    assert message.model_extra["reasoning"] == message.model_extra["reasoning_content"] == "Paris is in France."
+    chunks = [c async for c in await openai_client(ctx).chat.completions.create(model=MODEL_NAME, messages=ASK,
+                                                                                 stream=True)]
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    assert "".join(d.model_extra.get("reasoning_content") or "" for d in deltas) == "Paris is in France."
+    assert "".join(d.content or "" for d in deltas) == "Sunny."

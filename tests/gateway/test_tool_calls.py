@@ -6,7 +6,7 @@ from hypothesis import strategies as st
 
 from gateway.errors import InvalidRequest
 from gateway.structured_output import response_format_grammar, tool_choice_plan
-from gateway.tool_calls import TOOL_CALL_PARSERS, HermesStream
+from gateway.tool_calls import TOOL_CALL_PARSERS, CallArguments, CallEnd, CallStart, Content, HermesStream
 
 HERMES = TOOL_CALL_PARSERS["hermes"]
 JSON = TOOL_CALL_PARSERS["json"]
@@ -38,21 +38,32 @@ def test_hermes_call_cut_short_counts_only_when_its_json_is_whole():
 
 @given(st.lists(st.integers(min_value=1, max_value=len(TWO_CALLS)), max_size=30))
 def test_hermes_streaming_gives_the_same_result_however_the_text_is_cut(cuts):
-    stream, content, calls = HermesStream(), [], []
+    stream, events = HermesStream(), []
     bounds = [0, *sorted(set(cuts)), len(TWO_CALLS)]
     for start, end in zip(bounds, bounds[1:]):
-        text, new = stream.push(TWO_CALLS[start:end])
-        content.append(text)
-        calls += new
-    text, new = stream.finish()
-    assert "".join(content) + text == "Let me check.\n"
-    assert [c.name for c in calls + new] == ["get_weather", "get_time"]
+        events += stream.push(TWO_CALLS[start:end])
+    events += stream.finish()
+    assert "".join(e.text for e in events if isinstance(e, Content)) == "Let me check.\n"
+    calls = [e.call for e in events if isinstance(e, CallEnd)]
+    assert [(c.name, c.arguments) for c in calls] == [("get_weather", '{"city": "Paris"}'), ("get_time", "{}")]
+    # The arguments stream in fragments that add up to each call's, after its start.
+    for call_index, call in enumerate(calls):
+        mine = [e for e in events if getattr(e, "index", None) == call_index]
+        assert isinstance(mine[0], CallStart) and mine[0].name == call.name and mine[0].id == call.id
+        assert "".join(e.delta for e in mine if isinstance(e, CallArguments)) == call.arguments
+
+
+def test_hermes_streams_arguments_before_the_call_is_complete():
+    stream = HermesStream()
+    events = stream.push('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Pa')
+    assert [type(e) for e in events] == [CallStart, CallArguments] and events[1].delta == '{"city": "Pa'
+    assert stream.push('ris"}}\n</tool') == [CallArguments(0, 'ris"}')]
 
 
 def test_hermes_stream_holds_back_what_may_start_a_call():
     stream = HermesStream()
-    assert stream.push("Sure <tool") == ("Sure ", [])
-    assert stream.push("tip> ok") == ("<tooltip> ok", [])
+    assert stream.push("Sure <tool") == [Content("Sure ")]
+    assert stream.push("tip> ok") == [Content("<tooltip> ok")]
 
 
 def test_json_parser_reads_one_call_or_a_list_and_leaves_prose_alone():
