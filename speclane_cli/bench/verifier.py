@@ -3,8 +3,9 @@
 - overhead: one pass of the engine (paged cache, one attention call per layer)
   against transformers' own padded batched forward (SDPA, a DynamicCache) of
   the same batch, on a tiny deep random model where the host's work is what
-  a pass costs: 64 sequences of 100 tokens, 1 new token each (decode) and 5
-  (a chain verify); medians of interleaved repeats;
+  a pass costs: 64 sequences of 100 tokens (and of 50 to 150, which
+  transformers pads and masks), 1 new token each (decode) and 5 (a chain
+  verify); medians of interleaved repeats;
 - memory: the KV 64 live sequences of mixed lengths hold against their
   tokens' own, and the tokens 16 concurrent requests sharing a 1,000-token
   system prompt compute against their unique prompt tokens;
@@ -56,8 +57,9 @@ def _tiny_llama(path: str, layers: int, max_context: int = 2048) -> str:
     return path
 
 
-def pass_overhead(layers: int, num_seqs: int, context: int, repeats: int) -> list[dict]:
-    """Medians of the engine's pass and transformers' batched forward, 1 and 5 new tokens a sequence."""
+def pass_overhead(layers: int, num_seqs: int, context: int, repeats: int, mixed: bool = False) -> list[dict]:
+    """Medians of the engine's pass and transformers' batched forward, 1 and 5 new tokens a sequence.
+    Mixed: contexts drawn from [context / 2, 3 context / 2], which transformers pads on the left and masks."""
     from transformers import AutoModelForCausalLM, DynamicCache
 
     from verifier_service.batch import Segment, StepPlan
@@ -68,26 +70,33 @@ def pass_overhead(layers: int, num_seqs: int, context: int, repeats: int) -> lis
         _tiny_llama(path, layers)
         runner = ModelRunner(path, "cpu", torch.float32)
         hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa").eval()
-    blocks = BlockManager(num_seqs * -(-(context + 8) // BLOCK), BLOCK, False)
+    rng = random.Random(0)
+    lengths = [rng.randint(context // 2, 3 * context // 2) if mixed else context for _ in range(num_seqs)]
+    longest = max(lengths)
+    blocks = BlockManager(num_seqs * -(-(longest + 8) // BLOCK), BLOCK, False)
     runner.allocate_cache(blocks.num_blocks, BLOCK)
-    prompts = [[(s * 31 + i * 7) % 500 + 4 for i in range(context)] for s in range(num_seqs)]
+    prompts = [[(s * 31 + i * 7) % 500 + 4 for i in range(n)] for s, n in enumerate(lengths)]
     tables = []
     for prompt in prompts:
         tables.append(BlockTable())
-        blocks.allocate(tables[-1], prompt, context + 8)
+        blocks.allocate(tables[-1], prompt, len(prompt) + 8)
     for first in range(0, num_seqs, 8):  # prefill, 8 sequences a pass
         group = range(first, min(first + 8, num_seqs))
         runner.execute(StepPlan((), tuple(t for s in group for t in prompts[s]),
-                                tuple(Segment(tuple(tables[s].blocks), 0, context) for s in group)))
+                                tuple(Segment(tuple(tables[s].blocks), 0, lengths[s]) for s in group)))
+    padded = torch.tensor([[0] * (longest - n) + p for n, p in zip(lengths, prompts)])
+    attention = torch.tensor([[0] * (longest - n) + [1] * n for n in lengths])
     cache = DynamicCache(config=hf.config)
     with torch.inference_mode():
-        hf(torch.tensor(prompts), past_key_values=cache, use_cache=True)
+        hf(padded, attention_mask=attention, past_key_values=cache, use_cache=True)
     rows = []
     for new in (1, 5):
         parents = tuple(range(-1, new - 2))  # a chain of new - 1 draft tokens after the pending one
         fed = [[(s + j) % 500 + 4 for j in range(new)] for s in range(num_seqs)]
         plan = StepPlan((), tuple(t for f in fed for t in f),
-                        tuple(Segment(tuple(tables[s].blocks), context, 1, parents) for s in range(num_seqs)))
+                        tuple(Segment(tuple(tables[s].blocks), lengths[s], 1, parents) for s in range(num_seqs)))
+        mask = torch.cat([attention, torch.ones(num_seqs, new, dtype=torch.long)], dim=1)
+        positions = torch.tensor([[n + j for j in range(new)] for n in lengths])
         ours, theirs = [], []
         for _ in range(repeats):
             started = time.perf_counter()
@@ -95,13 +104,14 @@ def pass_overhead(layers: int, num_seqs: int, context: int, repeats: int) -> lis
             ours.append(time.perf_counter() - started)
             with torch.inference_mode():
                 started = time.perf_counter()
-                hf(torch.tensor(fed), past_key_values=cache, use_cache=True)
+                hf(torch.tensor(fed), attention_mask=mask, position_ids=positions, past_key_values=cache,
+                   use_cache=True)
                 theirs.append(time.perf_counter() - started)
                 cache.crop(-new)  # transformers 5: a negative count to remove
         ours_ms, theirs_ms = statistics.median(ours) * 1e3, statistics.median(theirs) * 1e3
-        rows.append({"layers": layers, "sequences": num_seqs, "context": context, "new_tokens": new,
-                     "engine_ms": round(ours_ms, 2), "transformers_ms": round(theirs_ms, 2),
-                     "ratio": round(ours_ms / theirs_ms, 3)})
+        rows.append({"layers": layers, "sequences": num_seqs, "context": f"{context // 2}-{3 * context // 2}"
+                     if mixed else context, "new_tokens": new, "engine_ms": round(ours_ms, 2),
+                     "transformers_ms": round(theirs_ms, 2), "ratio": round(ours_ms / theirs_ms, 3)})
     return rows
 
 
@@ -248,8 +258,9 @@ def run(args) -> int:
         print(json.dumps({name: value}), flush=True)
 
     if "overhead" not in args.skip:
-        report("overhead", [row for layers in args.layers.split(",")
-                            for row in pass_overhead(int(layers), args.sequences, args.context, args.repeats)])
+        report("overhead", [row for layers in args.layers.split(",") for mixed in (False, True)
+                            for row in pass_overhead(int(layers), args.sequences, args.context, args.repeats,
+                                                     mixed)])
     if "memory" not in args.skip:
         report("memory", memory())
     if "scale" not in args.skip:

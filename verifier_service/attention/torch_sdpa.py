@@ -42,6 +42,7 @@ class Group:
     query_positions: torch.Tensor  # [B, Q]
     key_positions: torch.Tensor  # [B, K]
     windowed: dict[int, torch.Tensor] = field(default_factory=dict)
+    biases: dict[int | None, torch.Tensor] = field(default_factory=dict)
 
     def mask(self, window: int | None) -> torch.Tensor:
         if not window:
@@ -50,6 +51,15 @@ class Group:
             near = self.query_positions[:, :, None] - self.key_positions[:, None, :] < window
             self.windowed[window] = self.visible & near
         return self.windowed[window]
+
+    def bias(self, window: int | None, dtype: torch.dtype) -> torch.Tensor:
+        """The mask as SDPA's additive [B, 1, Q, K] bias (0 or -inf), made once per pass and window:
+        SDPA adds a float bias faster than it applies a boolean mask on a CPU."""
+        if window not in self.biases:
+            allowed = self.mask(window)[:, None]
+            self.biases[window] = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(
+                ~allowed, float("-inf"))
+        return self.biases[window]
 
 
 @dataclass
@@ -103,12 +113,11 @@ class TorchAttention:
         q = query.view(batch, num_queries, heads, -1).transpose(1, 2)  # [B, heads, Q, d]
         k = keys.index_select(0, group.key_slots).view(batch, context, *keys.shape[1:]).transpose(1, 2)
         v = values.index_select(0, group.key_slots).view(batch, context, *values.shape[1:]).transpose(1, 2)
-        mask = group.mask(call.sliding_window)
         if call.softcap or call.sinks is not None:
-            o = _explicit_attention(q, k, v, mask, call)
+            o = _explicit_attention(q, k, v, group.mask(call.sliding_window), call)
         else:
-            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None], scale=call.scaling,
-                                               enable_gqa=k.shape[1] != heads)
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=group.bias(call.sliding_window, q.dtype),
+                                               scale=call.scaling, enable_gqa=k.shape[1] != heads)
         return o.transpose(1, 2).reshape(batch * num_queries, heads, o.shape[-1])
 
 
