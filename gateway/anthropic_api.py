@@ -12,16 +12,14 @@ from typing import Any
 import structlog
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
-from pydantic import BaseModel, ConfigDict, model_validator
-from pydantic_core import PydanticCustomError
+from pydantic import BaseModel, ConfigDict
 
 from gateway.assistant_stream import AssistantStream
 from gateway.auth import tenant_for
 from gateway.chat_template import ChatPrompt, render_chat
 from gateway.errors import InvalidRequest, ModelNotFound
 from gateway.http_serving import choice_events, client_request_id, request_caller, unless_disconnected
-from gateway.json_limits import json_problem
-from gateway.openai_protocol import documented
+from gateway.openai_protocol import RequestBody, documented
 from gateway.openai_responses import EventStream, UsageTally, error_for
 from gateway.serving import GenerationParams, ServingContext, TextDelta, build_generation_request, prompt_tail
 from gateway.structured_output import tool_choice_plan
@@ -54,7 +52,7 @@ class MessageParam(BaseModel):
     content: str | list[dict[str, Any]]
 
 
-class MessagesPrompt(BaseModel):
+class MessagesPrompt(RequestBody):
     """What /v1/messages/count_tokens reads; /v1/messages adds the generation's fields."""
 
     # Fields this server does not use (metadata, service_tier, betas' fields) are ignored, as
@@ -67,15 +65,6 @@ class MessagesPrompt(BaseModel):
     tools: list[dict[str, Any]] | None = None
     tool_choice: dict[str, Any] | None = None
     thinking: dict[str, Any] | None = None
-
-    @model_validator(mode="before")
-    @classmethod
-    def _readable_json(cls, data: Any) -> Any:
-        if (problem := json_problem(data)) is not None:
-            param, what = problem
-            raise PydanticCustomError("unreadable_json", "{message}",
-                                      {"message": f"{param or 'the request body'} {what}", "param": param})
-        return data
 
 
 class MessagesRequest(MessagesPrompt):

@@ -27,6 +27,20 @@ def documented(default: Any = None, **schema: Any) -> Any:
 CLOSED_OBJECT = {"additionalProperties": False}
 
 
+class RequestBody(BaseModel):
+    """A request body of any of the HTTP APIs."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _readable_json(cls, data: Any) -> Any:
+        """Refuses lone surrogates and too deep nesting anywhere in the body (a 400 naming the field)."""
+        if (problem := json_problem(data)) is not None:
+            param, what = problem
+            raise PydanticCustomError("unreadable_json", "{message}",
+                                      {"message": f"{param or 'the request body'} {what}", "param": param})
+        return data
+
+
 class StrictModel(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -54,7 +68,7 @@ class StreamOptions(StrictModel):
     include_usage: bool = False
 
 
-class CompletionBase(BaseModel):
+class CompletionBase(RequestBody):
     # Other fields are checked by check_extra_fields: refused unless neutral, or unknown.
     model_config = ConfigDict(extra="allow", json_schema_extra=CLOSED_OBJECT)
     refused: ClassVar[tuple[str, ...]] = ()
@@ -83,16 +97,6 @@ class CompletionBase(BaseModel):
                                                      additionalProperties={"type": "number", "minimum": -100,
                                                                            "maximum": 100})
     response_format: dict[str, Any] | None = None
-
-    @model_validator(mode="before")
-    @classmethod
-    def _readable_json(cls, data: Any) -> Any:
-        """Refuses lone surrogates and too deep nesting anywhere in the body (a 400 naming the field)."""
-        if (problem := json_problem(data)) is not None:
-            param, what = problem
-            raise PydanticCustomError("unreadable_json", "{message}",
-                                      {"message": f"{param or 'the request body'} {what}", "param": param})
-        return data
 
     def logit_controls(self) -> LogitControls:
         given = {name: getattr(self, name) for name in SCALAR_LOGIT_CONTROLS}

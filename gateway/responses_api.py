@@ -13,16 +13,14 @@ from typing import Any
 import structlog
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
-from pydantic import BaseModel, ConfigDict, model_validator
-from pydantic_core import PydanticCustomError
+from pydantic import ConfigDict
 
 from gateway.assistant_stream import AssistantStream
 from gateway.auth import tenant_for
 from gateway.chat_template import ChatPrompt
 from gateway.errors import InvalidRequest, NotFound
 from gateway.http_serving import choice_events, client_request_id, request_caller, unless_disconnected
-from gateway.json_limits import json_problem
-from gateway.openai_protocol import documented
+from gateway.openai_protocol import RequestBody, documented
 from gateway.openai_responses import EventStream, UsageTally, error_for
 from gateway.response_store import StoredResponse
 from gateway.serving import GenerationParams, ServingContext, TextDelta, build_generation_request, prompt_tail
@@ -35,7 +33,7 @@ log = structlog.get_logger()
 _TEXT_PARTS = ("input_text", "output_text", "text", "reasoning_text")
 
 
-class ResponsesRequest(BaseModel):
+class ResponsesRequest(RequestBody):
     # Fields that ask for nothing here (metadata, include, truncation, prompt_cache_key...) are
     # ignored, as vLLM does: the Agents SDK sends several.
     model_config = ConfigDict(extra="ignore")
@@ -55,15 +53,6 @@ class ResponsesRequest(BaseModel):
     store: bool = True
     previous_response_id: str | None = None
     speculation: dict[str, Any] | None = None  # extension: vLLM --speculative-config keys
-
-    @model_validator(mode="before")
-    @classmethod
-    def _readable_json(cls, data: Any) -> Any:
-        if (problem := json_problem(data)) is not None:
-            param, what = problem
-            raise PydanticCustomError("unreadable_json", "{message}",
-                                      {"message": f"{param or 'the request body'} {what}", "param": param})
-        return data
 
 
 def _part_text(content, where: str) -> str:

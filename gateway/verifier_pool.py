@@ -78,6 +78,7 @@ class VerifierSession:
             num_head_draft_tokens=speculation.num_speculative_tokens if speculation.uses_head else 0,
             # Hybrid picks its source before the head would have drafted (gateway/hybrid.py).
             head_draft_on_demand=speculation.method == "hybrid",
+            cache_salt=request.tenant,
         )
         await self._send(verifier_pb2.SessionRequest(prefill=prefill))
         response = await self._read()

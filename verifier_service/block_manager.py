@@ -33,12 +33,18 @@ def block_hash(parent: bytes, tokens) -> bytes:
     return hashlib.blake2b(parent + array("q", tokens).tobytes(), digest_size=16).digest()
 
 
+def root_hash(salt: str) -> bytes:
+    """The parent of a sequence's first block: its cache salt, so that only equal salts share blocks."""
+    return hashlib.blake2b(salt.encode(), digest_size=16).digest() if salt else b""
+
+
 class BlockTable:
     """One sequence's blocks, and the hashes of those that are full and committed."""
 
-    def __init__(self):
+    def __init__(self, salt: str = ""):
         self.blocks: list[int] = []
         self.hashes: list[bytes] = []
+        self.root = root_hash(salt)
 
     def slot(self, index: int, block_size: int) -> int:
         """The flat cache slot of the sequence's token `index`."""
@@ -91,7 +97,7 @@ class BlockManager:
         that hold the start of `tokens`; returns how many tokens they already
         hold (the sequence computes the rest), or None when the cache cannot
         spare the blocks and keep `headroom_blocks` free."""
-        hits = self._cached_prefix(tokens) if self.enable_prefix_caching else []
+        hits = self._cached_prefix(tokens, table.root) if self.enable_prefix_caching else []
         # Hit blocks that were free come out of the free pool: they must be counted as needed too.
         reused_free = sum(1 for block in hits if self._refs[block] == 0)
         needed = self.blocks_for(num_tokens) - len(hits)
@@ -127,7 +133,7 @@ class BlockManager:
         size = self.block_size
         while len(table.hashes) < num_computed // size:
             i = len(table.hashes)
-            parent = table.hashes[-1] if table.hashes else b""
+            parent = table.hashes[-1] if table.hashes else table.root
             digest = block_hash(parent, tokens[i * size:(i + 1) * size])
             table.hashes.append(digest)
             block = table.blocks[i]
@@ -157,14 +163,14 @@ class BlockManager:
         assert all(self._hash_of[block] == digest for digest, block in self._cached.items())
         assert self._num_free_cached == sum(1 for block in self._free if self._hash_of[block] is not None)
 
-    def cached_tokens(self, tokens) -> int:
-        """How many of `tokens`' first tokens the cache holds now (whole blocks)."""
-        return len(self._cached_prefix(tokens)) * self.block_size if self.enable_prefix_caching else 0
+    def cached_tokens(self, tokens, salt: str = "") -> int:
+        """How many of `tokens`' first tokens the cache holds now for `salt` (whole blocks)."""
+        return len(self._cached_prefix(tokens, root_hash(salt))) * self.block_size if self.enable_prefix_caching else 0
 
-    def _cached_prefix(self, tokens) -> list[int]:
+    def _cached_prefix(self, tokens, root: bytes) -> list[int]:
         """The cached blocks holding `tokens`' first full blocks. The last token
         is never among them: it must run to give the next token's logits."""
-        size, parent, hits = self.block_size, b"", []
+        size, parent, hits = self.block_size, root, []
         for i in range((len(tokens) - 1) // size):
             parent = block_hash(parent, tokens[i * size:(i + 1) * size])
             block = self._cached.get(parent)

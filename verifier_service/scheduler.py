@@ -166,13 +166,14 @@ class Scheduler:
             return False
         size = self.blocks.block_size
         reusable = (len(seq.tokens) - 1) // size * size
-        held = self.blocks.cached_tokens(seq.tokens)
-        return any(other.num_cached < len(other.tokens) - 1
+        salt = seq.params.cache_salt
+        held = self.blocks.cached_tokens(seq.tokens, salt)
+        return any(other.num_cached < len(other.tokens) - 1 and other.params.cache_salt == salt
                    and min(common_prefix(other.tokens, seq.tokens) // size * size, reusable) > held
                    for other in self.admitted)
 
     def _allocate(self, seq: Sequence) -> bool:
-        table = BlockTable()
+        table = BlockTable(seq.params.cache_salt)
         # Leave every admitted sequence a free block to grow into, so admitting
         # one more does not force the next decode steps into preemption.
         cached = self.blocks.allocate(table, seq.tokens, len(seq.tokens), headroom_blocks=len(self.admitted))

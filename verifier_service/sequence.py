@@ -39,6 +39,7 @@ class GenerationParams:
     grammar: str | None = None  # structured output, llguidance's Lark syntax
     num_head_draft_tokens: int = 0  # > 0: the verifier's head drafts this many tokens after each step
     head_draft_on_demand: bool = False  # the head drafts only for a step that verifies its draft, at its start
+    cache_salt: str = ""  # prefix-cache blocks are shared only among sequences with the same salt (the tenant)
 
     def __post_init__(self):
         if self.max_new_tokens < 1:

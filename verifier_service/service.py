@@ -57,6 +57,7 @@ def params_from_proto(prefill: verifier_pb2.Prefill) -> GenerationParams:
         grammar=_optional(sampling, "grammar"),
         num_head_draft_tokens=prefill.num_head_draft_tokens,
         head_draft_on_demand=prefill.head_draft_on_demand,
+        cache_salt=prefill.cache_salt,
     )
 
 

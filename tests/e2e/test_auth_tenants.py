@@ -6,11 +6,13 @@ gets 413 from the real HTTP server; and no key reaches a log."""
 import json
 import urllib.request
 
+import grpc
 import openai
 import pytest
 
 from drafter_service.config import DrafterConfig
 from gateway.config import GatewayConfig
+from protos.verifier.v1 import verifier_pb2, verifier_pb2_grpc
 from speclane.net import free_port, probe_http
 from tests.e2e.stack import TEST_THREADS, Stack
 from verifier_service.config import VerifierConfig
@@ -67,15 +69,30 @@ def ask(chat: openai.OpenAI):
     return reply.choices[0].message.content, reply.usage.model_extra["speculation"]["accepted_tokens"]
 
 
+def cache_hits(stack: Stack) -> int:
+    with grpc.insecure_channel(stack.verifier.address) as channel:
+        load = verifier_pb2_grpc.VerifierStub(channel).GetLoad(verifier_pb2.GetLoadRequest(), timeout=10)
+    return load.prefix_cache_hits
+
+
 def test_a_tenant_drafts_from_its_own_responses_and_never_from_anothers(stack):
     team_a = client(stack, KEY_A)
     # B names A's tenant: with keys, its key's tenant counts, never the header.
     team_b = client(stack, KEY_B, default_headers={"x-tenant-id": "team-a"})
+    hits = [cache_hits(stack)]
     a_first_text, a_first = ask(team_a)
+    hits.append(cache_hits(stack))
     a_again_text, a_again = ask(team_a)
+    hits.append(cache_hits(stack))
     b_first_text, b_first = ask(team_b)
+    hits.append(cache_hits(stack))
     b_again_text, b_again = ask(team_b)
+    hits.append(cache_hits(stack))
     assert a_first_text == a_again_text == b_first_text == b_again_text  # greedy, lossless
+    # The verifier's prefix cache is salted with the tenant: A's second prompt finds A's blocks, B's first
+    # finds none of them (the same prompt), B's second finds B's.
+    found = [after - before for before, after in zip(hits, hits[1:])]
+    assert found[1] > 0 and found[2] == 0 and found[3] == found[1], found
     # A's second answer is drafted from A's first; B's first drafts as A's first did,
     # from its own prompt only; then B learns from its own answer.
     accepted = {"a_first": a_first, "a_again": a_again, "b_first": b_first, "b_again": b_again}

@@ -114,3 +114,15 @@ def test_evicted_prefixes_are_the_least_recently_freed_and_their_tails_first():
     assert blocks.allocate(BlockTable(), [3] * 3, 4) == 0
     assert blocks.allocate(BlockTable(), [1] * 9, 8) == BLOCK
     assert blocks.allocate(BlockTable(), [2] * 9, 8) is None  # no space is left for its second block
+
+
+def test_blocks_are_shared_only_among_sequences_with_the_same_salt():
+    blocks = BlockManager(16, BLOCK)
+    prompt = list(range(10, 19))
+    owner = BlockTable("team-a")
+    blocks.allocate(owner, prompt, 9)
+    blocks.commit(owner, prompt, 8)
+    assert blocks.allocate(BlockTable("team-b"), prompt, 9) == 0
+    assert blocks.allocate(BlockTable(), prompt, 9) == 0
+    assert blocks.allocate(BlockTable("team-a"), prompt, 9) == 8
+    assert blocks.cached_tokens(prompt, "team-a") == 8 and blocks.cached_tokens(prompt, "team-b") == 0

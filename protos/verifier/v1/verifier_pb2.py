@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from protos.common.v1 import common_pb2 as protos_dot_common_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!protos/verifier/v1/verifier.proto\x12\x14speclane.verifier.v1\x1a\x1dprotos/common/v1/common.proto\"\xeb\x04\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x03\x88\x01\x01\x12\x16\n\x0emax_new_tokens\x18\x05 \x01(\r\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\x05\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x12\x1d\n\x10presence_penalty\x18\x08 \x01(\x02H\x04\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\t \x01(\x02H\x05\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\n \x01(\x02H\x06\x88\x01\x01\x12\x12\n\x05min_p\x18\x0b \x01(\x02H\x07\x88\x01\x01\x12G\n\nlogit_bias\x18\x0c \x03(\x0b\x32\x33.speclane.verifier.v1.SamplingParams.LogitBiasEntry\x12\x12\n\nmin_tokens\x18\r \x01(\r\x12\x15\n\x08logprobs\x18\x0e \x01(\rH\x08\x88\x01\x01\x12\x14\n\x07grammar\x18\x0f \x01(\tH\t\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\x08\n\x06_min_pB\x0b\n\t_logprobsB\n\n\x08_grammar\"\xad\x01\n\x07Prefill\x12\x13\n\x0bsequence_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x36\n\x08sampling\x18\x03 \x01(\x0b\x32$.speclane.verifier.v1.SamplingParams\x12\x1d\n\x15num_head_draft_tokens\x18\x04 \x01(\r\x12\x1c\n\x14head_draft_on_demand\x18\x05 \x01(\x08\"q\n\x06Verify\x12(\n\x05\x64raft\x18\x01 \x01(\x0b\x32\x19.speclane.common.v1.Draft\x12\x16\n\x0euse_head_draft\x18\x02 \x01(\x08J\x04\x08\x03\x10\x04R\x1fskip_head_draft_if_all_accepted\"y\n\tNextRound\x12\x1a\n\x12step_committed_len\x18\x01 \x01(\x04\x12\x39\n\rcontinuations\x18\x02 \x03(\x0b\x32\".speclane.verifier.v1.Continuation\x12\x15\n\rlookup_tokens\x18\x03 \x01(\r\"P\n\x0c\x43ontinuation\x12\x16\n\x0e\x62onus_token_id\x18\x01 \x01(\x05\x12(\n\x05\x64raft\x18\x02 \x01(\x0b\x32\x19.speclane.common.v1.Draft\"\xb1\x01\n\x0eSessionRequest\x12\x30\n\x07prefill\x18\x01 \x01(\x0b\x32\x1d.speclane.verifier.v1.PrefillH\x00\x12.\n\x06verify\x18\x02 \x01(\x0b\x32\x1c.speclane.verifier.v1.VerifyH\x00\x12\x35\n\nnext_round\x18\x03 \x01(\x0b\x32\x1f.speclane.verifier.v1.NextRoundH\x00\x42\x06\n\x04kind\"\xd5\x04\n\x0fSessionResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12!\n\x19num_accepted_draft_tokens\x18\x02 \x01(\r\x12\x15\n\rcommitted_len\x18\x03 \x01(\x04\x12\x37\n\rfinish_reason\x18\x04 \x01(\x0e\x32 .speclane.common.v1.FinishReason\x12\x18\n\x10num_draft_tokens\x18\x05 \x01(\r\x12\x34\n\x08logprobs\x18\x06 \x03(\x0b\x32\".speclane.verifier.v1.TokenLogprob\x12\x1a\n\rqueue_seconds\x18\x07 \x01(\x01H\x00\x88\x01\x01\x12\x1c\n\x0fprefill_seconds\x18\x08 \x01(\x01H\x01\x88\x01\x01\x12-\n\nhead_draft\x18\t \x01(\x0b\x32\x19.speclane.common.v1.Draft\x12\x1c\n\x0f\x66orward_seconds\x18\n \x01(\x01H\x02\x88\x01\x01\x12\x19\n\x0cstep_seconds\x18\x0b \x01(\x01H\x03\x88\x01\x01\x12\x16\n\x0enext_round_hit\x18\x0c \x01(\x08\x12\x1f\n\x12head_draft_seconds\x18\r \x01(\x01H\x04\x88\x01\x01\x12/\n\x0clookup_draft\x18\x0e \x01(\x0b\x32\x19.speclane.common.v1.DraftB\x10\n\x0e_queue_secondsB\x12\n\x10_prefill_secondsB\x12\n\x10_forward_secondsB\x0f\n\r_step_secondsB\x15\n\x13_head_draft_seconds\"L\n\x0cTokenLogprob\x12\x0f\n\x07logprob\x18\x01 \x01(\x02\x12\x15\n\rtop_token_ids\x18\x02 \x03(\x05\x12\x14\n\x0ctop_logprobs\x18\x03 \x03(\x02\"\x15\n\x13GetModelInfoRequest\"\x94\x03\n\tModelInfo\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\r\x12\x17\n\x0fmax_context_len\x18\x03 \x01(\r\x12\x15\n\reos_token_ids\x18\x04 \x03(\x05\x12\x0e\n\x06\x64\x65vice\x18\x05 \x01(\t\x12\r\n\x05\x64type\x18\x06 \x01(\t\x12\x1c\n\x14tensor_parallel_size\x18\x07 \x01(\r\x12\x12\n\ndraft_head\x18\x08 \x01(\t\x12\x18\n\x10\x64raft_token_cost\x18\t \x01(\x02\x12\x1a\n\x12\x61\x63\x63\x65pts_next_round\x18\n \x01(\x08\x12\x66\n\x1e\x64raft_token_cost_by_batch_size\x18\x0b \x03(\x0b\x32>.speclane.verifier.v1.ModelInfo.DraftTokenCostByBatchSizeEntry\x1a@\n\x1e\x44raftTokenCostByBatchSizeEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\"\x15\n\x13GetTokenizerRequest\"~\n\x0eTokenizerFiles\x12>\n\x05\x66iles\x18\x01 \x03(\x0b\x32/.speclane.verifier.v1.TokenizerFiles.FilesEntry\x1a,\n\nFilesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x0c:\x02\x38\x01\"\x10\n\x0eGetLoadRequest\"\xd1\x01\n\nEngineLoad\x12\x13\n\x0bnum_running\x18\x01 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x02 \x01(\r\x12\x16\n\x0ekv_used_tokens\x18\x03 \x01(\x04\x12\x18\n\x10kv_cached_tokens\x18\x04 \x01(\x04\x12\x15\n\rkv_max_tokens\x18\x05 \x01(\x04\x12\x17\n\x0fnum_preemptions\x18\x06 \x01(\x04\x12\x1c\n\x14prefix_cache_queries\x18\x07 \x01(\x04\x12\x19\n\x11prefix_cache_hits\x18\x08 \x01(\x04\x32\xf6\x02\n\x08Verifier\x12Z\n\x07Session\x12$.speclane.verifier.v1.SessionRequest\x1a%.speclane.verifier.v1.SessionResponse(\x01\x30\x01\x12Z\n\x0cGetModelInfo\x12).speclane.verifier.v1.GetModelInfoRequest\x1a\x1f.speclane.verifier.v1.ModelInfo\x12_\n\x0cGetTokenizer\x12).speclane.verifier.v1.GetTokenizerRequest\x1a$.speclane.verifier.v1.TokenizerFiles\x12Q\n\x07GetLoad\x12$.speclane.verifier.v1.GetLoadRequest\x1a .speclane.verifier.v1.EngineLoadb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!protos/verifier/v1/verifier.proto\x12\x14speclane.verifier.v1\x1a\x1dprotos/common/v1/common.proto\"\xeb\x04\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x03\x88\x01\x01\x12\x16\n\x0emax_new_tokens\x18\x05 \x01(\r\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\x05\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x12\x1d\n\x10presence_penalty\x18\x08 \x01(\x02H\x04\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\t \x01(\x02H\x05\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\n \x01(\x02H\x06\x88\x01\x01\x12\x12\n\x05min_p\x18\x0b \x01(\x02H\x07\x88\x01\x01\x12G\n\nlogit_bias\x18\x0c \x03(\x0b\x32\x33.speclane.verifier.v1.SamplingParams.LogitBiasEntry\x12\x12\n\nmin_tokens\x18\r \x01(\r\x12\x15\n\x08logprobs\x18\x0e \x01(\rH\x08\x88\x01\x01\x12\x14\n\x07grammar\x18\x0f \x01(\tH\t\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\x08\n\x06_min_pB\x0b\n\t_logprobsB\n\n\x08_grammar\"\xc1\x01\n\x07Prefill\x12\x13\n\x0bsequence_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x36\n\x08sampling\x18\x03 \x01(\x0b\x32$.speclane.verifier.v1.SamplingParams\x12\x1d\n\x15num_head_draft_tokens\x18\x04 \x01(\r\x12\x1c\n\x14head_draft_on_demand\x18\x05 \x01(\x08\x12\x12\n\ncache_salt\x18\x06 \x01(\t\"q\n\x06Verify\x12(\n\x05\x64raft\x18\x01 \x01(\x0b\x32\x19.speclane.common.v1.Draft\x12\x16\n\x0euse_head_draft\x18\x02 \x01(\x08J\x04\x08\x03\x10\x04R\x1fskip_head_draft_if_all_accepted\"y\n\tNextRound\x12\x1a\n\x12step_committed_len\x18\x01 \x01(\x04\x12\x39\n\rcontinuations\x18\x02 \x03(\x0b\x32\".speclane.verifier.v1.Continuation\x12\x15\n\rlookup_tokens\x18\x03 \x01(\r\"P\n\x0c\x43ontinuation\x12\x16\n\x0e\x62onus_token_id\x18\x01 \x01(\x05\x12(\n\x05\x64raft\x18\x02 \x01(\x0b\x32\x19.speclane.common.v1.Draft\"\xb1\x01\n\x0eSessionRequest\x12\x30\n\x07prefill\x18\x01 \x01(\x0b\x32\x1d.speclane.verifier.v1.PrefillH\x00\x12.\n\x06verify\x18\x02 \x01(\x0b\x32\x1c.speclane.verifier.v1.VerifyH\x00\x12\x35\n\nnext_round\x18\x03 \x01(\x0b\x32\x1f.speclane.verifier.v1.NextRoundH\x00\x42\x06\n\x04kind\"\xd5\x04\n\x0fSessionResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12!\n\x19num_accepted_draft_tokens\x18\x02 \x01(\r\x12\x15\n\rcommitted_len\x18\x03 \x01(\x04\x12\x37\n\rfinish_reason\x18\x04 \x01(\x0e\x32 .speclane.common.v1.FinishReason\x12\x18\n\x10num_draft_tokens\x18\x05 \x01(\r\x12\x34\n\x08logprobs\x18\x06 \x03(\x0b\x32\".speclane.verifier.v1.TokenLogprob\x12\x1a\n\rqueue_seconds\x18\x07 \x01(\x01H\x00\x88\x01\x01\x12\x1c\n\x0fprefill_seconds\x18\x08 \x01(\x01H\x01\x88\x01\x01\x12-\n\nhead_draft\x18\t \x01(\x0b\x32\x19.speclane.common.v1.Draft\x12\x1c\n\x0f\x66orward_seconds\x18\n \x01(\x01H\x02\x88\x01\x01\x12\x19\n\x0cstep_seconds\x18\x0b \x01(\x01H\x03\x88\x01\x01\x12\x16\n\x0enext_round_hit\x18\x0c \x01(\x08\x12\x1f\n\x12head_draft_seconds\x18\r \x01(\x01H\x04\x88\x01\x01\x12/\n\x0clookup_draft\x18\x0e \x01(\x0b\x32\x19.speclane.common.v1.DraftB\x10\n\x0e_queue_secondsB\x12\n\x10_prefill_secondsB\x12\n\x10_forward_secondsB\x0f\n\r_step_secondsB\x15\n\x13_head_draft_seconds\"L\n\x0cTokenLogprob\x12\x0f\n\x07logprob\x18\x01 \x01(\x02\x12\x15\n\rtop_token_ids\x18\x02 \x03(\x05\x12\x14\n\x0ctop_logprobs\x18\x03 \x03(\x02\"\x15\n\x13GetModelInfoRequest\"\x94\x03\n\tModelInfo\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\r\x12\x17\n\x0fmax_context_len\x18\x03 \x01(\r\x12\x15\n\reos_token_ids\x18\x04 \x03(\x05\x12\x0e\n\x06\x64\x65vice\x18\x05 \x01(\t\x12\r\n\x05\x64type\x18\x06 \x01(\t\x12\x1c\n\x14tensor_parallel_size\x18\x07 \x01(\r\x12\x12\n\ndraft_head\x18\x08 \x01(\t\x12\x18\n\x10\x64raft_token_cost\x18\t \x01(\x02\x12\x1a\n\x12\x61\x63\x63\x65pts_next_round\x18\n \x01(\x08\x12\x66\n\x1e\x64raft_token_cost_by_batch_size\x18\x0b \x03(\x0b\x32>.speclane.verifier.v1.ModelInfo.DraftTokenCostByBatchSizeEntry\x1a@\n\x1e\x44raftTokenCostByBatchSizeEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\"\x15\n\x13GetTokenizerRequest\"~\n\x0eTokenizerFiles\x12>\n\x05\x66iles\x18\x01 \x03(\x0b\x32/.speclane.verifier.v1.TokenizerFiles.FilesEntry\x1a,\n\nFilesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x0c:\x02\x38\x01\"\x10\n\x0eGetLoadRequest\"\xd1\x01\n\nEngineLoad\x12\x13\n\x0bnum_running\x18\x01 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x02 \x01(\r\x12\x16\n\x0ekv_used_tokens\x18\x03 \x01(\x04\x12\x18\n\x10kv_cached_tokens\x18\x04 \x01(\x04\x12\x15\n\rkv_max_tokens\x18\x05 \x01(\x04\x12\x17\n\x0fnum_preemptions\x18\x06 \x01(\x04\x12\x1c\n\x14prefix_cache_queries\x18\x07 \x01(\x04\x12\x19\n\x11prefix_cache_hits\x18\x08 \x01(\x04\x32\xf6\x02\n\x08Verifier\x12Z\n\x07Session\x12$.speclane.verifier.v1.SessionRequest\x1a%.speclane.verifier.v1.SessionResponse(\x01\x30\x01\x12Z\n\x0cGetModelInfo\x12).speclane.verifier.v1.GetModelInfoRequest\x1a\x1f.speclane.verifier.v1.ModelInfo\x12_\n\x0cGetTokenizer\x12).speclane.verifier.v1.GetTokenizerRequest\x1a$.speclane.verifier.v1.TokenizerFiles\x12Q\n\x07GetLoad\x12$.speclane.verifier.v1.GetLoadRequest\x1a .speclane.verifier.v1.EngineLoadb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -43,35 +43,35 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=516
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=564
   _globals['_PREFILL']._serialized_start=713
-  _globals['_PREFILL']._serialized_end=886
-  _globals['_VERIFY']._serialized_start=888
-  _globals['_VERIFY']._serialized_end=1001
-  _globals['_NEXTROUND']._serialized_start=1003
-  _globals['_NEXTROUND']._serialized_end=1124
-  _globals['_CONTINUATION']._serialized_start=1126
-  _globals['_CONTINUATION']._serialized_end=1206
-  _globals['_SESSIONREQUEST']._serialized_start=1209
-  _globals['_SESSIONREQUEST']._serialized_end=1386
-  _globals['_SESSIONRESPONSE']._serialized_start=1389
-  _globals['_SESSIONRESPONSE']._serialized_end=1986
-  _globals['_TOKENLOGPROB']._serialized_start=1988
-  _globals['_TOKENLOGPROB']._serialized_end=2064
-  _globals['_GETMODELINFOREQUEST']._serialized_start=2066
-  _globals['_GETMODELINFOREQUEST']._serialized_end=2087
-  _globals['_MODELINFO']._serialized_start=2090
-  _globals['_MODELINFO']._serialized_end=2494
-  _globals['_MODELINFO_DRAFTTOKENCOSTBYBATCHSIZEENTRY']._serialized_start=2430
-  _globals['_MODELINFO_DRAFTTOKENCOSTBYBATCHSIZEENTRY']._serialized_end=2494
-  _globals['_GETTOKENIZERREQUEST']._serialized_start=2496
-  _globals['_GETTOKENIZERREQUEST']._serialized_end=2517
-  _globals['_TOKENIZERFILES']._serialized_start=2519
-  _globals['_TOKENIZERFILES']._serialized_end=2645
-  _globals['_TOKENIZERFILES_FILESENTRY']._serialized_start=2601
-  _globals['_TOKENIZERFILES_FILESENTRY']._serialized_end=2645
-  _globals['_GETLOADREQUEST']._serialized_start=2647
-  _globals['_GETLOADREQUEST']._serialized_end=2663
-  _globals['_ENGINELOAD']._serialized_start=2666
-  _globals['_ENGINELOAD']._serialized_end=2875
-  _globals['_VERIFIER']._serialized_start=2878
-  _globals['_VERIFIER']._serialized_end=3252
+  _globals['_PREFILL']._serialized_end=906
+  _globals['_VERIFY']._serialized_start=908
+  _globals['_VERIFY']._serialized_end=1021
+  _globals['_NEXTROUND']._serialized_start=1023
+  _globals['_NEXTROUND']._serialized_end=1144
+  _globals['_CONTINUATION']._serialized_start=1146
+  _globals['_CONTINUATION']._serialized_end=1226
+  _globals['_SESSIONREQUEST']._serialized_start=1229
+  _globals['_SESSIONREQUEST']._serialized_end=1406
+  _globals['_SESSIONRESPONSE']._serialized_start=1409
+  _globals['_SESSIONRESPONSE']._serialized_end=2006
+  _globals['_TOKENLOGPROB']._serialized_start=2008
+  _globals['_TOKENLOGPROB']._serialized_end=2084
+  _globals['_GETMODELINFOREQUEST']._serialized_start=2086
+  _globals['_GETMODELINFOREQUEST']._serialized_end=2107
+  _globals['_MODELINFO']._serialized_start=2110
+  _globals['_MODELINFO']._serialized_end=2514
+  _globals['_MODELINFO_DRAFTTOKENCOSTBYBATCHSIZEENTRY']._serialized_start=2450
+  _globals['_MODELINFO_DRAFTTOKENCOSTBYBATCHSIZEENTRY']._serialized_end=2514
+  _globals['_GETTOKENIZERREQUEST']._serialized_start=2516
+  _globals['_GETTOKENIZERREQUEST']._serialized_end=2537
+  _globals['_TOKENIZERFILES']._serialized_start=2539
+  _globals['_TOKENIZERFILES']._serialized_end=2665
+  _globals['_TOKENIZERFILES_FILESENTRY']._serialized_start=2621
+  _globals['_TOKENIZERFILES_FILESENTRY']._serialized_end=2665
+  _globals['_GETLOADREQUEST']._serialized_start=2667
+  _globals['_GETLOADREQUEST']._serialized_end=2683
+  _globals['_ENGINELOAD']._serialized_start=2686
+  _globals['_ENGINELOAD']._serialized_end=2895
+  _globals['_VERIFIER']._serialized_start=2898
+  _globals['_VERIFIER']._serialized_end=3272
 # @@protoc_insertion_point(module_scope)

@@ -49,18 +49,20 @@ class SamplingParams(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., min_p: _Optional[float] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., min_tokens: _Optional[int] = ..., logprobs: _Optional[int] = ..., grammar: _Optional[str] = ...) -> None: ...
 
 class Prefill(_message.Message):
-    __slots__ = ("sequence_id", "prompt_token_ids", "sampling", "num_head_draft_tokens", "head_draft_on_demand")
+    __slots__ = ("sequence_id", "prompt_token_ids", "sampling", "num_head_draft_tokens", "head_draft_on_demand", "cache_salt")
     SEQUENCE_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     NUM_HEAD_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     HEAD_DRAFT_ON_DEMAND_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     sequence_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: SamplingParams
     num_head_draft_tokens: int
     head_draft_on_demand: bool
-    def __init__(self, sequence_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., num_head_draft_tokens: _Optional[int] = ..., head_draft_on_demand: _Optional[bool] = ...) -> None: ...
+    cache_salt: str
+    def __init__(self, sequence_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., num_head_draft_tokens: _Optional[int] = ..., head_draft_on_demand: _Optional[bool] = ..., cache_salt: _Optional[str] = ...) -> None: ...
 
 class Verify(_message.Message):
     __slots__ = ("draft", "use_head_draft")
