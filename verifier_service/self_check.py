@@ -62,12 +62,16 @@ def _reference_logits(model, tokens: list[int]) -> torch.Tensor:
 def check_against_reference(runner: ModelRunner, refuse: bool = True) -> None:
     """Raises ValueError (or, with refuse False, logs a warning) where the
     engine's logits differ from the reference's beyond the dtype's tolerance."""
-    difference, scale = largest_difference(runner)
+    name = runner.model.config.get_text_config().model_type
+    try:
+        difference, scale = largest_difference(runner)
+    except Exception as exc:  # noqa: BLE001 - an architecture the engine cannot run fails here, not at a request
+        raise ValueError(f"{name}: the engine's pass fails on this architecture ({type(exc).__name__}: "
+                         f"{str(exc).splitlines()[0] if str(exc) else 'no message'})") from exc
     allowed = tolerance(runner.dtype, scale)
     log.info("reference_check", max_logit_difference=round(difference, 7), allowed=round(allowed, 7))
     if difference <= allowed:
         return
-    name = runner.model.config.get_text_config().model_type
     message = (f"{name}: the engine's logits differ from transformers' reference forward by {difference:.3g} "
                f"(allowed {allowed:.3g}); this architecture needs something the engine does not do")
     if refuse:

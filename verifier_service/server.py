@@ -60,4 +60,8 @@ async def run(config: VerifierConfig, *, ready: Callable[[int], None] | None = N
 
 
 def main(argv: list[str] | None = None, prog: str = "python -m verifier_service") -> None:
-    asyncio.run(run(parse_config(VerifierConfig, ENV_PREFIX, argv, prog, "the verifier service")))
+    config = parse_config(VerifierConfig, ENV_PREFIX, argv, prog, "the verifier service")
+    try:
+        asyncio.run(run(config))
+    except ValueError as refused:  # a model or memory it cannot serve: one line, no traceback
+        raise SystemExit(f"verifier: refused to start: {refused}") from None

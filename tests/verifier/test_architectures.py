@@ -6,6 +6,8 @@ does. The features that made earlier engines wrong are shown to matter here
 (dropping them changes the logits). What is not served is refused by name."""
 
 import dataclasses
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -149,3 +151,16 @@ def test_the_start_up_check_refuses_an_engine_that_is_wrong(tmp_path, monkeypatc
         check_against_reference(runner)
     assert "\n" not in str(err.value)
     check_against_reference(runner, refuse=False)  # --reference-check warn: served, with a warning
+
+
+@pytest.mark.e2e
+def test_the_verifier_process_refuses_an_unsupported_architecture_in_one_line(tmp_path):
+    fields, words = REFUSED["qwen3_next"]
+    path = save_tiny("qwen3_next", tmp_path, fields)
+    done = subprocess.run([sys.executable, "-m", "verifier_service", "--model", path, "--device", "cpu",
+                           "--threads", "1", "--address", "127.0.0.1:0", "--log-level", "error"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("verifier: refused to start: qwen3_next: ") and "Traceback" not in done.stderr
+    assert all(word in last for word in words), last
