@@ -28,7 +28,6 @@ class KVGeometry:
 class PagedKVCache:
     def __init__(self, geometry: KVGeometry, num_blocks: int, block_size: int, dtype: torch.dtype,
                  device: torch.device):
-        self.geometry = geometry
         self.num_blocks = num_blocks
         self.block_size = block_size
         slots = num_blocks * block_size
