@@ -27,7 +27,6 @@ import itertools
 import json
 import os
 import pathlib
-import shutil
 import signal
 import subprocess
 import sys
@@ -140,7 +139,8 @@ class Server:
             self.preload = []
         self.argv = argv
         self.log_path = log_dir / f"{system}-{method}.log"
-        log(f"start {system} {method}: {' '.join(argv)}" + (f"  (LD_PRELOAD={env['LD_PRELOAD']})" if self.preload else ""))
+        preload = f"  (LD_PRELOAD={env['LD_PRELOAD']})" if self.preload else ""
+        log(f"start {system} {method}: {' '.join(argv)}{preload}")
         self.started = time.perf_counter()
         self.process = subprocess.Popen(argv, env=env, stdout=self.log_path.open("w"), stderr=subprocess.STDOUT,
                                         start_new_session=True, cwd="/tmp")
@@ -149,15 +149,17 @@ class Server:
         deadline = time.perf_counter() + timeout
         while time.perf_counter() < deadline:
             if self.process.poll() is not None:
-                raise RuntimeError(f"{self.system} {self.method} exited with {self.process.returncode}; see {self.log_path}")
-            if get(f"http://127.0.0.1:{self.port}/health") == 200 and get(f"http://127.0.0.1:{self.port}/v1/models") == 200:
+                raise RuntimeError(f"{self.system} {self.method} exited with {self.process.returncode}; "
+                                   f"see {self.log_path}")
+            root = f"http://127.0.0.1:{self.port}"
+            if get(f"{root}/health") == 200 and get(f"{root}/v1/models") == 200:
                 break
             time.sleep(2)
         else:
             raise RuntimeError(f"{self.system} {self.method} not ready after {timeout:.0f} s; see {self.log_path}")
         ready = time.perf_counter() - self.started
         # One short request outside the measurement (first-request warm-up on both systems).
-        for attempt in range(30):
+        for _ in range(30):
             try:
                 chat(self.port, "Say hello in five words.", 8)
                 break
@@ -210,7 +212,8 @@ def bench(system: str, method: str, port: int, dataset: str, concurrency: int, a
         delta = {name.split(":", 1)[1].removesuffix("_total"): after.get(name, 0.0) - before.get(name, 0.0)
                  for name in SPEC_COUNTERS}
         if delta["spec_decode_num_drafts"]:
-            delta["mean_acceptance_length"] = 1 + delta["spec_decode_num_accepted_tokens"] / delta["spec_decode_num_drafts"]
+            delta["mean_acceptance_length"] = (1 + delta["spec_decode_num_accepted_tokens"]
+                                               / delta["spec_decode_num_drafts"])
         spec = delta
         (out / "vllm-spec-decode-metrics.json").write_text(json.dumps(delta, indent=1) + "\n")
     log(f"  rc={rc} in {time.perf_counter() - started:.0f} s: "
@@ -275,7 +278,8 @@ def render_run(raw_names: list[str], suffix: str, meta_name: str | None) -> str:
         for method in VLLM_SPEC:
             totals = {"vllm": [0, 0.0, 0], "speclane": [0, 0.0, 0]}
             for dataset in DATASETS:
-                v, s = cells.get(("vllm", method, dataset, concurrency)), cells.get(("speclane", method, dataset, concurrency))
+                v = cells.get(("vllm", method, dataset, concurrency))
+                s = cells.get(("speclane", method, dataset, concurrency))
                 if not v and not s:
                     continue
                 for name, run in (("vllm", v), ("speclane", s)):
@@ -309,7 +313,8 @@ def render_run(raw_names: list[str], suffix: str, meta_name: str | None) -> str:
         result.append(f"| `{method}` at concurrency {concurrency} >= {target:.1f}x | {fmt(ratio, '{:.2f}x')} "
                       f"| {'not measured' if ratio is None else ('yes' if ratio >= target else 'no')} |")
     readme = HERE / "README.md"
-    text = readme.read_text() if readme.exists() else "<!-- result -->\n<!-- /result -->\n<!-- table -->\n<!-- /table -->\n"
+    empty = "<!-- result -->\n<!-- /result -->\n<!-- table -->\n<!-- /table -->\n"
+    text = readme.read_text() if readme.exists() else empty
     for marker, body in ((f"result{suffix}", "\n".join(result)), (f"table{suffix}", "\n".join(lines))):
         if f"<!-- {marker} -->" not in text:
             continue
@@ -365,8 +370,9 @@ def main() -> int:
         for method in args.methods.split(","):
             server = Server(system, method, port, args.vllm_venv, args.log_dir)
             entry = {"argv": server.argv, "ld_preload": server.preload, "runs": [],
-                     "speclane_uncommitted": subprocess.run(["git", "status", "--short", "--untracked-files=no"],
-                                                            cwd=REPO, capture_output=True, text=True).stdout.splitlines()}
+                     "speclane_uncommitted": subprocess.run(
+                         ["git", "status", "--short", "--untracked-files=no"], cwd=REPO, capture_output=True,
+                         text=True).stdout.splitlines()}
             meta["servers"][f"{system}-{method}"] = entry
             try:
                 entry["ready_s"] = round(server.wait_ready(), 1)
