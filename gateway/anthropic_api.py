@@ -18,7 +18,13 @@ from gateway.assistant_stream import AssistantStream
 from gateway.auth import tenant_for
 from gateway.chat_template import ChatPrompt, render_chat
 from gateway.errors import InvalidRequest, ModelNotFound
-from gateway.http_serving import choice_events, client_request_id, request_caller, unless_disconnected
+from gateway.http_serving import (
+    choice_events,
+    client_request_id,
+    joined_text,
+    request_caller,
+    unless_disconnected,
+)
 from gateway.openai_protocol import RequestBody, documented
 from gateway.openai_responses import EventStream, UsageTally, error_for
 from gateway.serving import GenerationParams, ServingContext, TextDelta, build_generation_request, prompt_tail
@@ -79,17 +85,7 @@ class MessagesRequest(MessagesPrompt):
 
 def _text(blocks, where: str) -> str:
     """A string, or text blocks joined (system prompts, tool results)."""
-    if isinstance(blocks, str):
-        return blocks
-    if not isinstance(blocks, list):
-        raise InvalidRequest(f"{where} must be a string or a list of text blocks", where)
-    parts = []
-    for index, block in enumerate(blocks):
-        if not isinstance(block, dict) or block.get("type") != "text" or not isinstance(block.get("text"), str):
-            raise InvalidRequest(f"{where}[{index}] must be a text block ({{\"type\": \"text\", \"text\": ...}})",
-                                 f"{where}.{index}")
-        parts.append(block["text"])
-    return "\n".join(parts)
+    return joined_text(blocks, where, ("text",), "text block", "\n")
 
 
 def _user_messages(content: list[dict], where: str, known_calls: set[str]) -> list[dict]:

@@ -8,6 +8,7 @@ import anyio
 from fastapi import Request
 
 from gateway.auth import ApiKey
+from gateway.errors import InvalidRequest
 from gateway.serving import ServingContext, generate_text
 
 
@@ -70,3 +71,19 @@ def client_request_id(request: Request) -> str | None:
 def request_caller(request: Request) -> ApiKey | None:
     """The key RequireApiKey authenticated the request with; None without keys."""
     return request.scope.get("state", {}).get("api_key")
+
+
+def joined_text(content, where: str, types: tuple[str, ...], noun: str, separator: str) -> str:
+    """A string, or the texts of a list of `noun`s whose type is one of `types`, joined
+    (system prompts, tool results, message content); InvalidRequest naming the bad part."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise InvalidRequest(f"{where} must be a string or a list of {noun}s", where)
+    texts = []
+    for index, part in enumerate(content):
+        if not isinstance(part, dict) or part.get("type") not in types or not isinstance(part.get("text"), str):
+            raise InvalidRequest(f"{where}[{index}] must be a {noun} (type {' or '.join(types)}, with a text)",
+                                 f"{where}.{index}")
+        texts.append(part["text"])
+    return separator.join(texts)

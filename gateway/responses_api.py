@@ -19,7 +19,13 @@ from gateway.assistant_stream import AssistantStream
 from gateway.auth import tenant_for
 from gateway.chat_template import ChatPrompt
 from gateway.errors import InvalidRequest, NotFound
-from gateway.http_serving import choice_events, client_request_id, request_caller, unless_disconnected
+from gateway.http_serving import (
+    choice_events,
+    client_request_id,
+    joined_text,
+    request_caller,
+    unless_disconnected,
+)
 from gateway.openai_protocol import RequestBody, documented
 from gateway.openai_responses import EventStream, UsageTally, error_for
 from gateway.response_store import StoredResponse
@@ -56,17 +62,7 @@ class ResponsesRequest(RequestBody):
 
 
 def _part_text(content, where: str) -> str:
-    if isinstance(content, str):
-        return content
-    if not isinstance(content, list):
-        raise InvalidRequest(f"{where} must be a string or a list of text parts", where)
-    texts = []
-    for index, part in enumerate(content):
-        if not isinstance(part, dict) or part.get("type") not in _TEXT_PARTS or not isinstance(part.get("text"), str):
-            raise InvalidRequest(f"{where}[{index}] must be a text part (input_text or output_text)",
-                                 f"{where}.{index}")
-        texts.append(part["text"])
-    return "".join(texts)
+    return joined_text(content, where, _TEXT_PARTS, "text part", "")
 
 
 def _known_calls(messages: list[dict]) -> set[str]:
