@@ -19,8 +19,8 @@ from gateway.auth import tenant_for
 from gateway.chat_template import ChatPrompt, render_chat
 from gateway.errors import InvalidRequest, ModelNotFound
 from gateway.http_serving import (
+    bind_request,
     choice_events,
-    client_request_id,
     joined_text,
     request_caller,
     unless_disconnected,
@@ -31,7 +31,6 @@ from gateway.serving import GenerationParams, ServingContext, TextDelta, build_g
 from gateway.structured_output import tool_choice_plan
 from gateway.tool_calls import CallArguments, CallEnd, CallStart, Content, Reasoning
 from protos.conventions import TENANT_METADATA_KEY
-from speclane.log import bind_request_id
 
 log = structlog.get_logger()
 
@@ -315,8 +314,7 @@ def add_messages_routes(app: FastAPI, ctx: ServingContext) -> None:
     @app.post(MESSAGES_PATH)
     async def messages(body: MessagesRequest, request: Request):
         message_id = f"msg_{uuid.uuid4().hex}"
-        request_id = client_request_id(request) or message_id
-        bind_request_id(request_id)
+        request_id = bind_request(request, message_id)
         headers = {"X-Request-Id": request_id}
         caller = request_caller(request)
         try:

@@ -10,6 +10,7 @@ from fastapi import Request
 from gateway.auth import ApiKey
 from gateway.errors import InvalidRequest
 from gateway.serving import ServingContext, generate_text
+from speclane.log import bind_request_id
 
 
 async def choice_events(ctx: ServingContext, requests, stop_strings, caller: ApiKey | None):
@@ -66,6 +67,14 @@ def client_request_id(request: Request) -> str | None:
     """The caller's X-Request-Id if it can travel as gRPC metadata (printable ASCII, at most 256 chars)."""
     value = request.headers.get("x-request-id", "")
     return value if 0 < len(value) <= 256 and value.isascii() and value.isprintable() else None
+
+
+def bind_request(request: Request, own_id: str) -> str:
+    """The request's id, bound to every log line it causes: the caller's X-Request-Id (as vLLM
+    honours it, so our logs on every service join its trace), else our own."""
+    request_id = client_request_id(request) or own_id
+    bind_request_id(request_id)
+    return request_id
 
 
 def request_caller(request: Request) -> ApiKey | None:

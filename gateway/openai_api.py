@@ -15,7 +15,7 @@ from gateway.anthropic_api import MESSAGES_PATH, add_messages_routes, anthropic_
 from gateway.auth import tenant_for
 from gateway.chat_template import ChatPrompt
 from gateway.errors import InvalidRequest
-from gateway.http_serving import choice_events, client_request_id, request_caller, unless_disconnected
+from gateway.http_serving import bind_request, choice_events, request_caller, unless_disconnected
 from gateway.metrics import CONTENT_TYPE
 from gateway.openai_protocol import (
     LEGACY_DEFAULT_MAX_TOKENS,
@@ -47,7 +47,6 @@ from gateway.serving import (
 )
 from gateway.structured_output import response_format_grammar, tool_choice_plan, tools_or_format_grammar
 from protos.conventions import TENANT_METADATA_KEY
-from speclane.log import bind_request_id
 
 log = structlog.get_logger()
 
@@ -171,9 +170,7 @@ def create_app(ctx: ServingContext) -> FastAPI:
 
     async def complete(request: Request, flavor: ApiFlavor, body: CompletionBase, max_tokens: int | None):
         response_id = f"{flavor.id_prefix}-{uuid.uuid4().hex}"
-        # A caller's X-Request-Id (as vLLM honours it) ties our logs on every service to its trace.
-        request_id = client_request_id(request) or response_id
-        bind_request_id(request_id)
+        request_id = bind_request(request, response_id)
         headers = {"X-Request-Id": request_id}
         caller = request_caller(request)
         try:

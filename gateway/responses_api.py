@@ -20,8 +20,8 @@ from gateway.auth import tenant_for
 from gateway.chat_template import ChatPrompt
 from gateway.errors import InvalidRequest, NotFound
 from gateway.http_serving import (
+    bind_request,
     choice_events,
-    client_request_id,
     joined_text,
     request_caller,
     unless_disconnected,
@@ -33,7 +33,6 @@ from gateway.serving import GenerationParams, ServingContext, TextDelta, build_g
 from gateway.structured_output import response_format_grammar, tool_choice_plan, tools_or_format_grammar
 from gateway.tool_calls import CallArguments, CallEnd, CallStart, Content, Reasoning
 from protos.conventions import TENANT_METADATA_KEY
-from speclane.log import bind_request_id
 
 log = structlog.get_logger()
 _TEXT_PARTS = ("input_text", "output_text", "text", "reasoning_text")
@@ -302,8 +301,7 @@ def add_responses_routes(app: FastAPI, ctx: ServingContext) -> None:
     @app.post("/v1/responses")
     async def responses(body: ResponsesRequest, request: Request):
         response_id = f"resp_{uuid.uuid4().hex}"
-        request_id = client_request_id(request) or response_id
-        bind_request_id(request_id)
+        request_id = bind_request(request, response_id)
         headers = {"X-Request-Id": request_id}
         caller = request_caller(request)
         try:

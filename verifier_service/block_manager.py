@@ -38,6 +38,11 @@ def root_hash(salt: str) -> bytes:
     return hashlib.blake2b(salt.encode(), digest_size=16).digest() if salt else b""
 
 
+def slot(blocks, index: int, block_size: int) -> int:
+    """The flat cache slot of a sequence's token `index`, through its blocks."""
+    return blocks[index // block_size] * block_size + index % block_size
+
+
 class BlockTable:
     """One sequence's blocks, and the hashes of those that are full and committed."""
 
@@ -47,8 +52,7 @@ class BlockTable:
         self.root = root_hash(salt)
 
     def slot(self, index: int, block_size: int) -> int:
-        """The flat cache slot of the sequence's token `index`."""
-        return self.blocks[index // block_size] * block_size + index % block_size
+        return slot(self.blocks, index, block_size)
 
 
 class BlockManager:

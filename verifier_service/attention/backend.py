@@ -12,6 +12,7 @@ from typing import Protocol
 import torch
 
 from verifier_service.batch import PassInputs, Segment
+from verifier_service.block_manager import slot
 from verifier_service.kv_cache import PagedKVCache
 
 
@@ -39,7 +40,6 @@ class AttentionBackend(Protocol):
 
 def slot_mapping(segments: tuple[Segment, ...], block_size: int, device: torch.device) -> torch.Tensor:
     """[T] the flat cache slot of every new token of the pass."""
-    slots = [table[i // block_size] * block_size + i % block_size
-             for seg in segments for table in (seg.block_table,)
+    slots = [slot(seg.block_table, i, block_size) for seg in segments
              for i in range(seg.start, seg.start + seg.num_tokens)]
     return torch.tensor(slots, dtype=torch.long, device=device)
