@@ -73,7 +73,7 @@ def resolve_device(
 def resolve_dtype(requested: str, device: str, *, cuda=torch.cuda) -> torch.dtype:
     """"auto" is fp32 on CPU (bf16 is faster on CPUs with AVX512-BF16, but its
     multi-token passes round differently from one-token steps, so speculation
-    would change greedy outputs: docs/bench/bf16), bf16 on NPU, bf16 on CUDA
+    would change greedy outputs: docs/benchmarks/bf16), bf16 on NPU, bf16 on CUDA
     when supported else fp16; otherwise the named dtype."""
     if requested != "auto":
         if requested not in DTYPES:

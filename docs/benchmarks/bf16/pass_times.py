@@ -1,0 +1,48 @@
+"""Verifier pass times by dtype: the engine's prefill of N prompts of CTX tokens,
+then steps of every sequence with k draft tokens (the fastest of 4 each).
+
+    python docs/benchmarks/bf16/pass_times.py --dtype bfloat16 --sequences 16 --context 300 --k 0,1,4,8
+"""
+
+import argparse
+import time
+
+import torch
+
+from speclane.models import DEFAULT_MODEL, resolve_model
+from verifier_service.engine import Engine
+from verifier_service.kv_pool import KVPool
+from verifier_service.model_runner import ModelRunner
+from verifier_service.sequence import Draft, GenerationParams
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--batch-invariant", default="auto", choices=("auto", "on", "off"))
+    parser.add_argument("--sequences", type=int, default=1)
+    parser.add_argument("--context", type=int, default=500)
+    parser.add_argument("--k", default="0,1,3,8,24", help="draft lengths")
+    args = parser.parse_args()
+    torch.set_num_threads(1)  # as the verifier runs by default
+    runner = ModelRunner(str(resolve_model(DEFAULT_MODEL)), "cpu", getattr(torch, args.dtype),
+                         batch_invariant=args.batch_invariant)
+    engine = Engine(runner, KVPool(200_000, 64, False))
+    params = GenerationParams(max_new_tokens=100_000, ignore_eos=True)
+    seqs = [engine.open(f"s{i}", [(j * 7919 + i * 31) % runner.vocab_size for j in range(args.context)], params)
+            for i in range(args.sequences)]
+    started = time.perf_counter()
+    engine.run_together([(seq, Draft()) for seq in seqs])
+    print(f"{args.dtype}: prefill {args.sequences} x {args.context} tokens {time.perf_counter() - started:.2f} s")
+    for k in (int(x) for x in args.k.split(",")):
+        draft = Draft(token_ids=(5,) * k)
+        times = []
+        for _ in range(4):
+            started = time.perf_counter()
+            engine.run_together([(seq, draft) for seq in seqs])
+            times.append(time.perf_counter() - started)
+        print(f"{args.dtype}: {args.sequences} sequences, k = {k}: {min(times) * 1000:.1f} ms")
+
+
+if __name__ == "__main__":
+    main()
