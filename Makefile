@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 INSTALLED := $(VENV)/.installed
 ARGS ?=
 
-.PHONY: install serve test lint fuzz test-containers protos clean
+.PHONY: install serve test test-fast lint fuzz test-containers protos docs clean
 
 # Editing the C++ drafter core re-runs the install, which rebuilds it.
 $(INSTALLED): pyproject.toml setup.py $(wildcard drafter_service/csrc/*)
@@ -21,9 +21,15 @@ install: $(INSTALLED)
 serve: install
 	$(BIN)/speclane serve $(ARGS)
 
+# Everything CI runs, the slowest tests listed at the end.
 test: install
 	$(BIN)/speclane pull smollm2-135m-instruct
-	$(BIN)/python -m pytest -q -p no:cacheprovider $(ARGS)
+	$(BIN)/python -m pytest -q -p no:cacheprovider --durations=25 $(ARGS)
+
+# Unit and in-process tests only (no test that starts a process): a few minutes, for the edit loop.
+test-fast: install
+	$(BIN)/speclane pull smollm2-135m-instruct
+	$(BIN)/python -m pytest -q -p no:cacheprovider -m "not e2e" $(ARGS)
 
 lint: install
 	$(BIN)/ruff check .
@@ -41,6 +47,10 @@ test-containers: install
 
 protos: install
 	$(BIN)/python -m protos.build
+
+# The flag reference is generated from the config dataclasses (tests/cli/test_reference.py checks it).
+docs: install
+	$(BIN)/python -m speclane_cli.reference > docs/reference/flags.md
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -64,9 +64,11 @@ def add_arguments(parser, config_cls: type, env_prefix: str, exclude: frozenset[
                                 help=help_text)
 
 
-def from_namespace(config_cls: type, namespace: argparse.Namespace, **fixed):
-    """Builds the config from parsed flags (and `fixed` values); the dataclass validates itself."""
-    values = {f.name: getattr(namespace, f.name) for f in settable_fields(config_cls) if f.name not in fixed}
+def from_namespace(config_cls: type, namespace: argparse.Namespace, exclude: frozenset[str] = frozenset(), **fixed):
+    """Builds the config from parsed flags (and `fixed` values; fields whose flags `exclude` left out
+    take their defaults); the dataclass validates itself."""
+    values = {f.name: getattr(namespace, f.name) for f in settable_fields(config_cls)
+              if f.name not in fixed and f.name not in exclude}
     return config_cls(**values, **fixed)
 
 

@@ -2,6 +2,7 @@
 gRPC over localhost, each restarted when it dies, stopped together."""
 
 import os
+import re
 import signal
 import ssl
 import subprocess
@@ -15,6 +16,7 @@ from drafter_service.config import DrafterConfig
 from gateway.config import ENV_PREFIX as GATEWAY_ENV
 from gateway.config import GatewayConfig
 from speclane import config as config_flags
+from speclane.fetch import speclane_home
 from speclane.log import configure_logging
 from speclane.models import DEFAULT_MODEL, resolve_model, served_name
 from speclane.net import free_port, http_ok
@@ -26,11 +28,17 @@ from verifier_service.config import VerifierConfig
 
 log = structlog.get_logger()
 
-# Verifier flags `speclane serve` passes through; the rest it sets itself (the TLS
-# files, from the gateway's flags of the same names or from --tls-dir; the gateway's
-# --speculative-config, whose head method and model the verifier loads).
-_VERIFIER_OWN_FLAGS = frozenset({"model", "model_name", "address", "log_level", "tls_cert", "tls_key", "tls_ca",
-                                 "speculative_config"})
+# Each service's flags that `speclane serve` sets itself rather than passing through: the addresses
+# (free localhost ports), the TLS files (from the gateway's flags of the same names, or --tls-dir),
+# the verifier's --speculative-config (the gateway's: the verifier loads its head), and the drafter's
+# tree shape (--speculative-config's drafter-wide keys).
+SET_BY_SERVE = {
+    "gateway": frozenset({"model", "grpc_address", "drafter_address", "verifier_addresses"}),
+    "verifier": frozenset({"model", "model_name", "address", "log_level", "tls_cert", "tls_key", "tls_ca",
+                           "speculative_config"}),
+    "drafter": frozenset({"address", "log_level", "metrics_port", "tls_cert", "tls_key", "tls_ca",
+                          *DRAFTER_WIDE_KEYS.values()}),
+}
 _TLS_FLAGS = ("tls_cert", "tls_key", "tls_ca")
 
 
@@ -39,9 +47,12 @@ def add_arguments(parser) -> None:
     parser.add_argument("--model", default=os.environ.get("SPECLANE_MODEL", DEFAULT_MODEL),
                         help="packaged model name, Hugging Face model directory, or hub model id org/name "
                              f"(env SPECLANE_MODEL; default {DEFAULT_MODEL!r})")
-    config_flags.add_arguments(parser, GatewayConfig, GATEWAY_ENV,
-                               exclude=frozenset({"model", "grpc_address", "drafter_address", "verifier_addresses"}))
-    config_flags.add_arguments(parser, VerifierConfig, VERIFIER_ENV, exclude=_VERIFIER_OWN_FLAGS)
+    config_flags.add_arguments(parser, GatewayConfig, GATEWAY_ENV, exclude=SET_BY_SERVE["gateway"])
+    config_flags.add_arguments(parser, VerifierConfig, VERIFIER_ENV, exclude=SET_BY_SERVE["verifier"])
+    config_flags.add_arguments(parser, DrafterConfig, DRAFTER_ENV, exclude=SET_BY_SERVE["drafter"])
+    if DRAFTER_ENV + "SNAPSHOT_PATH" not in os.environ:
+        # A drafter restarted by the supervisor (or the next `speclane serve`) starts warm; '' turns it off.
+        parser.set_defaults(snapshot_path=None)
     parser.add_argument("--grpc-port", type=int, default=50060, help="port of the public gRPC Generate API")
     parser.add_argument("--tls-dir", default="",
                         help="a directory made by `speclane certs`: mTLS between the services, each with its own "
@@ -76,8 +87,17 @@ def configs_from_args(args):
     )
     # The drafter-wide keys of --speculative-config configure the drafter itself.
     drafter_wide = {DRAFTER_WIDE_KEYS[key]: value for key, value in gateway.drafter_wide_speculation.items()}
-    drafter = DrafterConfig(address=drafter_address, log_level=args.log_level, **drafter_wide, **tls["drafter"])
+    snapshot_path = default_snapshot_path(model_name) if args.snapshot_path is None else args.snapshot_path
+    drafter = config_flags.from_namespace(DrafterConfig, args, exclude=SET_BY_SERVE["drafter"],
+                                          address=drafter_address, log_level=args.log_level,
+                                          snapshot_path=snapshot_path, **drafter_wide, **tls["drafter"])
     return drafter, verifier, gateway
+
+
+def default_snapshot_path(model_name: str) -> str:
+    """Where `speclane serve` keeps the drafter's global trees: one file per served model, since
+    the trees hold the model's token ids."""
+    return str(speclane_home() / "drafter" / (re.sub(r"[^A-Za-z0-9._-]", "_", model_name) + ".snapshot"))
 
 
 def _tls_flags(args) -> dict[str, dict[str, str]]:

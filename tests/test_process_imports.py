@@ -19,6 +19,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from protos.drafter.v1 import drafter_pb2, drafter_pb2_grpc
 from speclane.net import free_port
 
+pytestmark = pytest.mark.e2e  # starts processes
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 BLOCK = "import sys; sys.modules.update(torch=None, transformers=None); "
 # Printed by the child: the loaded modules named torch*/transformers* that are real (not the None blockers).

@@ -266,6 +266,7 @@ def speclane_health(*args: str) -> subprocess.CompletedProcess:
                           text=True, timeout=60)
 
 
+@pytest.mark.e2e
 def test_the_grpc_health_probe_speaks_mtls(mtls_drafter, certs):
     own = issued(str(certs), "drafter")
     flags = ["--tls-ca", own.ca, "--tls-cert", own.cert, "--tls-key", own.key]
@@ -301,6 +302,7 @@ def https_url(certs):
     server.server_close()
 
 
+@pytest.mark.e2e
 def test_the_http_health_probe_verifies_https_with_the_ca(https_url, certs):
     assert speclane_health("http", https_url, "--tls-ca", str(certs / "ca.pem")).returncode == 0
     assert speclane_health("http", https_url).returncode == 1  # the system's CAs do not know ours

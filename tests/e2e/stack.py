@@ -160,7 +160,9 @@ def speclane_serve(args: list[str], log_path: pathlib.Path):
     port = free_port()
     process = subprocess.Popen(
         [sys.executable, "-m", "speclane_cli", "serve", "--port", str(port), "--grpc-port", str(free_port()),
-         "--log-level", "warning", "--threads", str(TEST_THREADS), *args],
+         "--log-level", "warning", "--threads", str(TEST_THREADS),
+         # Not the default under $SPECLANE_HOME: one run's trees would warm the next run's drafter.
+         "--snapshot-path", str(log_path.parent / "drafter.snapshot"), *args],
         stdout=log_path.open("wb"), stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
         preexec_fn=die_with_parent)
     try:

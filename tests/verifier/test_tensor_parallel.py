@@ -67,6 +67,7 @@ async def _generate(port: int) -> tuple[int, list[int]]:
                 return info.tensor_parallel_size, tokens
 
 
+@pytest.mark.e2e
 def test_two_ranks_give_the_same_greedy_tokens_as_one(tiny_model_dir, engine):
     seq = engine.open("ref", PROMPT, GenerationParams(GREEDY, max_new_tokens=24, ignore_eos=True))
     expected = engine.prefill(seq).token_ids
@@ -114,6 +115,7 @@ async def _generate_with_head(port: int, prompt: list[int], k: int) -> tuple[int
         return info.tensor_parallel_size, tokens, accepted, trees
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("tree", [{}, {"eagle_topk": 3, "num_draft_tokens": 6}], ids=["chains", "trees"])
 def test_three_ranks_with_an_eagle3_head_on_rank_0_give_the_plain_greedy_tokens(tmp_path, tree):
     """The head runs on rank 0 from the replicated hidden states; the whole

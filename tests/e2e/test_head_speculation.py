@@ -117,7 +117,7 @@ def test_a_bf16_target_verifies_the_heads_trees_without_changing_greedy_output(m
 def test_the_shipped_eagle3_heads_trees_in_the_configuration_of_both_goals_keep_greedy_output(model_dir, tmp_path,
                                                                                                 prompts):
     """fp32, 16-node trees kept to the nodes that pay at a draft-token cost of 0.04: the configuration
-    docs/heads.md measures at 2 tokens a step and 1.3x on chat."""
+    docs/benchmarks/heads/README.md measures at 2 tokens a step and 1.3x on chat."""
     stack = start(model_dir, tmp_path, {"method": "eagle3", "num_speculative_tokens": 4, "eagle_topk": 4,
                                         "draft_token_cost": 0.04})
     try:
