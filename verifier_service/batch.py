@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from verifier_service.block_manager import MoveSlots
+from verifier_service.linear_attention import StateCommit
 from verifier_service.tree import depths
 
 
@@ -25,6 +26,7 @@ class Segment:
     num_pending: int
     parents: tuple[int, ...] = ()  # draft tree after the pending tokens
     wants_logits: bool = True  # False for a prompt chunk that does not reach the end
+    state_slot: int = 0  # the sequence's recurrent state, on models with linear attention (linear_attention.py)
 
     @property
     def num_tokens(self) -> int:
@@ -41,6 +43,8 @@ class StepPlan:
     moves: tuple[MoveSlots, ...]  # KV copies to apply before the pass
     input_ids: tuple[int, ...]
     segments: tuple[Segment, ...]
+    # Linear-attention states to keep from the last pass's steps, before this one (their accepted nodes).
+    state_commits: tuple[StateCommit, ...] = ()
 
     @property
     def num_tokens(self) -> int:

@@ -189,10 +189,11 @@ class Memory:
 
 
 def kv_cache_blocks(*, accelerator: bool, block_bytes: int, memory: Memory, gpu_memory_utilization: float,
-                    kv_cache_space_gib: float, num_blocks_override: int = 0) -> int:
+                    kv_cache_space_gib: float, num_blocks_override: int = 0, state_bytes: int = 0) -> int:
     """KV blocks, as vLLM sizes them: on an accelerator, `gpu_memory_utilization`
     of its total memory less the weights and the activations' peak; on a CPU,
-    `kv_cache_space_gib`. Refuses (ValueError) memory that is not there."""
+    `kv_cache_space_gib`; either less the linear-attention states (`state_bytes`).
+    Refuses (ValueError) memory that is not there."""
     if num_blocks_override:
         return num_blocks_override
     if accelerator:
@@ -213,6 +214,8 @@ def kv_cache_blocks(*, accelerator: bool, block_bytes: int, memory: Memory, gpu_
         if kv_bytes > memory.free_bytes:
             raise ValueError(f"--kv-cache-space {kv_cache_space_gib:g} GiB is more than the "
                              f"{memory.free_bytes / _GIB:.2f} GiB of memory available; lower it")
+    kv_bytes -= state_bytes
     if kv_bytes < block_bytes:
-        raise ValueError("the KV cache space holds less than one block")
+        raise ValueError("the KV cache space holds less than one block" +
+                         (f" after {state_bytes / _GIB:.2f} GiB of linear-attention states" if state_bytes else ""))
     return kv_bytes // block_bytes

@@ -21,6 +21,7 @@ from verifier_service.errors import InvalidRequest, SequenceFinished, StaleDraft
 from verifier_service.grammar import GrammarCompiler
 from verifier_service.heads.capture import HiddenStateCapture
 from verifier_service.heads.drafting import DraftRequest, HeadDrafter, HeadState
+from verifier_service.linear_attention import StateCommit
 from verifier_service.logits_processing import make_logits_processor
 from verifier_service.model_runner import ModelRunner
 from verifier_service.sampling import make_generator, target_probs
@@ -58,10 +59,18 @@ class Engine:
                  on_step: Callable[[StepStats], None] | None = None, head: HeadDrafter | None = None):
         self.runner = runner
         self.blocks = blocks
+        if runner.linear_layers and blocks.enable_prefix_caching:
+            raise ValueError("a model with linear attention cannot reuse cached prefixes: its state is kept per "
+                             "sequence, not per block")
         cache = runner.cache
-        if cache is None or (cache.num_blocks, cache.block_size) != (blocks.num_blocks, blocks.block_size):
-            runner.allocate_cache(blocks.num_blocks, blocks.block_size)
-        self.scheduler = Scheduler(blocks, limits)
+        # A linear-attention state slot for every sequence a pass may hold (vLLM sizes its state cache so too).
+        state_slots = limits.max_sequences if runner.linear_layers else 0
+        states = runner.states.num_slots if runner.states is not None else 0
+        if cache is None or (cache.num_blocks, cache.block_size, states) != (blocks.num_blocks, blocks.block_size,
+                                                                           state_slots):
+            runner.allocate_cache(blocks.num_blocks, blocks.block_size, state_slots)
+        self.scheduler = Scheduler(blocks, limits, num_state_slots=state_slots)
+        self._state_commits: list[StateCommit] = []  # the last pass's accepted nodes, sent with the next plan
         self.grammars = GrammarCompiler(runner.model_dir, runner.vocab_size)
         self.on_step = on_step
         self.head = head
@@ -156,11 +165,13 @@ class Engine:
         self._draft_on_demand()
         picked = scheduler.pick()
         moves = tuple(self.blocks.take_moves())
+        commits, self._state_commits = tuple(self._state_commits), []
         if not picked:
-            if moves:  # an idle pass still compacts the last accepted trees
-                self.runner.execute(StepPlan(moves, (), ()))
+            if moves or commits:  # an idle pass still keeps the last accepted trees
+                self.runner.execute(StepPlan(moves, (), (), commits))
             return False
-        plan = StepPlan(moves, tuple(t for e in picked for t in _fed_tokens(e)), tuple(e.segment for e in picked))
+        plan = StepPlan(moves, tuple(t for e in picked for t in _fed_tokens(e)), tuple(e.segment for e in picked),
+                        commits)
         started = time.perf_counter()
         try:
             logits, features = self.runner.execute(plan)
@@ -239,6 +250,8 @@ class Engine:
             size, table = self.blocks.block_size, seq.blocks
             self.blocks.moves.append(MoveSlots(tuple(table.slot(base + row, size) for row in verdict.path),
                                                tuple(table.slot(base + i, size) for i in range(len(verdict.path)))))
+        if seq.state_slot is not None and segment.num_pending == 1:  # its state after the accepted path's last node
+            self._state_commits.append(StateCommit(seq.state_slot, verdict.path[-1] + 1 if verdict.path else 0))
         result = seq.commit(verdict.token_ids, verdict.num_accepted, len(draft.token_ids), logprobs)
         if seq.grammar is not None:
             seq.grammar.commit(result.token_ids)

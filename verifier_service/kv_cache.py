@@ -20,9 +20,11 @@ class KVGeometry:
     kv_heads: int
     key_dim: int
     value_dim: int  # differs from key_dim under MLA (DeepSeek-V3)
+    stateless: frozenset[int] = frozenset()  # layers that keep no KV (linear attention: linear_attention.py)
 
     def bytes_per_token(self, dtype: torch.dtype) -> int:
-        return self.num_layers * self.kv_heads * (self.key_dim + self.value_dim) * torch.finfo(dtype).bits // 8
+        layers = self.num_layers - len(self.stateless)
+        return layers * self.kv_heads * (self.key_dim + self.value_dim) * torch.finfo(dtype).bits // 8
 
 
 class PagedKVCache:
@@ -33,10 +35,11 @@ class PagedKVCache:
         slots = num_blocks * block_size
         g = geometry
         # Empty, not zeros: pages are only committed as blocks fill, and no slot is read before it is written.
-        self.keys = [torch.empty(slots, g.kv_heads, g.key_dim, dtype=dtype, device=device)
-                     for _ in range(g.num_layers)]
-        self.values = [torch.empty(slots, g.kv_heads, g.value_dim, dtype=dtype, device=device)
-                       for _ in range(g.num_layers)]
+        # Indexed by layer; a layer that keeps no KV has none.
+        self.keys = [torch.empty(0 if i in g.stateless else slots, g.kv_heads, g.key_dim, dtype=dtype, device=device)
+                     for i in range(g.num_layers)]
+        self.values = [torch.empty(0 if i in g.stateless else slots, g.kv_heads, g.value_dim, dtype=dtype,
+                                   device=device) for i in range(g.num_layers)]
 
     def write(self, layer: int, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
         """keys/values [n, kv_heads, dim] of the pass's new tokens, into their slots."""
@@ -47,4 +50,5 @@ class PagedKVCache:
         src = torch.tensor(move.src, dtype=torch.long, device=self.keys[0].device)
         dst = torch.tensor(move.dst, dtype=torch.long, device=self.keys[0].device)
         for tensor in (*self.keys, *self.values):
-            tensor.index_copy_(0, dst, tensor.index_select(0, src))
+            if len(tensor):
+                tensor.index_copy_(0, dst, tensor.index_select(0, src))

@@ -17,6 +17,7 @@ from verifier_service.batch_invariant import make_invariant
 from verifier_service.cpu_linear import add_measured_linears, measures_linear_ways
 from verifier_service.distributed import TensorParallel
 from verifier_service.kv_cache import KVGeometry, PagedKVCache
+from verifier_service.linear_attention import LinearStates, is_linear_attention, linear_layout
 
 log = structlog.get_logger()
 
@@ -32,26 +33,36 @@ def kv_geometry(text_config, tp_size: int = 1) -> KVGeometry:
     Kimi-K2) attends with keys of qk_nope + qk_rope dims and values of
     v_head_dim, one of each per attention head."""
     heads = text_config.num_attention_heads
+    layers = text_config.num_hidden_layers
     if getattr(text_config, "kv_lora_rank", None):
         key_dim = text_config.qk_nope_head_dim + text_config.qk_rope_head_dim
-        return KVGeometry(text_config.num_hidden_layers, heads // tp_size, key_dim, text_config.v_head_dim)
+        return KVGeometry(layers, heads // tp_size, key_dim, text_config.v_head_dim)
     kv_heads = getattr(text_config, "num_key_value_heads", None) or heads
     head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // heads
-    return KVGeometry(text_config.num_hidden_layers, kv_heads // tp_size, head_dim, head_dim)
+    kinds = getattr(text_config, "layer_types", None) or ()
+    return KVGeometry(layers, kv_heads // tp_size, head_dim, head_dim,
+                      frozenset(i for i, kind in enumerate(kinds[:layers]) if kind == LINEAR_ATTENTION))
 
 
-# Layer kinds other than attention keep a state the engine does not hold: refused by name until it does.
+# Layer kinds other than attention keep a state: the engine keeps and rolls back the gated delta rule's
+# (linear_attention.py) for the models whose linear layers are gated DeltaNets; the rest are refused by name.
 _STATEFUL_LAYERS = ("linear_attention", "mamba", "conv", "recurrent")
+LINEAR_ATTENTION = "linear_attention"
+_GATED_DELTANET_MODELS = ("qwen3_next",)
 
 
-def unsupported(text_config) -> str | None:
+def unsupported(text_config, tp_size: int = 1) -> str | None:
     """Why the engine cannot serve this decoder correctly, in one line, or None."""
     name = getattr(text_config, "model_type", "this model")
     kinds = set(getattr(text_config, "layer_types", None) or ())
+    if name in _GATED_DELTANET_MODELS:
+        if tp_size > 1 and LINEAR_ATTENTION in kinds:
+            return f"{name}: linear-attention layers are not split across tensor-parallel ranks yet; serve it at TP 1"
+        kinds.discard(LINEAR_ATTENTION)
     stateful = sorted(kind for kind in kinds if any(word in kind for word in _STATEFUL_LAYERS))
     if stateful:
         return (f"{name}: layers of type {', '.join(stateful)} keep a recurrent state that the engine does not "
-                "keep or roll back yet; only attention layers are served")
+                "keep or roll back yet; only attention and gated-DeltaNet layers are served")
     if getattr(text_config, "attention_chunk_size", None):
         return f"{name}: chunked local attention (attention_chunk_size) is not supported"
     if not getattr(text_config, "is_decoder", True) or getattr(text_config, "is_encoder_decoder", False):
@@ -65,6 +76,7 @@ class AllocateCache:
 
     num_blocks: int
     block_size: int
+    num_state_slots: int = 0  # sequences whose linear-attention state is kept (models with linear attention)
 
 
 class UnsupportedModel(ValueError):
@@ -81,7 +93,7 @@ class ModelRunner:
         self.dtype = dtype
         self.tp = tp
         problem = unsupported(AutoConfig.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
-                              .get_text_config())
+                              .get_text_config(), tp.world_size if tp is not None else 1)
         if problem:
             raise UnsupportedModel(problem)
         kwargs = {"dtype": dtype, "attn_implementation": register_attention(), "trust_remote_code": trust_remote_code}
@@ -101,6 +113,11 @@ class ModelRunner:
         self.backend = select_backend(self.device, self.batch_invariant)
         self.kv_bytes_per_token = g.bytes_per_token(dtype)
         self.cache: PagedKVCache | None = None  # allocated once the KV budget is known (allocate_cache)
+        self.linear_layers = {m.layer_idx: m for m in self.model.modules() if is_linear_attention(m)}
+        for layer in self.linear_layers.values():
+            _serve_linear_layer(layer)
+        self.state_bytes_per_slot = LinearStates.bytes_per_slot(self.linear_layers, dtype)
+        self.states: LinearStates | None = None  # allocated with the cache where the model has linear layers
         # Hidden states a draft head reads (indices into transformers' hidden_states); () when no head.
         self.feature_layers: tuple[int, ...] = ()
         # The output layer's width (it may pad the tokenizer's vocabulary); sharded under TP, gathered in logits.
@@ -115,9 +132,9 @@ class ModelRunner:
                  tensor_parallel_size=self.tp_size, rank=tp.rank if tp else 0, weight_layout_bytes=layout_bytes,
                  batch_invariant=self.batch_invariant, attention_backend=self.backend.name)
 
-    def allocate_cache(self, num_blocks: int, block_size: int) -> None:
-        """(Re)allocates the KV cache on every rank."""
-        message = AllocateCache(num_blocks, block_size)
+    def allocate_cache(self, num_blocks: int, block_size: int, num_state_slots: int = 0) -> None:
+        """(Re)allocates the KV cache (and linear-attention states) on every rank."""
+        message = AllocateCache(num_blocks, block_size, num_state_slots)
         if self.tp is not None:
             self.tp.broadcast(message)
         self.handle(message)
@@ -133,21 +150,28 @@ class ModelRunner:
     def handle(self, message: StepPlan | AllocateCache) -> None:
         """A message from rank 0 (on a follower rank, every message)."""
         if isinstance(message, AllocateCache):
-            self.cache = None  # the old cache's memory goes first
+            self.cache = self.states = None  # the old memory goes first
             self.cache = PagedKVCache(self.geometry, message.num_blocks, message.block_size, self.dtype, self.device)
+            if self.linear_layers:
+                self.states = LinearStates(self.linear_layers, max(message.num_state_slots, 1), self.dtype,
+                                           self.device)
         else:
             self.run(message)
 
     @torch.inference_mode()
     def run(self, plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor | None]:
-        cache = self.cache
+        cache, states = self.cache, self.states
         for move in plan.moves:
             cache.move(move)
+        if states is not None:
+            states.commit(plan.state_commits)
         if not plan.segments:
             return torch.empty(0, self.vocab_size), None
         inputs = pass_inputs(plan, self.device)
-        context = PassContext(cache, self.backend,
-                              self.backend.prepare(plan.segments, inputs, cache.block_size, self.device))
+        kernel = next(iter(self.linear_layers.values())).conv_kernel_size if states is not None else 0
+        linear = linear_layout(plan.segments, inputs.offsets, kernel, self.device) if states is not None else None
+        metadata = self.backend.prepare(plan.segments, inputs, cache.block_size, self.device)
+        context = PassContext(cache, self.backend, metadata, states, linear)
         out = self.model(input_ids=inputs.input_ids, position_ids=inputs.positions, use_cache=False,
                          logits_to_keep=inputs.logit_rows, speclane_pass=context,
                          output_hidden_states=bool(self.feature_layers))
@@ -155,3 +179,17 @@ class ModelRunner:
         if self.feature_layers:
             features = torch.cat([out.hidden_states[i][0] for i in self.feature_layers], dim=-1).float()
         return out.logits[0].float(), features
+
+
+def _serve_linear_layer(layer: torch.nn.Module) -> None:
+    """Runs a linear-attention layer over the engine's states in our passes; transformers'
+    own forward elsewhere (the start-up check's reference)."""
+    original = layer.forward
+
+    def forward(hidden_states, *args, **kwargs):
+        context: PassContext | None = kwargs.get("speclane_pass")
+        if context is None:
+            return original(hidden_states, *args, **kwargs)
+        return context.states.forward(layer, hidden_states, context.linear)
+
+    layer.forward = forward

@@ -52,10 +52,14 @@ class Scheduled:
 
 
 class Scheduler:
-    def __init__(self, blocks: BlockManager, limits: BatchLimits, clock: Callable[[], float] = time.monotonic):
+    def __init__(self, blocks: BlockManager, limits: BatchLimits, clock: Callable[[], float] = time.monotonic,
+                 num_state_slots: int = 0):
         self.blocks = blocks
         self.limits = limits
         self.clock = clock
+        # Models with linear attention: an admitted sequence also holds one of these state slots.
+        self.free_state_slots = list(range(num_state_slots))
+        self.keeps_states = num_state_slots > 0
         self.waiting: deque[Work] = deque()  # not admitted, arrival order
         self.ready: list[Work] = []  # admitted, with a step to run
         self.admitted: dict[Sequence, None] = {}  # holding KV, in admission order
@@ -80,6 +84,9 @@ class Scheduler:
             seq.blocks = None
             seq.num_cached = 0
             self.admitted.pop(seq, None)
+        if seq.state_slot is not None:
+            self.free_state_slots.append(seq.state_slot)
+            seq.state_slot = None
 
     def admit(self) -> None:
         now = self.clock()
@@ -127,7 +134,9 @@ class Scheduler:
         pending = _pending(seq)
         chunk = min(pending, tokens_left)
         final = chunk == pending
-        draft = work.draft.trimmed(tokens_left - chunk, seq.max_draft_depth()) if final else Draft()
+        # A linear-attention state is kept per step node, not per prompt token: drafts go with single-token steps.
+        drafts = final and (pending == 1 or not self.keeps_states)
+        draft = work.draft.trimmed(tokens_left - chunk, seq.max_draft_depth()) if drafts else Draft()
         base = seq.num_cached + chunk
         while not self.blocks.grow(seq.blocks, base + len(draft.token_ids)):
             room = self.blocks.reachable(seq.blocks) - base
@@ -142,7 +151,8 @@ class Scheduler:
                                                 f"is {self.blocks.max_tokens}"))
                 return None
         segment = Segment(tuple(seq.blocks.blocks), seq.num_cached, chunk,
-                          draft.tree_parents if draft.token_ids else (), wants_logits=final)
+                          draft.tree_parents if draft.token_ids else (), wants_logits=final,
+                          state_slot=seq.state_slot or 0)
         return Scheduled(work, segment, draft)
 
     def _preempt_one(self, spare: set[Sequence]) -> bool:
@@ -173,6 +183,8 @@ class Scheduler:
                    for other in self.admitted)
 
     def _allocate(self, seq: Sequence) -> bool:
+        if self.keeps_states and not self.free_state_slots:
+            return False
         table = BlockTable(seq.params.cache_salt)
         # Leave every admitted sequence a free block to grow into, so admitting
         # one more does not force the next decode steps into preemption.
@@ -180,6 +192,8 @@ class Scheduler:
         if cached is None:
             return False
         seq.blocks, seq.num_cached = table, cached
+        if self.keeps_states:
+            seq.state_slot = self.free_state_slots.pop()
         return True
 
     def _refuse(self, work: Work, message: str) -> None:

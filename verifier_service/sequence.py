@@ -167,6 +167,7 @@ class Sequence:
         self.head_draft_seconds = 0.0  # the time the head took for it, until reported with a step
         self.blocks: BlockTable | None = None  # its KV blocks while admitted
         self.num_cached = 0
+        self.state_slot: int | None = None  # models with linear attention: its state's slot while admitted
         self.finish_reason = FinishReason.NONE
         self.num_steps = 0
         self.num_draft_tokens = 0

@@ -120,10 +120,13 @@ class Rank0:
                                      memory=_measure_memory(runner, limits, config.kv_block_size),
                                      gpu_memory_utilization=config.gpu_memory_utilization,
                                      kv_cache_space_gib=config.kv_cache_space,
-                                     num_blocks_override=config.num_gpu_blocks_override)
-        # A captured prompt needs every position's hidden states: none may come from the prefix cache.
+                                     num_blocks_override=config.num_gpu_blocks_override,
+                                     state_bytes=runner.state_bytes_per_slot * limits.max_sequences)
+        # A captured prompt needs every position's hidden states: none may come from the prefix cache. Nor may
+        # a linear-attention model's, whose states are kept per sequence, not per block.
         blocks = BlockManager(num_blocks, config.kv_block_size,
-                              config.enable_prefix_caching and not config.draft.capture_dir)
+                              config.enable_prefix_caching and not config.draft.capture_dir
+                              and not runner.linear_layers)
         engine = Engine(runner, blocks, limits, on_step=self.on_step, head=head)
         log.info("kv_cache_ready", num_blocks=blocks.num_blocks, block_size=blocks.block_size,
                  max_kv_tokens=blocks.max_tokens, bytes_per_token=runner.kv_bytes_per_token,

@@ -2,7 +2,8 @@
 refuses), saved from transformers' own config classes: dims small enough that
 a pass takes milliseconds, features switched on where a family has them
 (sliding windows a few tokens wide, strong softcapping, sinks, MoE routing,
-MLA's unequal key and value dims)."""
+MLA's unequal key and value dims, gated DeltaNet layers whose convolution
+reaches back past one step's draft)."""
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
@@ -35,14 +36,18 @@ SERVED = {
                         topk_group=1, rope_interleave=False),
     "glm4_moe": dict(head_dim=8, n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2,
                      moe_intermediate_size=16, first_k_dense_replace=1, n_group=1, topk_group=1),
+    # Gated DeltaNet layers (linear attention, a recurrent state per sequence) between attention layers.
+    "qwen3_next": dict(head_dim=8, layer_types=["linear_attention", "full_attention"], **_MOE,
+                       linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=8,
+                       linear_value_head_dim=8, linear_conv_kernel_dim=4),
 }
 
 # model_type -> (config fields over _COMMON, words the refusal must contain)
 REFUSED = {
-    "qwen3_next": (dict(head_dim=8, layer_types=["linear_attention", "full_attention"], **_MOE,
-                        linear_num_value_heads=2, linear_num_key_heads=2, linear_key_head_dim=8,
-                        linear_value_head_dim=8, linear_conv_kernel_dim=2),
-                   ("qwen3_next", "linear_attention", "recurrent state")),
+    # Mamba layers (which transformers types "linear_attention" too): a state the engine does not keep.
+    "jamba": (dict(num_experts=1, expert_layer_period=2, attn_layer_period=2, attn_layer_offset=1, mamba_d_state=4,
+                   mamba_d_conv=2, mamba_expand=1, mamba_dt_rank=4),
+              ("jamba", "linear_attention", "recurrent state")),
 }
 
 

@@ -5,18 +5,25 @@ greedy speculation (a chain and a tree) decodes what plain greedy decoding
 does. The features that made earlier engines wrong are shown to matter here
 (dropping them changes the logits). What is not served is refused by name."""
 
+import asyncio
 import dataclasses
+import functools
 import subprocess
 import sys
 
+import grpc
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from protos.common.v1 import common_pb2
+from protos.verifier.v1 import verifier_pb2, verifier_pb2_grpc
+from speclane.net import free_port
 from verifier_service.attention import backend as attention_backend
 from verifier_service.batch import Segment, StepPlan
-from verifier_service.block_manager import BlockManager, BlockTable
+from verifier_service.block_manager import BlockManager, BlockTable, MoveSlots, slot
 from verifier_service.engine import Engine
+from verifier_service.linear_attention import LinearStates, StateCommit
 from verifier_service.model_runner import ModelRunner, UnsupportedModel
 from verifier_service.sampling import SamplingParams
 from verifier_service.self_check import check_against_reference
@@ -36,7 +43,7 @@ def model(request, tmp_path_factory):
     """(runner, transformers' model) of one architecture."""
     path = save_tiny(request.param, tmp_path_factory.mktemp(request.param))
     runner = ModelRunner(path, "cpu", torch.float32)
-    runner.allocate_cache(64, BLOCK)
+    runner.allocate_cache(64, BLOCK, num_state_slots=2)
     reference = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
     return runner, reference
 
@@ -58,22 +65,30 @@ def test_prefill_decode_and_tree_verify_passes_equal_transformers(model):
     a, b = table_for(blocks, 32), table_for(blocks, 32)
     other = [(5 * i) % 90 + 3 for i in range(6)]
     # Pass 1: a's prompt and b's shorter one; pass 2: a decodes, b verifies a tree; pass 3: a verifies a chain.
-    logits, _ = runner.execute(StepPlan((), (*PROMPT, *other), (Segment(tuple(a.blocks), 0, len(PROMPT)),
-                                                               Segment(tuple(b.blocks), 0, len(other)))))
+    a_seg, b_seg = (functools.partial(Segment, tuple(table.blocks), state_slot=slot)
+                    for slot, table in enumerate((a, b)))
+    logits, _ = runner.execute(StepPlan((), (*PROMPT, *other), (a_seg(0, len(PROMPT)), b_seg(0, len(other)))))
     assert torch.allclose(logits[0], last_logits(reference, PROMPT), atol=TOLERANCE)
     assert torch.allclose(logits[1], last_logits(reference, other), atol=TOLERANCE)
-    logits, _ = runner.execute(StepPlan((), (4, 5, *TREE), (Segment(tuple(a.blocks), len(PROMPT), 1),
-                                                          Segment(tuple(b.blocks), len(other), 1, PARENTS))))
+    logits, _ = runner.execute(StepPlan((), (4, 5, *TREE), (a_seg(len(PROMPT), 1), b_seg(len(other), 1, PARENTS))))
     assert torch.allclose(logits[0], last_logits(reference, PROMPT + [4]), atol=TOLERANCE)
     paths = ([], [0], [1], [0, 2], [0, 2, 3], [0, 2, 4])
     for row, path in enumerate(paths, start=1):
         expected = last_logits(reference, other + [5] + [TREE[i] for i in path])
         assert torch.allclose(logits[row], expected, atol=TOLERANCE), path
-    chain = (30, 31, 32)
-    logits, _ = runner.execute(StepPlan((), (6, *chain), (Segment(tuple(a.blocks), len(PROMPT) + 1, 1, (-1, 0, 1)),)))
+    # Pass 3: a verifies a chain; b goes on after accepting the tree path [0, 2, 3] (its KV moved up to follow,
+    # its linear-attention state kept from that path's last node).
+    chain, base = (30, 31, 32), len(other) + 1
+    accepted = MoveSlots(tuple(slot(b.blocks, base + node, BLOCK) for node in (0, 2, 3)),
+                         tuple(slot(b.blocks, base + i, BLOCK) for i in range(3)))
+    logits, _ = runner.execute(StepPlan((accepted,), (6, *chain, 40),
+                                        (a_seg(len(PROMPT) + 1, 1, (-1, 0, 1)), b_seg(base + 3, 1)),
+                                        (StateCommit(0, 0), StateCommit(1, 4))))
     for row in range(len(chain) + 1):
         expected = last_logits(reference, PROMPT + [4, 6, *chain[:row]])
         assert torch.allclose(logits[row], expected, atol=TOLERANCE)
+    after_tree = other + [5] + [TREE[node] for node in (0, 2, 3)] + [40]
+    assert torch.allclose(logits[len(chain) + 1], last_logits(reference, after_tree), atol=TOLERANCE)
 
 
 # Each feature, with where transformers hands it to the attention function, and a model that has it.
@@ -107,7 +122,8 @@ def greedy_reference(reference, prompt, n) -> list[int]:
 def test_greedy_speculation_with_chains_and_trees_equals_plain_decoding(model):
     runner, reference = model
     expected = greedy_reference(reference, PROMPT, 16)
-    engine = Engine(runner, BlockManager(64, BLOCK, enable_prefix_caching=True))
+    # Cached prefixes would skip a linear-attention state (the engine refuses them for such models).
+    engine = Engine(runner, BlockManager(64, BLOCK, enable_prefix_caching=not runner.linear_layers))
     params = GenerationParams(SamplingParams(temperature=0.0), max_new_tokens=16, ignore_eos=True)
     for tree in (False, True):
         seq = engine.open("s", PROMPT, params)
@@ -123,6 +139,32 @@ def test_greedy_speculation_with_chains_and_trees_equals_plain_decoding(model):
         engine.close(seq)
 
 
+def test_keeping_a_rejected_drafts_linear_attention_state_changes_the_output(tmp_path, monkeypatch):
+    """The rollback matters: a state that runs on through rejected draft tokens decodes something else."""
+    runner = ModelRunner(save_tiny("qwen3_next", tmp_path), "cpu", torch.float32)
+    engine = Engine(runner, BlockManager(64, BLOCK, enable_prefix_caching=False))
+    params = GenerationParams(SamplingParams(temperature=0.0), max_new_tokens=32, ignore_eos=True)
+
+    def decode_with_wrong_drafts() -> list[int]:
+        seq = engine.open("s", PROMPT, params)
+        engine.prefill(seq)
+        while seq.num_generated < 12:  # far from the budget, which would shorten the drafts
+            engine.verify(seq, Draft((1, 2, 3)))  # rejected at its first token, almost always
+        engine.close(seq)
+        return seq.tokens[len(PROMPT):]
+
+    served = decode_with_wrong_drafts()
+    kept = {}
+
+    def keep_last_node(states, commits):  # as if every draft node had been accepted
+        kept.update(commits=commits)
+        original_commit(states, tuple(StateCommit(c.slot, 3) for c in commits))
+
+    original_commit = LinearStates.commit
+    monkeypatch.setattr(LinearStates, "commit", keep_last_node)
+    assert decode_with_wrong_drafts() != served and kept
+
+
 @pytest.mark.parametrize("model_type", sorted(REFUSED))
 def test_unsupported_architectures_are_refused_by_name(model_type, tmp_path):
     fields, words = REFUSED[model_type]
@@ -133,7 +175,7 @@ def test_unsupported_architectures_are_refused_by_name(model_type, tmp_path):
     assert "\n" not in message and all(word in message for word in words), message
 
 
-@pytest.mark.parametrize("model_type", ["llama", "gemma2", "deepseek_v3"])
+@pytest.mark.parametrize("model_type", ["llama", "gemma2", "deepseek_v3", "qwen3_next"])
 def test_the_start_up_check_passes_where_the_engine_is_right(model_type, tmp_path):
     runner = ModelRunner(save_tiny(model_type, tmp_path), "cpu", torch.float32)
     runner.allocate_cache(16, BLOCK)
@@ -155,12 +197,58 @@ def test_the_start_up_check_refuses_an_engine_that_is_wrong(tmp_path, monkeypatc
 
 @pytest.mark.e2e
 def test_the_verifier_process_refuses_an_unsupported_architecture_in_one_line(tmp_path):
-    fields, words = REFUSED["qwen3_next"]
-    path = save_tiny("qwen3_next", tmp_path, fields)
+    fields, words = REFUSED["jamba"]
+    path = save_tiny("jamba", tmp_path, fields)
     done = subprocess.run([sys.executable, "-m", "verifier_service", "--model", path, "--device", "cpu",
                            "--threads", "1", "--address", "127.0.0.1:0", "--log-level", "error"],
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 1
     last = done.stderr.strip().splitlines()[-1]
-    assert last.startswith("verifier: refused to start: qwen3_next: ") and "Traceback" not in done.stderr
+    assert last.startswith("verifier: refused to start: jamba: ") and "Traceback" not in done.stderr
     assert all(word in last for word in words), last
+
+
+async def _served_greedy(port: int, prompt: list[int], expected: list[int]) -> list[int]:
+    """Greedy tokens over the verifier's gRPC session, each step verifying a tree whose first branch is wrong
+    and whose second holds the right continuation, every third step a wrong chain."""
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+        stub = verifier_pb2_grpc.VerifierStub(channel)
+        for _ in range(600):
+            try:
+                await stub.GetModelInfo(verifier_pb2.GetModelInfoRequest())
+                break
+            except grpc.aio.AioRpcError:
+                await asyncio.sleep(0.1)
+        call = stub.Session()
+        sampling = verifier_pb2.SamplingParams(max_new_tokens=len(expected), ignore_eos=True)
+        await call.write(verifier_pb2.SessionRequest(prefill=verifier_pb2.Prefill(
+            sequence_id="arch", prompt_token_ids=prompt, sampling=sampling)))
+        tokens = list((await call.read()).token_ids)
+        for step in range(len(expected)):
+            right = expected[len(tokens): len(tokens) + 3]
+            tree = common_pb2.Draft(token_ids=[(right[0] + 1) % 90, *right], parents=[-1, -1, 1, 2][:len(right) + 1])
+            draft = tree if step % 3 and right else common_pb2.Draft(token_ids=[3, 4, 5])
+            await call.write(verifier_pb2.SessionRequest(verify=verifier_pb2.Verify(draft=draft)))
+            reply = await call.read()
+            tokens += reply.token_ids
+            if reply.finish_reason:
+                break
+        return tokens
+
+
+@pytest.mark.e2e
+def test_a_served_linear_attention_model_decodes_what_transformers_does(tmp_path):
+    """Qwen3-Next through the verifier process: prefill, trees and chains over gRPC, drafts rejected and
+    accepted, give transformers' greedy tokens."""
+    path = save_tiny("qwen3_next", tmp_path)
+    reference = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    expected = greedy_reference(reference, PROMPT, 20)
+    port = free_port()
+    process = subprocess.Popen([sys.executable, "-m", "verifier_service", "--model", path, "--device", "cpu",
+                                "--threads", "1", "--address", f"127.0.0.1:{port}", "--log-level", "error"],
+                               stderr=subprocess.PIPE, text=True)
+    try:
+        assert asyncio.run(_served_greedy(port, PROMPT, expected)) == expected
+    finally:
+        process.terminate()
+        process.wait(30)

@@ -21,6 +21,7 @@ from verifier_service.attention.backend import AttentionBackend, LayerCall
 from verifier_service.attention.invariant import InvariantAttention
 from verifier_service.attention.torch_sdpa import TorchAttention
 from verifier_service.kv_cache import PagedKVCache
+from verifier_service.linear_attention import LinearLayout, LinearStates
 
 ATTENTION_NAME = "speclane_paged"
 
@@ -32,6 +33,9 @@ class PassContext:
     cache: PagedKVCache
     backend: AttentionBackend
     metadata: object
+    # Models with linear attention: the sequences' recurrent states and this pass's layout over them.
+    states: LinearStates | None = None
+    linear: LinearLayout | None = None
 
 
 def select_backend(device: torch.device, batch_invariant: bool) -> AttentionBackend:
