@@ -97,6 +97,20 @@ def _window(parent: list[int], row: int, kernel: int) -> list[int]:
     return chain[::-1]
 
 
+def _project(layer: torch.nn.Module, hidden_states: torch.Tensor):
+    """The layer's convolution inputs [T, C] (queries, keys, values), output gate z and the
+    decay and rate inputs b, a [T, H_v], from either checkpoint layout: Qwen3-Next's fused
+    per-key-head projections, or Qwen3.5's separate ones."""
+    if hasattr(layer, "in_proj_qkvz"):
+        query, key, value, z, b, a = layer.fix_query_key_value_ordering(layer.in_proj_qkvz(hidden_states),
+                                                                        layer.in_proj_ba(hidden_states))
+        mixed = torch.cat([x.reshape(x.shape[0], x.shape[1], -1) for x in (query, key, value)], dim=-1)
+    else:
+        mixed, z = layer.in_proj_qkv(hidden_states), layer.in_proj_z(hidden_states)
+        b, a = layer.in_proj_b(hidden_states), layer.in_proj_a(hidden_states)
+    return mixed[0], z[0], b[0], a[0]
+
+
 class LinearStates:
     """Every sequence slot's state for every linear layer, on one rank."""
 
@@ -133,11 +147,9 @@ class LinearStates:
 
     def forward(self, layer: torch.nn.Module, hidden_states: torch.Tensor, layout: LinearLayout) -> torch.Tensor:
         """One gated DeltaNet layer over the pass's packed tokens [1, T, hidden]."""
-        qkvz, ba = layer.in_proj_qkvz(hidden_states), layer.in_proj_ba(hidden_states)
-        query, key, value, z, b, a = layer.fix_query_key_value_ordering(qkvz, ba)
-        mixed = torch.cat([x.reshape(x.shape[0], x.shape[1], -1) for x in (query, key, value)], dim=-1)[0]  # [T, C]
-        beta = b.sigmoid()[0]
-        g = (-layer.A_log.float().exp() * F.softplus(a.float() + layer.dt_bias))[0]
+        mixed, z, b, a = _project(layer, hidden_states)
+        beta = b.sigmoid()
+        g = -layer.A_log.float().exp() * F.softplus(a.float() + layer.dt_bias)
         out = torch.zeros(mixed.shape[0], layer.num_v_heads, layer.head_v_dim, device=mixed.device)
         index = layer.layer_idx
         for offset, n, slot, fresh in layout.chunks:
@@ -146,7 +158,7 @@ class LinearStates:
         if layout.rows.numel():
             out[layout.rows[layout.valid]] = self._steps_forward(layer, index, mixed, g, beta, layout)
         width = layer.head_v_dim
-        core = layer.norm(out.to(hidden_states.dtype).reshape(-1, width), z[0].reshape(-1, width))
+        core = layer.norm(out.to(hidden_states.dtype).reshape(-1, width), z.reshape(-1, width))
         return layer.out_proj(core.reshape(1, mixed.shape[0], -1))
 
     def _split(self, layer, mixed: torch.Tensor):

@@ -48,7 +48,7 @@ def kv_geometry(text_config, tp_size: int = 1) -> KVGeometry:
 # (linear_attention.py) for the models whose linear layers are gated DeltaNets; the rest are refused by name.
 _STATEFUL_LAYERS = ("linear_attention", "mamba", "conv", "recurrent")
 LINEAR_ATTENTION = "linear_attention"
-_GATED_DELTANET_MODELS = ("qwen3_next",)
+_GATED_DELTANET_MODELS = ("qwen3_next", "qwen3_5_text")
 
 
 def unsupported(text_config, tp_size: int = 1) -> str | None:

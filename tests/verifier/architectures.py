@@ -16,6 +16,8 @@ _COMMON = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidde
                pad_token_id=0, tie_word_embeddings=False)
 _MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16)
 _MIXED = ["sliding_attention", "full_attention"]
+_DELTANET = dict(linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=8, linear_value_head_dim=8,
+                 linear_conv_kernel_dim=4)
 
 # model_type -> config fields over _COMMON
 SERVED = {
@@ -37,9 +39,8 @@ SERVED = {
     "glm4_moe": dict(head_dim=8, n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2,
                      moe_intermediate_size=16, first_k_dense_replace=1, n_group=1, topk_group=1),
     # Gated DeltaNet layers (linear attention, a recurrent state per sequence) between attention layers.
-    "qwen3_next": dict(head_dim=8, layer_types=["linear_attention", "full_attention"], **_MOE,
-                       linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=8,
-                       linear_value_head_dim=8, linear_conv_kernel_dim=4),
+    "qwen3_next": dict(head_dim=8, layer_types=["linear_attention", "full_attention"], **_MOE, **_DELTANET),
+    "qwen3_5_text": dict(head_dim=8, layer_types=["linear_attention", "full_attention"], **_DELTANET),
 }
 
 # model_type -> (config fields over _COMMON, words the refusal must contain)
