@@ -10,8 +10,9 @@ import structlog
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from verifier_service.attention import PassContext, select_backend
+from verifier_service.attention import ATTENTION_NAME, PassContext, select_backend
 from verifier_service.attention import register as register_attention
+from verifier_service.attention.mla import is_mla, latent_geometry, serve_latent
 from verifier_service.batch import StepPlan, pass_inputs
 from verifier_service.batch_invariant import make_invariant
 from verifier_service.cpu_linear import add_measured_linears, measures_linear_ways
@@ -30,13 +31,11 @@ def _as_ids(value) -> list[int]:
 
 def kv_geometry(text_config, tp_size: int = 1) -> KVGeometry:
     """One token's KV on one rank, from a decoder config. MLA (DeepSeek-V3,
-    Kimi-K2) attends with keys of qk_nope + qk_rope dims and values of
-    v_head_dim, one of each per attention head."""
+    Kimi-K2) keeps its latent (attention/mla.py)."""
     heads = text_config.num_attention_heads
     layers = text_config.num_hidden_layers
     if getattr(text_config, "kv_lora_rank", None):
-        key_dim = text_config.qk_nope_head_dim + text_config.qk_rope_head_dim
-        return KVGeometry(layers, heads // tp_size, key_dim, text_config.v_head_dim)
+        return latent_geometry(text_config)
     kv_heads = getattr(text_config, "num_key_value_heads", None) or heads
     head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // heads
     kinds = getattr(text_config, "layer_types", None) or ()
@@ -113,6 +112,9 @@ class ModelRunner:
         self.backend = select_backend(self.device, self.batch_invariant)
         self.kv_bytes_per_token = g.bytes_per_token(dtype)
         self.cache: PagedKVCache | None = None  # allocated once the KV budget is known (allocate_cache)
+        for module in self.model.modules():
+            if is_mla(module):
+                serve_latent(module, ATTENTION_NAME)
         self.linear_layers = {m.layer_idx: m for m in self.model.modules() if is_linear_attention(m)}
         for layer in self.linear_layers.values():
             _serve_linear_layer(layer)

@@ -112,6 +112,15 @@ def test_dropping_a_feature_changes_the_logits(feature, tmp_path, monkeypatch):
     assert (runner.execute(plan)[0] - served).abs().max() > 1e-3
 
 
+def test_mla_caches_its_latent_not_the_expanded_keys_and_values(tmp_path):
+    """DeepSeek-V3's KV per token is its compressed latent and rotary key (576 numbers a layer at full size),
+    not every head's expansion (40,960): here 16 + 4 per layer against 4 heads x (12 + 6)."""
+    fields = SERVED["deepseek_v3"]
+    runner = ModelRunner(save_tiny("deepseek_v3", tmp_path), "cpu", torch.float32)
+    latent = fields["kv_lora_rank"] + fields["qk_rope_head_dim"]
+    assert runner.kv_bytes_per_token == 2 * latent * 4  # two layers of fp32
+
+
 def greedy_reference(reference, prompt, n) -> list[int]:
     with torch.no_grad():
         out = reference.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, eos_token_id=None,

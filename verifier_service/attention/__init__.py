@@ -50,7 +50,7 @@ def paged_attention(module, query, key, value, attention_mask, scaling=None, dro
     layer = module.layer_idx
     context.cache.write(layer, context.metadata.slot_mapping, key[0].transpose(0, 1), value[0].transpose(0, 1))
     call = LayerCall(layer, scaling if scaling is not None else query.shape[-1] ** -0.5, sliding_window, softcap,
-                     s_aux)
+                     s_aux, getattr(module, "speclane_expand", None))
     return context.backend.attend(context.metadata, call, query[0].transpose(0, 1), context.cache)[None], None
 
 

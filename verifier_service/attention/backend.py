@@ -6,6 +6,7 @@ runs the whole batch's attention over the paged cache in one call. The KV of
 the pass's new tokens is already in the cache when `attend` runs.
 """
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -25,6 +26,12 @@ class LayerCall:
     sliding_window: int | None = None  # a key is seen while query position - key position < window
     softcap: float | None = None  # scores become softcap * tanh(scores / softcap) (Gemma 2)
     sinks: torch.Tensor | None = None  # [heads] logits of a virtual key with no value (GPT-OSS)
+    # MLA: turns cache rows [B, 1, n, latent] into keys and values [B, heads, n, dim] (mla.py)
+    expand: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None
+
+    def keys_values(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """[B, kv_heads, n, dim] rows read from the cache, as the layer attends to them."""
+        return self.expand(keys) if self.expand is not None else (keys, values)
 
 
 class AttentionBackend(Protocol):

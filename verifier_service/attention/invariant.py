@@ -46,9 +46,12 @@ class InvariantAttention:
         if call.sliding_window or call.softcap or call.sinks is not None:
             raise NotImplementedError("batch-invariant attention has no sliding window, softcapping or sinks")
         keys, values = cache.keys[call.layer], cache.values[call.layer]
-        out = query.new_empty(query.shape[0], query.shape[1], values.shape[-1])
+        out = None
         for seg in metadata.segments:
-            k, v = (t[seg.key_slots].transpose(0, 1).contiguous() for t in (keys, values))
-            out[seg.rows] = segment_attention(query[seg.rows].transpose(0, 1), k, v, seg.start, seg.order,
-                                              call.scaling).transpose(0, 1)
+            k, v = (t[0].contiguous() for t in call.keys_values(keys[seg.key_slots].transpose(0, 1)[None],
+                                                                values[seg.key_slots].transpose(0, 1)[None]))
+            attended = segment_attention(query[seg.rows].transpose(0, 1), k, v, seg.start, seg.order, call.scaling)
+            if out is None:
+                out = query.new_empty(query.shape[0], query.shape[1], attended.shape[-1])
+            out[seg.rows] = attended.transpose(0, 1)
         return out

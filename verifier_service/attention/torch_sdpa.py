@@ -95,13 +95,15 @@ class TorchAttention:
         keys, values = cache.keys[call.layer], cache.values[call.layer]
         if metadata.whole:
             return self._attend(metadata.groups[0], call, query, keys, values)
-        heads = query.shape[1]
         padded_query = torch.cat([query, query.new_zeros(1, *query.shape[1:])])
-        out = query.new_empty(metadata.num_tokens, heads, values.shape[-1])
+        out = None
         for group in metadata.groups:
             q = (padded_query.index_select(0, group.query_index) if group.query_index is not None
                  else query[group.first_row:group.first_row + group.visible.shape[0] * group.visible.shape[1]])
-            out[group.pass_rows] = self._attend(group, call, q, keys, values)[group.padded_rows]
+            attended = self._attend(group, call, q, keys, values)
+            if out is None:
+                out = query.new_empty(metadata.num_tokens, *attended.shape[1:])
+            out[group.pass_rows] = attended[group.padded_rows]
         return out
 
     @staticmethod
@@ -111,8 +113,9 @@ class TorchAttention:
         batch, num_queries, context = group.visible.shape
         heads = query.shape[1]
         q = query.view(batch, num_queries, heads, -1).transpose(1, 2)  # [B, heads, Q, d]
-        k = keys.index_select(0, group.key_slots).view(batch, context, *keys.shape[1:]).transpose(1, 2)
-        v = values.index_select(0, group.key_slots).view(batch, context, *values.shape[1:]).transpose(1, 2)
+        k, v = call.keys_values(
+            keys.index_select(0, group.key_slots).view(batch, context, *keys.shape[1:]).transpose(1, 2),
+            values.index_select(0, group.key_slots).view(batch, context, *values.shape[1:]).transpose(1, 2))
         if call.softcap or call.sinks is not None:
             o = _explicit_attention(q, k, v, group.mask(call.sliding_window), call)
         else:
