@@ -3,7 +3,8 @@ one per likely outcome. When a step ends in one of them (its draft accepted up
 to a given token, then the expected bonus or correction token), the verifier
 starts that continuation at once instead of waiting a round trip for the
 client's next Verify. A client may also let it draft by prompt lookup where
-no offer matches (NextRound.lookup_tokens)."""
+no offer matches (NextRound.lookup_tokens), or run the next step without a
+draft (NextRound.run_ahead): plain decoding then never waits for the client."""
 
 from dataclasses import dataclass
 
@@ -33,17 +34,20 @@ class NextRound:
         self._step_committed_len = -1
         self._continuations: tuple[Continuation, ...] = ()
         self._lookup_tokens = 0
+        self._run_ahead = False
 
-    def offer(self, step_committed_len: int, continuations: tuple[Continuation, ...], lookup_tokens: int = 0) -> None:
+    def offer(self, step_committed_len: int, continuations: tuple[Continuation, ...], lookup_tokens: int = 0,
+              run_ahead: bool = False) -> None:
         if any(c.draft.committed_len == 0 for c in continuations):
             raise InvalidRequest("a continuation's draft needs its committed_len")
         self._step_committed_len, self._continuations = step_committed_len, continuations
-        self._lookup_tokens = lookup_tokens
+        self._lookup_tokens, self._run_ahead = lookup_tokens, run_ahead
 
     def take(self, step_committed_len: int, result: StepResult, tokens: list[int]) -> NextStep | None:
         """The step to run next, after the step that started at `step_committed_len`
         gave `result` and left the sequence at `tokens`: the matching continuation,
-        else a prompt lookup where the offer allows one; None: wait for a Verify.
+        else a prompt lookup where the offer allows one, else no draft where it
+        runs ahead; None: wait for a Verify.
         An offer for this step is used up either way."""
         offered, self._continuations = self._continuations, ()
         if self._step_committed_len != step_committed_len or result.finish_reason is not FinishReason.NONE:
@@ -57,4 +61,6 @@ class NextRound:
         if self._lookup_tokens:
             draft = Draft(tuple(lookup_draft(tokens, self._lookup_tokens)), committed_len=result.committed_len)
             return NextStep(draft, looked_up=True)
+        if self._run_ahead:
+            return NextStep(Draft(committed_len=result.committed_len), looked_up=False)
         return None

@@ -230,7 +230,8 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
                 if request.WhichOneof("kind") == "next_round":
                     message = request.next_round
                     next_round.offer(message.step_committed_len,
-                                     continuations_from_proto(message, self.max_draft_tokens), message.lookup_tokens)
+                                     continuations_from_proto(message, self.max_draft_tokens), message.lookup_tokens,
+                                     message.run_ahead)
                 else:
                     inbox.put_nowait(request)
             inbox.put_nowait(None)

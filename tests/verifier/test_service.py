@@ -134,10 +134,10 @@ def wrong(token: int) -> int:
 
 
 def next_round(step_committed_len: int, *continuations: tuple[int, list[int], int],
-               lookup_tokens: int = 0) -> verifier_pb2.SessionRequest:
+               lookup_tokens: int = 0, run_ahead: bool = False) -> verifier_pb2.SessionRequest:
     """Offers (bonus token, draft, draft's committed_len) continuations for the step starting at that length."""
     return verifier_pb2.SessionRequest(next_round=verifier_pb2.NextRound(
-        step_committed_len=step_committed_len, lookup_tokens=lookup_tokens, continuations=[
+        step_committed_len=step_committed_len, lookup_tokens=lookup_tokens, run_ahead=run_ahead, continuations=[
             verifier_pb2.Continuation(bonus_token_id=bonus, draft=common_pb2.Draft(token_ids=draft, committed_len=at))
             for bonus, draft, at in continuations]))
 
@@ -218,6 +218,33 @@ def test_where_no_offer_matches_a_next_round_with_lookups_runs_the_verifiers_own
             accepted = ran_ahead.num_accepted_draft_tokens
             assert list(ran_ahead.token_ids) == expected[5:6 + accepted]
             assert ran_ahead.num_draft_tokens == len(looked_up) and not ran_ahead.HasField("lookup_draft")
+
+    asyncio.run(main())
+
+
+def test_a_next_round_that_runs_ahead_decodes_the_next_step_without_waiting_for_a_verify(tiny_model_dir, engine):
+    """Plain decoding's offer, "go on without a draft": the step after the verified one runs at once, and
+    the tokens are plain greedy decoding's."""
+    prompt = [3, 5, 7, 9, 11]
+    sampling = verifier_pb2.SamplingParams(max_new_tokens=6, ignore_eos=True)
+    seq = engine.open("ref", prompt, params_from_proto(verifier_pb2.Prefill(sampling=sampling)))
+    expected = engine.prefill(seq).token_ids
+    while not seq.finished:
+        expected += engine.verify(seq, Draft()).token_ids
+
+    async def main():
+        async with running_verifier(tiny_model_dir) as (channel, _):
+            await wait_serving(channel)
+            call = verifier_pb2_grpc.VerifierStub(channel).Session()
+            await call.write(prefill(prompt, sampling))
+            await call.read()
+            await call.write(next_round(len(prompt) + 1, run_ahead=True))
+            await call.write(verify([], committed_len=len(prompt) + 1))
+            step = await call.read()
+            assert list(step.token_ids) == expected[1:2] and step.next_round_hit
+            assert not step.HasField("lookup_draft")
+            ran_ahead = await call.read()  # no Verify sent
+            assert list(ran_ahead.token_ids) == expected[2:3] and ran_ahead.num_draft_tokens == 0
 
     asyncio.run(main())
 

@@ -73,14 +73,16 @@ class Verify(_message.Message):
     def __init__(self, draft: _Optional[_Union[_common_pb2.Draft, _Mapping]] = ..., use_head_draft: _Optional[bool] = ...) -> None: ...
 
 class NextRound(_message.Message):
-    __slots__ = ("step_committed_len", "continuations", "lookup_tokens")
+    __slots__ = ("step_committed_len", "continuations", "lookup_tokens", "run_ahead")
     STEP_COMMITTED_LEN_FIELD_NUMBER: _ClassVar[int]
     CONTINUATIONS_FIELD_NUMBER: _ClassVar[int]
     LOOKUP_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    RUN_AHEAD_FIELD_NUMBER: _ClassVar[int]
     step_committed_len: int
     continuations: _containers.RepeatedCompositeFieldContainer[Continuation]
     lookup_tokens: int
-    def __init__(self, step_committed_len: _Optional[int] = ..., continuations: _Optional[_Iterable[_Union[Continuation, _Mapping]]] = ..., lookup_tokens: _Optional[int] = ...) -> None: ...
+    run_ahead: bool
+    def __init__(self, step_committed_len: _Optional[int] = ..., continuations: _Optional[_Iterable[_Union[Continuation, _Mapping]]] = ..., lookup_tokens: _Optional[int] = ..., run_ahead: _Optional[bool] = ...) -> None: ...
 
 class Continuation(_message.Message):
     __slots__ = ("bonus_token_id", "draft")
