@@ -98,6 +98,7 @@ def response_from(result: StepResult, head_method: str = "") -> verifier_pb2.Ses
         num_draft_tokens=result.num_draft_tokens,
         forward_seconds=result.forward_seconds,
         head_draft_seconds=result.head_draft_seconds,
+        num_running=result.num_running,
         logprobs=[verifier_pb2.TokenLogprob(logprob=lp.logprob, top_token_ids=lp.top_token_ids,
                                             top_logprobs=lp.top_logprobs) for lp in result.logprobs],
     )
