@@ -20,7 +20,8 @@ from dataclasses import dataclass
 from drafter_service.engine import draft_from_core
 from drafter_service.service import draft_to_proto
 from gateway.metrics import GatewayMetrics
-from gateway.orchestrator import LoopPolicy, Orchestrator
+from gateway.orchestrator import Orchestrator
+from gateway.planner import PlannerPolicy
 from gateway.types import GenerationRequest
 from protos.common.v1 import common_pb2
 from protos.verifier.v1 import verifier_pb2
@@ -45,7 +46,7 @@ class Scenario:
     prediction: bool = False  # the reply itself, with edits, as the predicted output
 
 
-SHIPPED = {"next_round": True, "next_round_lookup": "auto", "break_even": True}
+SHIPPED = {}  # the policy as it ships
 BUSY = (1, 4, 12, 24, 40, 64, 33, 16, 2)
 SCENARIOS = tuple(
     [Scenario(f"{method}-{dataset}", dataset, method, SHIPPED)
@@ -57,11 +58,11 @@ SCENARIOS = tuple(
     + [Scenario("suffix-code-edit-prediction", "code-edit", "suffix", SHIPPED, prediction=True),
        Scenario("ngram-chat-k4", "chat", "ngram", SHIPPED, k=4),
        Scenario("suffix-chat-disable-by-load", "chat", "suffix",
-                {**SHIPPED, "draft_tokens_by_load": ((33, 0),)}, BUSY),
+                {"draft_tokens_by_load": ((33, 0),)}, BUSY),
        Scenario("suffix-code-edit-by-load", "code-edit", "suffix",
-                {**SHIPPED, "draft_tokens_by_load": ((12, 4), (40, 0))}, BUSY),
-       Scenario("suffix-code-edit-lookup-on", "code-edit", "suffix", {**SHIPPED, "next_round_lookup": "on"}),
-       Scenario("suffix-agent-plain", "agent", "suffix", {}),
+                {"draft_tokens_by_load": ((12, 4), (40, 0))}, BUSY),
+       Scenario("suffix-code-edit-lookup-on", "code-edit", "suffix", {"lookup": "on"}),
+       Scenario("suffix-agent-plain", "agent", "suffix", {"next_round": False, "lookup": "off", "break_even": False}),
        Scenario("eagle-code-edit-busy", "code-edit", "eagle", SHIPPED, BUSY)]
 )
 
@@ -155,10 +156,9 @@ class FakeVerifierSession:
         accepted = common_prefix(draft_tokens, self._reply[self._position:])
         tokens = list(self._reply[self._position:self._position + accepted + 1])
         self._position += len(tokens)
-        answer = _answer(tokens, accepted, len(self._prompt) + self._position, self._position == len(self._reply),
-                         len(draft_tokens), self._running(), head)
         self._answers += 1
-        return answer
+        return _answer(tokens, accepted, len(self._prompt) + self._position, self._position == len(self._reply),
+                       len(draft_tokens), self._running(), head)
 
     def _run(self, draft_tokens: list[int], head: bool, next_round) -> None:
         answer = self._step(draft_tokens, head)
@@ -209,9 +209,6 @@ class FakeVerifiers:
 
     def open(self, request_id: str, prompt_token_ids: list[int]):
         return 0, self._session
-
-    def num_in_flight(self, index: int) -> int:
-        return self._session._running()
 
     def release(self, index: int) -> None:
         pass
@@ -278,7 +275,7 @@ async def run_scenario(scenario: Scenario, traces: dict, monkeypatch_time) -> li
         drafter.log = log
         session = FakeVerifierSession(prompt, reply, scenario, 0, clock, log)
         orchestrator = Orchestrator(FakeVerifiers(session), drafter, GatewayMetrics("replay"),
-                                    LoopPolicy(draft_token_costs=TOKEN_COSTS, **scenario.policy))
+                                    PlannerPolicy(draft_token_costs=TOKEN_COSTS, **scenario.policy))
         speculation = SpeculationSettings(method=scenario.method, num_speculative_tokens=scenario.k)
         speculation = speculation.with_draft_length(None)
         session._k = speculation.num_speculative_tokens
