@@ -32,13 +32,13 @@ LOOKUP_EXPLORE_EVERY = 16
 
 @dataclass(frozen=True)
 class PlannerPolicy:
-    """The server-wide rules, as they ship; the switches exist for experiments only (--planner-debug)."""
+    """The server-wide rules; the defaults are what ships (the switches: --speculation-debug, for experiments)."""
 
     # The verifier's measure of a draft token's cost by batch size ((batch size, cost), by size).
     draft_token_costs: tuple[tuple[int, float], ...] = ()
-    # (running sequences, at most this many draft tokens), by size: vLLM's disable_by_batch_size
+    # (fewest, most running sequences, at most this many draft tokens): vLLM's disable_by_batch_size
     # and num_speculative_tokens_per_batch_size, checked at every step.
-    draft_tokens_by_load: tuple[tuple[int, int], ...] = ()
+    draft_tokens_by_load: tuple[tuple[int, int, int], ...] = ()
     next_round: bool = True  # offer the verifier the drafts after each step
     lookup: str = "auto"  # let it look up a step no offer foresaw: "auto" (where it pays), "on", "off"
     break_even: bool = True  # cut a drafter's draft where its tokens stop paying
@@ -95,8 +95,8 @@ def draft_budget(policy: PlannerPolicy, state: StepState, measured: Measurements
     that cost. A step with no drafter draft to verify does not ask for one: its
     tokens go with the next ask, which spares the drafter's work where drafts
     do not pay. A step the verifier runs ahead still asks: its offers need one."""
-    limit = min([state.k, *(tokens for at_least, tokens in policy.draft_tokens_by_load
-                            if measured.running >= at_least)])
+    limit = min([state.k, *(tokens for fewest, most, tokens in policy.draft_tokens_by_load
+                            if fewest <= measured.running <= most)])
     drafter_limit, cut_steps = limit, measured.cut_steps
     if measured.acceptance is not None:
         drafter_limit, cut_steps = break_even_length(measured.acceptance[:limit], measured.token_cost,

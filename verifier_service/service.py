@@ -157,7 +157,6 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             draft_head=self.head_method,
             draft_token_cost=self.engine.engine.draft_token_cost,
             draft_token_cost_by_batch_size=self.engine.engine.draft_token_costs,
-            accepts_next_round=True,
         )
 
     async def GetTokenizer(self, request, context):

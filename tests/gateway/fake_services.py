@@ -86,8 +86,7 @@ class FakeVerifier(verifier_pb2_grpc.VerifierServicer):
         verifier_pb2_grpc.add_VerifierServicer_to_server(self, server)
 
     async def GetModelInfo(self, request, context):
-        return verifier_pb2.ModelInfo(model_name=MODEL_NAME, vocab_size=420, max_context_len=256, eos_token_ids=[2],
-                                      accepts_next_round=True)
+        return verifier_pb2.ModelInfo(model_name=MODEL_NAME, vocab_size=420, max_context_len=256, eos_token_ids=[2])
 
     async def Session(self, request_iterator, context):
         prompt_len = max_new = generated = 0

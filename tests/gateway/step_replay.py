@@ -25,7 +25,7 @@ from gateway.planner import PlannerPolicy
 from gateway.types import GenerationRequest
 from protos.common.v1 import common_pb2
 from protos.verifier.v1 import verifier_pb2
-from speclane.speculation import DrafterLimits, SpeculationSettings
+from speclane.speculation import MAX_BATCH_SIZE, DrafterLimits, SpeculationSettings
 from speclane.tokens import common_prefix
 from verifier_service.prompt_lookup import lookup_draft
 
@@ -58,9 +58,9 @@ SCENARIOS = tuple(
     + [Scenario("suffix-code-edit-prediction", "code-edit", "suffix", SHIPPED, prediction=True),
        Scenario("ngram-chat-k4", "chat", "ngram", SHIPPED, k=4),
        Scenario("suffix-chat-disable-by-load", "chat", "suffix",
-                {"draft_tokens_by_load": ((33, 0),)}, BUSY),
+                {"draft_tokens_by_load": ((33, MAX_BATCH_SIZE, 0),)}, BUSY),
        Scenario("suffix-code-edit-by-load", "code-edit", "suffix",
-                {"draft_tokens_by_load": ((12, 4), (40, 0))}, BUSY),
+                {"draft_tokens_by_load": ((12, 39, 4), (40, MAX_BATCH_SIZE, 0))}, BUSY),
        Scenario("suffix-code-edit-lookup-on", "code-edit", "suffix", {"lookup": "on"}),
        Scenario("suffix-agent-plain", "agent", "suffix", {"next_round": False, "lookup": "off", "break_even": False}),
        Scenario("eagle-code-edit-busy", "code-edit", "eagle", SHIPPED, BUSY)]

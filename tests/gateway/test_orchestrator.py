@@ -13,7 +13,7 @@ from gateway.planner import LOOKUP_EXPLORE_EVERY, PlannerPolicy
 from gateway.types import SpeculationUsage
 from protos.common.v1 import common_pb2
 from protos.gateway.v1 import gateway_pb2
-from speclane.speculation import SpeculationSettings
+from speclane.speculation import MAX_BATCH_SIZE, SpeculationSettings
 from tests.gateway.fake_services import (
     PROMPT,
     FakeDrafter,
@@ -196,7 +196,7 @@ async def test_a_head_methods_output_feeds_the_drafters_trees_and_none_stays_awa
 
 
 async def test_no_drafts_while_the_verifier_runs_more_sequences_than_the_limit():
-    verifier, policy = FakeVerifier(), PlannerPolicy(draft_tokens_by_load=((2, 0),))
+    verifier, policy = FakeVerifier(), PlannerPolicy(draft_tokens_by_load=((2, MAX_BATCH_SIZE, 0),))
     async with gateway([verifier], FakeDrafter(draft_len=3), policy=policy) as gw:
         alone = await collect(gw)
         assert [] not in verifier.drafts  # one sequence: within the limit
@@ -525,20 +525,21 @@ def test_each_step_verifies_the_draft_its_method_picks():
     assert pick_draft("hybrid", predicted, suffix, hybrid) == (PREDICTION, predicted)
 
 
-def test_the_gateway_reads_draft_lengths_by_load_from_the_speculative_config():
+def test_the_gateway_reads_vllms_load_cut_offs_from_the_speculative_config():
     from gateway.config import GatewayConfig
 
-    config = GatewayConfig(speculative_config='{"method": "suffix", "speculative_disable_by_batch_size": 24, '
-                                              '"num_speculative_tokens_by_batch_size": {"8": 4, "16": 2}}')
-    assert config.speculation_draft_tokens_by_load == ((8, 4), (16, 2), (25, 0))
+    config = GatewayConfig(speculative_config='{"method": "suffix", "disable_by_batch_size": 24, '
+                                              '"num_speculative_tokens_per_batch_size": [[8, 15, 4], [16, 24, 2]]}')
+    assert config.speculation_draft_tokens_by_load == ((8, 15, 4), (16, 24, 2), (25, MAX_BATCH_SIZE, 0))
     assert config.unused_speculation_keys == ()
     assert GatewayConfig().speculation_draft_tokens_by_load == ()
     for wrong in ("0", "2.5", "true"):
-        with pytest.raises(ValueError, match="speculative_disable_by_batch_size must be a positive integer"):
-            GatewayConfig(speculative_config=f'{{"speculative_disable_by_batch_size": {wrong}}}')
-    for wrong in ('{"0": 4}', '{"x": 4}', '{"8": -1}', '{"8": 65}', '{"8": true}', '[8, 4]'):
-        with pytest.raises(ValueError, match="num_speculative_tokens_by_batch_size"):
-            GatewayConfig(speculative_config=f'{{"num_speculative_tokens_by_batch_size": {wrong}}}')
+        with pytest.raises(ValueError, match="disable_by_batch_size must be a positive integer"):
+            GatewayConfig(speculative_config=f'{{"disable_by_batch_size": {wrong}}}')
+    for wrong in ('{"8": 4}', '[[0, 4, 2]]', '[[8, 4, 2]]', '[[1, 8, -1]]', '[[1, 8, 65]]', '[[1, 8, true]]',
+                  '[[1, 8]]', '[[1, 8, 4], [8, 16, 2]]'):
+        with pytest.raises(ValueError, match="num_speculative_tokens_per_batch_size"):
+            GatewayConfig(speculative_config=f'{{"num_speculative_tokens_per_batch_size": {wrong}}}')
 
 
 def test_the_strictest_limit_a_load_reaches_bounds_the_draft():
@@ -548,16 +549,17 @@ def test_the_strictest_limit_a_load_reaches_bounds_the_draft():
         state = StepState("suffix", k, False, False, None, 10, 1, ())
         return draft_budget(policy, state, Measurements(running, 0.0, 0.0, None, 0, None, False)).limit
 
-    policy = PlannerPolicy(draft_tokens_by_load=((8, 4), (16, 2), (25, 0)))
+    policy = PlannerPolicy(draft_tokens_by_load=((8, 15, 4), (16, 24, 2), (25, MAX_BATCH_SIZE, 0), (30, 40, 3)))
     assert [limit(policy, n) for n in (1, 7, 8, 15, 16, 24, 25, 100)] == [8, 8, 4, 4, 2, 2, 0, 0]
-    assert limit(PlannerPolicy(draft_tokens_by_load=((4, 6),)), 10) == 6
+    assert limit(PlannerPolicy(draft_tokens_by_load=((4, 16, 6),)), 10) == 6
+    assert limit(PlannerPolicy(draft_tokens_by_load=((4, 16, 6),)), 17) == 8  # past the range: k
 
 
 async def test_drafts_are_cut_to_the_load_the_verifier_reports():
     """The verifier's own count of running sequences, every gateway's: a sequence
     alone on this gateway is cut where the verifier says it is busy."""
     verifier = FakeVerifier(accept=8)
-    policy = PlannerPolicy(draft_tokens_by_load=((2, 3),))
+    policy = PlannerPolicy(draft_tokens_by_load=((2, MAX_BATCH_SIZE, 3),))
     async with gateway([verifier], FakeDrafter(draft_len=6), policy=policy) as gw:
         alone = await collect(gw)
         assert max(map(len, verifier.drafts)) > 3  # one sequence: below the table's first row
@@ -568,17 +570,17 @@ async def test_drafts_are_cut_to_the_load_the_verifier_reports():
     assert verifier.drafts and max(map(len, verifier.drafts)) == 3
 
 
-def test_next_round_drafts_are_on_unless_the_speculative_config_turns_them_off():
+def test_the_planners_policies_ship_on_and_only_the_debug_setting_turns_them_off():
     from gateway.config import GatewayConfig
+    from speclane.speculation import SpeculationDebug
 
-    assert GatewayConfig().speculation_next_round
-    off = GatewayConfig(speculative_config='{"method": "ngram", "next_round_drafts": false}')
-    assert not off.speculation_next_round and off.unused_speculation_keys == () and off.speculation.method == "ngram"
-    with pytest.raises(ValueError, match="next_round_drafts must be true or false"):
-        GatewayConfig(speculative_config='{"next_round_drafts": 1}')
-    assert GatewayConfig().speculation_break_even
-    assert not GatewayConfig(speculative_config='{"break_even_drafts": false}').speculation_break_even
-    assert not GatewayConfig().speculation_adaptive_draft_length
-    assert GatewayConfig(speculative_config='{"adaptive_draft_length": true}').speculation_adaptive_draft_length
-    with pytest.raises(ValueError, match="adaptive_draft_length must be true or false"):
-        GatewayConfig(speculative_config='{"adaptive_draft_length": "yes"}')
+    assert GatewayConfig().debug == SpeculationDebug() and PlannerPolicy() == PlannerPolicy(
+        next_round=True, lookup="auto", break_even=True)
+    off = GatewayConfig(speculation_debug='{"next_round": false, "lookup": "off", "break_even": false}')
+    assert (off.debug.next_round, off.debug.lookup, off.debug.break_even) == (False, "off", False)
+    for wrong in ('{"next_round": 1}', '{"lookup": "always"}', '{"bogus": true}', '{"draft_token_cost": -1}'):
+        with pytest.raises(ValueError, match="speculation debug"):
+            GatewayConfig(speculation_debug=wrong)
+    # They are not --speculative-config keys: such a key is named as unused, like any key speclane does not read.
+    other = GatewayConfig(speculative_config='{"method": "ngram", "next_round_lookup": false}')
+    assert other.unused_speculation_keys == ("next_round_lookup",) and other.speculation.method == "ngram"

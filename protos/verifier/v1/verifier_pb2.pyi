@@ -149,7 +149,7 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model_name", "vocab_size", "max_context_len", "eos_token_ids", "device", "dtype", "tensor_parallel_size", "draft_head", "draft_token_cost", "accepts_next_round", "draft_token_cost_by_batch_size")
+    __slots__ = ("model_name", "vocab_size", "max_context_len", "eos_token_ids", "device", "dtype", "tensor_parallel_size", "draft_head", "draft_token_cost", "draft_token_cost_by_batch_size")
     class DraftTokenCostByBatchSizeEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -166,7 +166,6 @@ class ModelInfo(_message.Message):
     TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
     DRAFT_HEAD_FIELD_NUMBER: _ClassVar[int]
     DRAFT_TOKEN_COST_FIELD_NUMBER: _ClassVar[int]
-    ACCEPTS_NEXT_ROUND_FIELD_NUMBER: _ClassVar[int]
     DRAFT_TOKEN_COST_BY_BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     vocab_size: int
@@ -177,9 +176,8 @@ class ModelInfo(_message.Message):
     tensor_parallel_size: int
     draft_head: str
     draft_token_cost: float
-    accepts_next_round: bool
     draft_token_cost_by_batch_size: _containers.ScalarMap[int, float]
-    def __init__(self, model_name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_context_len: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., tensor_parallel_size: _Optional[int] = ..., draft_head: _Optional[str] = ..., draft_token_cost: _Optional[float] = ..., accepts_next_round: _Optional[bool] = ..., draft_token_cost_by_batch_size: _Optional[_Mapping[int, float]] = ...) -> None: ...
+    def __init__(self, model_name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_context_len: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., tensor_parallel_size: _Optional[int] = ..., draft_head: _Optional[str] = ..., draft_token_cost: _Optional[float] = ..., draft_token_cost_by_batch_size: _Optional[_Mapping[int, float]] = ...) -> None: ...
 
 class GetTokenizerRequest(_message.Message):
     __slots__ = ()
