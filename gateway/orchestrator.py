@@ -25,9 +25,9 @@ from gateway.metrics import GatewayMetrics, StepTimes
 from gateway.next_round import offer_outcome
 from gateway.planner import (
     DRAFTER,
+    EXPLORE_EVERY,
     HEAD,
     LOOKUP,
-    LOOKUP_EXPLORE_EVERY,
     NO_DRAFT,
     PREDICTION,
     Budget,
@@ -163,7 +163,7 @@ class _Sequence:
         """What the planner needs to know, at the verifier's load as it last reported it."""
         policy = self._loop._policy
         lookup = policy.lookup == "on" or (policy.lookup == "auto"
-                                           and self._round_trip.lookup_pays(LOOKUP_EXPLORE_EVERY))
+                                           and self._round_trip.lookup_pays(EXPLORE_EVERY))
         return Measurements(
             last.num_running, token_cost_at(policy.draft_token_costs, last.num_running),
             token_cost_at(policy.draft_token_costs, 1),

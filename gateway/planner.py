@@ -22,12 +22,11 @@ from speclane.speculation import HEAD_METHODS, draft_value
 NO_DRAFT = common_pb2.Draft()
 # Where a step's draft came from; LOOKUP: the verifier's own prompt lookup (NextRound.lookup_tokens).
 PREDICTION, DRAFTER, HEAD, LOOKUP, NONE = "prediction", "drafter", "head", "lookup", "none"
-# A request whose drafts are all cut still verifies one draft token every this many steps:
-# without outcomes its estimate could never recover (a chat turn that starts quoting code,
-# or a method-wide prior learnt on other traffic).
+# A policy that has stopped something still tries it once every this many steps, or its
+# estimate could never recover: a request whose drafts are all cut verifies one draft token
+# (a chat turn that starts quoting code, a method-wide prior learnt on other traffic), and
+# while lookups do not pay, a missed step looks up, so their loss is measured again.
 EXPLORE_EVERY = 4
-# While lookups do not pay, one missed step in this many still looks up, so their loss is measured again.
-LOOKUP_EXPLORE_EVERY = 16
 
 
 @dataclass(frozen=True)

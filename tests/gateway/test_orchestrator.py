@@ -9,7 +9,7 @@ import pytest
 
 from gateway.errors import InvalidRequest, Overloaded, Unavailable
 from gateway.estimates import RoundTrip, lookup_loss
-from gateway.planner import LOOKUP_EXPLORE_EVERY, PlannerPolicy
+from gateway.planner import EXPLORE_EVERY, PlannerPolicy
 from gateway.types import SpeculationUsage
 from protos.common.v1 import common_pb2
 from protos.gateway.v1 import gateway_pb2
@@ -414,20 +414,20 @@ def test_auto_looks_drafts_up_where_the_wait_they_save_outweighs_the_tokens_they
         local.observe_wait(0.001, 0.070)  # 1.4%: one host
         link.observe_wait(0.008, 0.070)  # 11%: a 5 ms link
         link.observe_step(4, None)
-    assert not local.lookup_pays(LOOKUP_EXPLORE_EVERY) and link.lookup_pays(LOOKUP_EXPLORE_EVERY)
-    assert not RoundTrip().lookup_pays(LOOKUP_EXPLORE_EVERY)  # nothing measured yet
+    assert not local.lookup_pays(EXPLORE_EVERY) and link.lookup_pays(EXPLORE_EVERY)
+    assert not RoundTrip().lookup_pays(EXPLORE_EVERY)  # nothing measured yet
     # Lookups that lose a token a step against the drafter's drafts (a quarter of the step's 4)
-    # cost more than the 11% they save; one step in LOOKUP_EXPLORE_EVERY still looks up, to measure again.
+    # cost more than the 11% they save; one step in EXPLORE_EVERY still looks up, to measure again.
     for _ in range(100):
         link.observe_step(3, 1)
-    assert not link.lookup_pays(LOOKUP_EXPLORE_EVERY)
-    for _ in range(LOOKUP_EXPLORE_EVERY):
+    assert not link.lookup_pays(EXPLORE_EVERY)
+    for _ in range(EXPLORE_EVERY):
         link.observe_step(3, None)
-    assert link.lookup_pays(LOOKUP_EXPLORE_EVERY)
+    assert link.lookup_pays(EXPLORE_EVERY)
     # Losing a tenth of a token a step, the same wait pays.
     for _ in range(100):
         link.observe_step(4, 0.1)
-    assert link.lookup_pays(LOOKUP_EXPLORE_EVERY)
+    assert link.lookup_pays(EXPLORE_EVERY)
 
 
 def test_a_lookups_loss_is_what_the_drafters_draft_foresaw_of_the_committed_tokens_beyond_it():
