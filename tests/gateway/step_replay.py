@@ -7,8 +7,10 @@ decision log; tests/gateway/data/planner_steps.json holds the logs the loop
 produced when they were recorded, and test_planner_replay.py checks that the
 loop still decides the same.
 
-Record again (after a deliberate, measured change of a decision):
-    .venv/bin/python -m tests.gateway.step_replay tests/gateway/data/planner_steps.json
+A change of a decision is measured first, each scenario's simulated time per token
+before and after, then recorded again:
+    .venv/bin/python -m tests.gateway.step_replay measure
+    .venv/bin/python -m tests.gateway.step_replay record tests/gateway/data/planner_steps.json
 """
 
 import asyncio
@@ -99,9 +101,12 @@ def synthetic_traces(seed: int = 0) -> dict[str, list[tuple[list[int], list[int]
     return traces
 
 
+START_SECONDS = 1000.0
+
+
 class Clock:
     def __init__(self):
-        self.now = 1000.0
+        self.now = START_SECONDS
 
     def perf_counter(self) -> float:
         return self.now
@@ -307,5 +312,18 @@ async def record(path: str) -> None:
         json.dump(recorded, out, separators=(",", ":"))
 
 
+async def measure() -> None:
+    """Each scenario's simulated milliseconds per token, on the fake clock."""
+    traces = synthetic_traces()
+    for scenario in SCENARIOS:
+        clocks: list[Clock] = []
+        await run_scenario(scenario, traces, lambda clock: (patch_time(clock), clocks.append(clock)))
+        tokens = sum(len(reply) for _, reply in traces[scenario.dataset])
+        print(f"{scenario.name}\t{(clocks[0].now - START_SECONDS) / tokens * 1e3:.3f}")
+
+
 if __name__ == "__main__":
-    asyncio.run(record(sys.argv[1]))
+    from speclane.log import configure_logging
+
+    configure_logging("step-replay", "warning")  # not a line per step
+    asyncio.run(record(sys.argv[2]) if sys.argv[1] == "record" else measure())
