@@ -3,9 +3,10 @@
 The target's greedy replies to the bench data sets are recorded once (transformers, the same chat template and
 conversations as `bench serve`) and saved; each policy then replays them through the compiled drafter core as the
 gateway drives it: a drafter session per request (the data set's requests in order, one tenant, so the global
-tree learns as it would at concurrency 1), a draft of k tokens verified greedily (accepted up to the first token
-the target did not write, plus the target's own next token), and with next-round drafts the continuations the
-gateway offers (its own code) used as the next step's draft when the step ends as one of them foresaw.
+tree learns as it would at concurrency 1), each step planned by the gateway's own step planner
+(gateway/planner.py), its draft verified greedily (accepted up to the first token the target did not write, plus
+the target's own next token), and with next-round drafts the planner's offers used as the next step's draft
+when the step ends as one of them foresaw.
 
 Steps are priced as the verifier measures them (`draft_cost.py`): a plain step costs 1, each draft token
 `--draft-token-cost` more, so a policy's decode speed relative to n-gram lookup is estimated exactly from counts.
@@ -150,7 +151,7 @@ def add_arguments(parser) -> None:
                         help="a draft token's verify cost relative to a plain step (the verifier logs its own)")
     parser.add_argument("--no-next-round", action="store_true", help="replay without next-round drafts")
     parser.add_argument("--break-even", action="store_true",
-                        help="cut both methods' drafts where they stop paying, as break_even_drafts does")
+                        help="cut both methods' drafts where they stop paying, as the gateway ships")
 
 
 def run(args) -> int:
