@@ -28,7 +28,6 @@ from gateway.planner import (
     EXPLORE_EVERY,
     HEAD,
     LOOKUP,
-    NO_DRAFT,
     PREDICTION,
     Budget,
     Measurements,
@@ -176,12 +175,12 @@ class _Sequence:
         makes it a 400: drafted before the last step's tokens go out."""
         self._withheld += last.token_ids
         asked = time.perf_counter()
-        drafted = NO_DRAFT
+        drafted = None
         if budget.ask_drafter:
             if self._proposer is not None and self._proposer.alive:
-                drafted = await self._proposer.propose(self._withheld, last.committed_len) or NO_DRAFT
+                drafted = await self._proposer.propose(self._withheld, last.committed_len)
             self._withheld = []
-        return drafted, time.perf_counter() - asked
+        return drafted or common_pb2.Draft(), time.perf_counter() - asked
 
     def predicted(self, last, max_tokens: int) -> common_pb2.Draft | None:
         """The predicted output's continuation; None when the output has left the prediction."""

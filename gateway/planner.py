@@ -19,7 +19,6 @@ from protos.common.v1 import common_pb2
 from protos.verifier.v1 import verifier_pb2
 from speclane.speculation import HEAD_METHODS, draft_value
 
-NO_DRAFT = common_pb2.Draft()
 # Where a step's draft came from; LOOKUP: the verifier's own prompt lookup (NextRound.lookup_tokens).
 PREDICTION, DRAFTER, HEAD, LOOKUP, NONE = "prediction", "drafter", "head", "lookup", "none"
 # A policy that has stopped something still tries it once every this many steps, or its
@@ -136,7 +135,7 @@ def plan_step(state: StepState, measured: Measurements, budget: Budget, drafted:
     elif state.ran_ahead:
         source, draft = DRAFTER, offered_draft(state.offered, state.committed_len, state.last_token)
     elif budget.limit == 0:  # a head's draft is not shortened here: only switched off
-        source, draft = NONE, NO_DRAFT
+        source, draft = NONE, common_pb2.Draft()
     else:
         source, draft = pick_draft(state.method, predicted, drafter_draft, measured)
     drafter_step = state.lookahead and source in (DRAFTER, LOOKUP, NONE)  # NONE: the drafter had nothing

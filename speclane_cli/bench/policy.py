@@ -20,7 +20,8 @@ from dataclasses import dataclass
 from drafter_service.engine import DraftEngine, draft_from_core
 from drafter_service.service import draft_to_proto
 from gateway.estimates import MethodAcceptance, RequestAcceptance
-from gateway.planner import NO_DRAFT, Measurements, PlannerPolicy, StepState, draft_budget, plan_step
+from gateway.planner import Measurements, PlannerPolicy, StepState, draft_budget, plan_step
+from protos.common.v1 import common_pb2
 from speclane.speculation import DrafterLimits, SpeculationSettings
 from speclane.tokens import common_prefix
 
@@ -74,7 +75,7 @@ def replay(traces: list[Trace], settings: SpeculationSettings, token_cost: float
             measured = Measurements(1, token_cost, token_cost, acceptance.rates(k) if acceptance else None,
                                     cut_steps, None, False)
             budget = draft_budget(policy, state, measured)
-            drafted = NO_DRAFT
+            drafted = common_pb2.Draft()
             if budget.ask_drafter:
                 core_draft = engine.core.step([seq_id], [withheld])[0]
                 drafted, withheld = draft_to_proto(draft_from_core(core_draft), committed_len), []
