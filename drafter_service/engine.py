@@ -42,9 +42,7 @@ class DraftEngine:
             seq_id, list(prompt_token_ids), "" if self._share_tenants else tenant,
             method=_CORE_METHODS[settings.method], max_spec_tokens=settings.num_speculative_tokens,
             max_spec_factor=settings.suffix_decoding_max_spec_factor,
-            max_spec_offset=settings.suffix_decoding_max_spec_offset,
             min_token_prob=settings.suffix_decoding_min_token_prob,
-            use_tree_spec=settings.suffix_decoding_use_tree_spec,
             prompt_lookup_min=settings.prompt_lookup_min, prompt_lookup_max=settings.prompt_lookup_max,
             lookahead=lookahead)
         return seq_id

@@ -12,10 +12,10 @@ from gateway.tool_calls import TOOL_CALL_PARSERS
 from speclane.config import option
 from speclane.log import check_log_level
 from speclane.speculation import (
-    MAX_SPECULATIVE_TOKENS,
+    SpeculationDebug,
     SpeculationSettings,
+    parse_speculation_debug,
     parse_speculative_config,
-    speculative_config_values,
 )
 from speclane.tls import TlsFiles, check_pair
 
@@ -33,7 +33,11 @@ class GatewayConfig:
     drafter_address: str = option("127.0.0.1:50061", "drafter service address; empty disables speculation")
     verifier_addresses: tuple[str, ...] = option(("127.0.0.1:50062",), "comma-separated verifier addresses")
     speculative_config: str = option(
-        "", "vLLM-style JSON, e.g. '{\"method\": \"suffix\", \"num_speculative_tokens\": 8}'")
+        "", "vLLM-style JSON, e.g. '{\"method\": \"suffix\", \"num_speculative_tokens\": 8}' (keys: "
+            "docs/reference/speculative-config.md)")
+    speculation_debug: str = option("", "experiments only: a JSON object switching step-planner policies off, "
+                                        "e.g. '{\"next_round\": false, \"lookup\": \"off\", \"break_even\": false}' "
+                                        "(docs/reference/speculative-config.md); empty: as shipped")
     generation_config: str = option("auto", "auto: a request's missing temperature, top_p, top_k come from the "
                                             "model's generation_config.json (else temperature 1.0); vllm: "
                                             "ignore the file, as vLLM's flag")
@@ -81,18 +85,10 @@ class GatewayConfig:
     # drafter's own flags set them; `speclane serve` passes these on to it.
     drafter_wide_speculation: dict = dataclasses.field(init=False, repr=False)
     unused_speculation_keys: tuple[str, ...] = dataclasses.field(init=False, repr=False)  # warned about
-    # (running sequences, at most this many draft tokens), from num_speculative_tokens_by_batch_size
-    # and vLLM's speculative_disable_by_batch_size L (no drafts from L + 1 on).
-    speculation_draft_tokens_by_load: tuple[tuple[int, int], ...] = dataclasses.field(init=False, repr=False)
-    # next_round_drafts: offer verifiers the drafter's draft for the step after (where they accept it).
-    speculation_next_round: bool = dataclasses.field(init=False, repr=False)
-    # next_round_lookup: true | false | "auto": where the offers miss, the verifier drafts the step itself by prompt
-    # lookup instead of waiting a round trip ("auto": where the wait saved outweighs the tokens lost, as measured).
-    speculation_next_round_lookup: str = dataclasses.field(init=False, repr=False)
-    # adaptive_draft_length: each request's draft length follows its acceptance (gateway/draft_length.py).
-    speculation_adaptive_draft_length: bool = dataclasses.field(init=False, repr=False)
-    # break_even_drafts: a drafter's draft stops where its tokens no longer pay at the load (gateway/break_even.py).
-    speculation_break_even: bool = dataclasses.field(init=False, repr=False)
+    # (fewest, most running sequences, at most this many draft tokens): vLLM's disable_by_batch_size and
+    # num_speculative_tokens_per_batch_size.
+    speculation_draft_tokens_by_load: tuple[tuple[int, int, int], ...] = dataclasses.field(init=False, repr=False)
+    debug: SpeculationDebug = dataclasses.field(init=False, repr=False)  # --speculation-debug
     tls: TlsFiles = dataclasses.field(init=False, repr=False)  # the drafter and verifier links
     keyring: Keyring = dataclasses.field(init=False, repr=False, compare=False)  # --api-key and --api-keys-file
 
@@ -128,55 +124,9 @@ class GatewayConfig:
         check_log_level(self.log_level)
         check_pair("--ssl-certfile", self.ssl_certfile, "--ssl-keyfile", self.ssl_keyfile)
         object.__setattr__(self, "tls", TlsFiles(self.tls_cert, self.tls_key, self.tls_ca, self.tls_server_name))
-        speculation, drafter_wide, unused = parse_speculative_config(self.speculative_config)
-        object.__setattr__(self, "speculation", speculation)
-        object.__setattr__(self, "drafter_wide_speculation", drafter_wide)
-        object.__setattr__(self, "unused_speculation_keys", unused)
-        values = speculative_config_values(self.speculative_config)
-        object.__setattr__(self, "speculation_draft_tokens_by_load", draft_tokens_by_load(values))
-        object.__setattr__(self, "speculation_next_round", _switch(values, "next_round_drafts", True))
-        object.__setattr__(self, "speculation_next_round_lookup", _lookup_mode(values.get("next_round_lookup", "auto")))
-        object.__setattr__(self, "speculation_adaptive_draft_length",
-                           _switch(values, "adaptive_draft_length", False))
-        object.__setattr__(self, "speculation_break_even", _switch(values, "break_even_drafts", True))
-
-
-def _switch(values: dict, key: str, default: bool) -> bool:
-    value = values.get(key, default)
-    if not isinstance(value, bool):
-        raise ValueError(f"{key} must be true or false")
-    return value
-
-
-def _lookup_mode(value) -> str:
-    if isinstance(value, bool):
-        return "on" if value else "off"
-    if value != "auto":
-        raise ValueError('next_round_lookup must be true, false or "auto"')
-    return value
-
-
-def _int_in(value, low: int, high: float = float("inf")) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and low <= value <= high
-
-
-def draft_tokens_by_load(values: dict) -> tuple[tuple[int, int], ...]:
-    """(running sequences, at most this many draft tokens) from a --speculative-config:
-    num_speculative_tokens_by_batch_size ({"16": 4, "32": 0}: from 16 sequences on a
-    verifier at most 4 draft tokens a step, from 32 none) and vLLM's
-    speculative_disable_by_batch_size L, which is {L + 1: 0}."""
-    limits = []
-    disable = values.get("speculative_disable_by_batch_size")
-    if disable is not None:
-        if not _int_in(disable, 1):
-            raise ValueError("speculative_disable_by_batch_size must be a positive integer")
-        limits.append((disable + 1, 0))
-    table = values.get("num_speculative_tokens_by_batch_size", {})
-    if not isinstance(table, dict):
-        raise ValueError("num_speculative_tokens_by_batch_size must be an object: batch size -> draft tokens")
-    for size, tokens in table.items():
-        if not (size.isdigit() and int(size) >= 1 and _int_in(tokens, 0, MAX_SPECULATIVE_TOKENS)):
-            raise ValueError("num_speculative_tokens_by_batch_size maps batch sizes (>= 1) to draft tokens "
-                             f"(0 to {MAX_SPECULATIVE_TOKENS}), got {size!r}: {tokens!r}")
-        limits.append((int(size), tokens))
-    return tuple(sorted(limits))
+        speculative = parse_speculative_config(self.speculative_config)
+        object.__setattr__(self, "speculation", speculative.settings)
+        object.__setattr__(self, "drafter_wide_speculation", speculative.drafter_wide)
+        object.__setattr__(self, "unused_speculation_keys", speculative.unused)
+        object.__setattr__(self, "speculation_draft_tokens_by_load", speculative.draft_tokens_by_load)
+        object.__setattr__(self, "debug", parse_speculation_debug(self.speculation_debug))

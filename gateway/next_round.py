@@ -1,4 +1,4 @@
-"""Next-round offers, as the loop makes them (see Orchestrator.generate): the drafts
+"""Next-round offers, as the step planner makes them (gateway/planner.py): the drafts
 after a step for its likely outcomes, read from a drafter's draft that goes on
 past the step, and which one the verifier took."""
 

@@ -1,74 +1,56 @@
 """The propose -> verify loop: one sequence's generation across the drafter and
-a verifier. The gateway is the only service that talks to both."""
+a verifier. The gateway is the only service that talks to both; what each step
+does is the step planner's decision (gateway/planner.py)."""
 
 import asyncio
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 
 import grpc
 import structlog
 
-from gateway.break_even import MethodAcceptance, RequestAcceptance
-from gateway.draft_length import AdaptiveDraftLength
 from gateway.drafter_client import DrafterClient, DrafterSession
 from gateway.errors import InvalidRequest, Overloaded, Unavailable
-from gateway.hybrid import REQUEST_WEIGHT, SERVER_WEIGHT, HeadWorth, HybridChoice, head_step_worth
+from gateway.estimates import (
+    REQUEST_HEAD_WEIGHT,
+    SERVER_HEAD_WEIGHT,
+    HeadWorth,
+    MethodAcceptance,
+    RequestAcceptance,
+    RoundTrip,
+    head_step_worth,
+    lookup_loss,
+)
 from gateway.metrics import GatewayMetrics, StepTimes
-from gateway.next_round import continuations_after, cut, offer_outcome, offered_draft, step_part
+from gateway.next_round import offer_outcome
+from gateway.planner import (
+    DRAFTER,
+    EXPLORE_EVERY,
+    HEAD,
+    LOOKUP,
+    PREDICTION,
+    Budget,
+    Measurements,
+    PlannerPolicy,
+    Step,
+    StepState,
+    draft_budget,
+    plan_step,
+)
 from gateway.prediction import PredictionDrafter
-from gateway.round_trip import RoundTrip, looks_up, lookup_loss
 from gateway.types import GenerationRequest, SpeculationUsage, TokenDelta, TokenLogprob
 from gateway.verifier_pool import VerifierPool
 from protos.common.v1 import common_pb2
 from protos.conventions import FINISH_REASON_NAMES
 from protos.verifier.v1 import verifier_pb2
-from speclane.speculation import DRAFTER_METHODS, HEAD_METHODS, token_cost_at
+from speclane.speculation import DRAFTER_METHODS, token_cost_at
 
 log = structlog.get_logger()
-_NO_DRAFT = common_pb2.Draft()
-# Where a step's draft came from; LOOKUP: the verifier's own prompt lookup (NextRound.lookup_tokens).
-PREDICTION, DRAFTER, HEAD, LOOKUP, NONE = "prediction", "drafter", "head", "lookup", "none"
-
-
-@dataclass(frozen=True)
-class LoopPolicy:
-    """The loop's server-wide choices: from --speculative-config and the verifiers' ModelInfo."""
-
-    # The verifiers' measure of a draft token's cost by batch size ((batch size, cost), by size).
-    draft_token_costs: tuple[tuple[int, float], ...] = ()
-    # (running sequences, at most this many draft tokens): from that many sequences on a
-    # verifier, its steps verify shorter drafts, or none. Checked at every step rather than
-    # once per request: a long generation speculates again when the load falls.
-    draft_tokens_by_load: tuple[tuple[int, int], ...] = ()
-    # Offer the verifiers next-round drafts (they accept them): see generate().
-    next_round: bool = False
-    # Let verifiers draft a step whose offers missed by prompt lookup: "on", "off", or "auto" (gateway/round_trip.py).
-    next_round_lookup: str = "off"
-    # Adapt each request's draft length to its acceptance (gateway/draft_length.py).
-    adaptive_draft_length: bool = False
-    # Cut a drafter's draft where its tokens' chance of acceptance no longer pays at the load (gateway/break_even.py).
-    break_even: bool = False
-
-    @property
-    def draft_token_cost(self) -> float:
-        """The cost with one sequence in a step."""
-        return token_cost_at(self.draft_token_costs, 1)
-
-    def max_draft_tokens(self, num_running: int, k: int) -> int:
-        """A step's draft length limit, k at most, with `num_running` sequences on its verifier."""
-        return min([k, *(limit for at_least, limit in self.draft_tokens_by_load if num_running >= at_least)])
-
-    def paying_draft_tokens(self, num_running: int, limit: int, acceptance: RequestAcceptance | None) -> int:
-        """How much of a drafter's draft (not a head's: see generate) pays for its verification."""
-        if acceptance is None:
-            return limit
-        return acceptance.worthwhile_length(token_cost_at(self.draft_token_costs, num_running), limit)
 
 
 class Orchestrator:
     def __init__(self, verifiers: VerifierPool, drafter: DrafterClient | None, metrics: GatewayMetrics,
-                 policy: LoopPolicy = LoopPolicy()):
+                 policy: PlannerPolicy = PlannerPolicy()):
         self._verifiers = verifiers
         self._policy = policy
         self._drafter = drafter
@@ -78,110 +60,32 @@ class Orchestrator:
         # Each drafter method's acceptance by draft position, over all requests: a new request's prior.
         self._acceptance = {method: MethodAcceptance() for method in DRAFTER_METHODS}
         # What the head's steps have been worth, any method's: a hybrid request's prior.
-        self._head_worth = HeadWorth(SERVER_WEIGHT)
+        self._head_worth = HeadWorth(SERVER_HEAD_WEIGHT)
         self._round_trips = [RoundTrip() for _ in verifiers.addresses]
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[TokenDelta]:
         """Yields each step's committed tokens; closing the generator aborts the sequence.
-
-        Next round: with the drafter's draft, the loop offers the verifier the
-        drafts after it for its likely outcomes: "all accepted, then the
-        drafter's next token" (the drafter drafts that far ahead), and the
-        drafter's detours, "accepted up to here, then this token". When one of
-        them is what happens, the verifier starts its draft at once and says so
-        (next_round_hit); the loop then sends no Verify, only the offers for the
-        step after. The verifier's wait for the loop's round trip is gone from
-        those steps. Where that wait is costly (next_round_lookup), the verifier
-        also starts the steps no offer foresaw, with a draft it looks up itself."""
-        index, verifier = None, None
-        drafter: DrafterSession | None = None
-        prediction = PredictionDrafter(request.prediction_token_ids) if request.prediction_token_ids else None
-        usage = SpeculationUsage()  # immutable: each delta carries its own snapshot
-        speculation = request.speculation
-        k = speculation.num_speculative_tokens
-        # Hybrid's drafter steps too: on copy-heavy output they are most of its steps.
-        lookahead = (self._policy.next_round and speculation.uses_drafter
-                     and not speculation.suffix_decoding_use_tree_spec)
+        Each step: plan the draft's budget, ask the drafter where it pays, plan the
+        step (gateway/planner.py), send it, stream the last step's tokens while the
+        verifier runs it, learn from its answer."""
+        index, verifier, sequence = None, None, None
         try:
-            if self._drafter is not None and speculation.feeds_drafter:
-                # Sent before prefill so the drafter indexes the prompt while the verifier prefills.
-                drafter = await self._drafter.open(request, lookahead=lookahead)
-            proposer = drafter if speculation.uses_drafter else None  # a head's output only feeds it
+            drafter = await self._open_drafter(request)
+            sequence = _Sequence(self, request, drafter)
             index, verifier, result = await self._prefill(request)
-            output = list(result.token_ids)
-            offered: list[verifier_pb2.Continuation] = []  # for the step in flight
-            adaptive = AdaptiveDraftLength(k) if self._policy.adaptive_draft_length else None
-            acceptance = (RequestAcceptance(self._acceptance[speculation.drafter_method])
-                          if self._policy.break_even and proposer is not None else None)
-            hybrid = (HybridChoice(self._policy.draft_token_cost, HeadWorth(REQUEST_WEIGHT, self._head_worth.worth))
-                      if speculation.method == "hybrid" else None)
-            withheld: list[int] = []  # committed tokens not yet sent to the drafter
+            sequence.started(index, result)
             while result.finish_reason == common_pb2.FINISH_REASON_UNSPECIFIED:
-                # Less than k while the verifier is busy: a big batch is compute-bound, so a
-                # draft token costs what another sequence's token does.
-                running = self._verifiers.num_in_flight(index)
-                limit = self._policy.max_draft_tokens(running, adaptive.limit if adaptive else k)
-                drafter_limit = self._policy.paying_draft_tokens(running, limit, acceptance)
-                withheld += result.token_ids
-                asked = time.perf_counter()
-                drafted = step_drafted = _NO_DRAFT  # all the drafter drafted; its part for this step
-                # A step with no drafter draft to verify does not ask for one: its tokens
-                # go with the next request for a draft (or the last), which spares the
-                # drafter's and the gateway's work per step where drafts do not pay.
-                # Drafted before the tokens go out: a drafter that refuses the request makes it a 400.
-                if drafter_limit > 0 or result.next_round_hit:
-                    drafted = await _next_draft(proposer, withheld, result.committed_len)
-                    withheld = []
-                    step_drafted = step_part(drafted)
-                drafter_seconds = time.perf_counter() - asked
-                predicted = _predicted_draft(prediction, result, limit)
-                ran_ahead = result.next_round_hit  # the verifier already verifies one of `offered`
-                drafter_draft = cut(step_drafted, 0, drafter_limit)
-                if ran_ahead and result.HasField("lookup_draft"):
-                    source, draft = LOOKUP, result.lookup_draft
-                elif ran_ahead:
-                    source, draft = DRAFTER, offered_draft(offered, result.committed_len, result.token_ids[-1])
-                elif limit == 0:  # a head's draft is not shortened here: only switched off
-                    source, draft = NONE, _NO_DRAFT
-                else:
-                    source, draft = _pick_draft(speculation.method, predicted, drafter_draft, hybrid)
-                drafted_step = lookahead and source in (DRAFTER, LOOKUP, NONE)  # NONE: the drafter had nothing
-                offered = (continuations_after(draft, drafted, drafter_limit) if drafted_step and source != NONE
-                           and limit > 0 else [])
-                round_trip = self._round_trips[index]
-                lookup_tokens = (drafter_limit if drafted_step and looks_up(self._policy.next_round_lookup, round_trip)
-                                 else 0)
+                state, measured = sequence.state(result), sequence.measure(result)
+                budget = draft_budget(self._policy, state, measured)
+                drafted, drafter_seconds = await sequence.draft(result, budget)
+                step = plan_step(state, measured, budget, drafted, sequence.predicted(result, budget.limit))
                 sent = time.perf_counter()
-                await _checked(_send_step(verifier, result, source, draft, ran_ahead, offered, lookup_tokens))
-                # The last step's tokens go out (detokenized, streamed) while the verifier runs this one.
-                yield _delta(result, speculation=usage)
+                await _checked(_send_step(verifier, result, step))
+                yield _delta(result, speculation=sequence.usage)  # streamed while the verifier runs the step
                 result = await _checked(verifier.answer())
-                if offered or lookup_tokens:
-                    self._metrics.record_next_round(offer_outcome(result))
-                usage += _step_usage(result, source, ran_ahead)
-                if source == HEAD:
-                    worth = head_step_worth(result, self._policy.draft_token_cost)
-                    self._head_worth.observe(worth)
-                    if hybrid is not None:
-                        hybrid.head.observe(worth)
-                if source in (DRAFTER, LOOKUP):
-                    if adaptive is not None:
-                        adaptive.observe(result.num_draft_tokens, result.num_accepted_draft_tokens)
-                    if acceptance is not None:
-                        acceptance.observe(result.num_draft_tokens, result.num_accepted_draft_tokens)
-                output += result.token_ids
-                loss = (lookup_loss(list(drafter_draft.token_ids), result.num_accepted_draft_tokens,
-                                    list(result.token_ids)) if source == LOOKUP else None)
-                round_trip.observe_step(len(result.token_ids), loss)
-                # The step after the prefill always waits, and a step the verifier started itself did not wait:
-                # neither tells what a lookup would save (gateway/round_trip.py).
-                self._record_step(result, source, drafter_seconds, time.perf_counter() - sent,
-                                  round_trip if not ran_ahead and usage.verify_steps > 1 else None)
-            if drafter is not None:  # the tokens it has not been sent: the last steps', or all of them
-                unsent = withheld + list(result.token_ids) if proposer is not None else output
-                self._finish_in_background(drafter, unsent, result.committed_len)
-                drafter = None
-            yield _delta(result, FINISH_REASON_NAMES[result.finish_reason], usage)
+                sequence.observe(step, result, drafter_seconds, time.perf_counter() - sent)
+            sequence.finish(result)
+            yield _delta(result, FINISH_REASON_NAMES[result.finish_reason], sequence.usage)
         except Unavailable:
             if index is not None:
                 self._verifiers.mark_down(index)
@@ -190,8 +94,16 @@ class Orchestrator:
             if index is not None:
                 verifier.close()
                 self._verifiers.release(index)
-            if drafter is not None:
-                drafter.close()
+            if sequence is not None:
+                sequence.close()
+
+    async def _open_drafter(self, request: GenerationRequest) -> DrafterSession | None:
+        """Opened before the prefill, so the drafter indexes the prompt while the verifier prefills.
+        Hybrid's drafter steps look ahead too: on copy-heavy output they are most of its steps."""
+        if self._drafter is None or not request.speculation.feeds_drafter:
+            return None
+        lookahead = self._policy.next_round and request.speculation.uses_drafter
+        return await self._drafter.open(request, lookahead=lookahead)
 
     async def _prefill(self, request: GenerationRequest):
         """The prompt's first token, from a serving verifier. One found gone is
@@ -209,25 +121,115 @@ class Orchestrator:
                 self._verifiers.mark_down(index)
         raise Unavailable("no verifier answered the prefill; retry shortly")
 
-    def _record_step(self, result, source: str, drafter_seconds: float, verifier_seconds: float,
-                     round_trip: RoundTrip | None) -> None:
-        """Where a step's time went: waiting for the drafter, and for the
-        verifier, split into its own time (forward pass included) and the rest,
-        the network's. Metrics always; a debug log line per step; the wait into
-        `round_trip` where the step measures it."""
-        self._metrics.record_verify_step(result.num_draft_tokens, result.num_accepted_draft_tokens)
-        times = StepTimes(drafter_seconds, verifier_seconds, result.step_seconds, result.forward_seconds,
-                          result.head_draft_seconds)
-        self._metrics.record_step_times(times)
-        if round_trip is not None:
-            round_trip.observe_wait(times.network + times.drafter_wait, times.forward)
-        log.debug("verify_step", source=source, draft_tokens=result.num_draft_tokens,
-                  accepted=result.num_accepted_draft_tokens, **times.milliseconds())
-
     def _finish_in_background(self, drafter: DrafterSession, committed: list[int], committed_len: int) -> None:
         task = asyncio.ensure_future(drafter.finish(committed, committed_len))
         self._finishing.add(task)
         task.add_done_callback(self._finishing.discard)
+
+
+class _Sequence:
+    """One request's side of the loop: its drafter session and the tokens it has
+    not been sent yet, its predicted output, the offers in flight, its estimates
+    (what the planner measures) and its usage."""
+
+    def __init__(self, loop: Orchestrator, request: GenerationRequest, drafter: DrafterSession | None):
+        self._loop = loop
+        self._speculation = speculation = request.speculation
+        self._drafter = drafter
+        self._proposer = drafter if speculation.uses_drafter else None  # a head's output only feeds it
+        self._prediction = PredictionDrafter(request.prediction_token_ids) if request.prediction_token_ids else None
+        policy = loop._policy
+        self._lookahead = policy.next_round and self._proposer is not None
+        self._acceptance = (RequestAcceptance(loop._acceptance[speculation.drafter_method])
+                            if policy.break_even and self._proposer is not None else None)
+        self._head = HeadWorth(REQUEST_HEAD_WEIGHT, loop._head_worth.worth) if speculation.method == "hybrid" else None
+        self._cut_steps = 0
+        self._offered: tuple = ()  # the offers sent with the step in flight
+        self._withheld: list[int] = []  # committed tokens not yet sent to the drafter
+        self._output: list[int] = []
+        self.usage = SpeculationUsage()  # immutable: each delta carries its own snapshot
+
+    def started(self, index: int, prefilled) -> None:
+        self._round_trip = self._loop._round_trips[index]
+        self._output += prefilled.token_ids
+
+    def state(self, last) -> StepState:
+        looked_up = last.lookup_draft if last.next_round_hit and last.HasField("lookup_draft") else None
+        return StepState(self._speculation.method, self._speculation.num_speculative_tokens, self._lookahead,
+                         last.next_round_hit, looked_up, last.committed_len, last.token_ids[-1], self._offered)
+
+    def measure(self, last) -> Measurements:
+        """What the planner needs to know, at the verifier's load as it last reported it."""
+        policy = self._loop._policy
+        lookup = policy.lookup == "on" or (policy.lookup == "auto"
+                                           and self._round_trip.lookup_pays(EXPLORE_EVERY))
+        return Measurements(
+            last.num_running, token_cost_at(policy.draft_token_costs, last.num_running),
+            token_cost_at(policy.draft_token_costs, 1),
+            self._acceptance.rates(self._speculation.num_speculative_tokens) if self._acceptance else None,
+            self._cut_steps, self._head.worth if self._head else None, lookup)
+
+    async def draft(self, last, budget: Budget) -> tuple[common_pb2.Draft, float]:
+        """The drafter's draft continuing the committed tokens (asked only where the
+        budget says so), and the time it took. A drafter that refuses the request
+        makes it a 400: drafted before the last step's tokens go out."""
+        self._withheld += last.token_ids
+        asked = time.perf_counter()
+        drafted = None
+        if budget.ask_drafter:
+            if self._proposer is not None and self._proposer.alive:
+                drafted = await self._proposer.propose(self._withheld, last.committed_len)
+            self._withheld = []
+        return drafted or common_pb2.Draft(), time.perf_counter() - asked
+
+    def predicted(self, last, max_tokens: int) -> common_pb2.Draft | None:
+        """The predicted output's continuation; None when the output has left the prediction."""
+        if self._prediction is None:
+            return None
+        self._prediction.advance(last.token_ids)
+        tokens = self._prediction.draft(max_tokens)
+        return common_pb2.Draft(token_ids=tokens, source="prediction") if tokens else None
+
+    def observe(self, step: Step, result, drafter_seconds: float, verifier_seconds: float) -> None:
+        """A step's answer: the usage, and what the estimates learn from it."""
+        loop, ran_ahead = self._loop, step.ran_ahead
+        self._offered, self._cut_steps = step.offers, step.budget.cut_steps
+        if step.offers or step.lookup_tokens:
+            loop._metrics.record_next_round(offer_outcome(result))
+        self.usage += _step_usage(result, step.source, ran_ahead)
+        if step.source == HEAD:
+            worth = head_step_worth(result, token_cost_at(loop._policy.draft_token_costs, 1))
+            loop._head_worth.observe(worth)
+            if self._head is not None:
+                self._head.observe(worth)
+        if step.source in (DRAFTER, LOOKUP) and self._acceptance is not None:
+            self._acceptance.observe(result.num_draft_tokens, result.num_accepted_draft_tokens)
+        self._output += result.token_ids
+        loss = (lookup_loss(list(step.drafter_draft.token_ids), result.num_accepted_draft_tokens,
+                            list(result.token_ids)) if step.source == LOOKUP else None)
+        self._round_trip.observe_step(len(result.token_ids), loss)
+        times = StepTimes(drafter_seconds, verifier_seconds, result.step_seconds, result.forward_seconds,
+                          result.head_draft_seconds)
+        loop._metrics.record_verify_step(result.num_draft_tokens, result.num_accepted_draft_tokens)
+        loop._metrics.record_step_times(times)
+        # The step after the prefill always waits, and a step the verifier started itself did not wait:
+        # neither tells what a lookup would save.
+        if not ran_ahead and self.usage.verify_steps > 1:
+            self._round_trip.observe_wait(times.network + times.drafter_wait, times.forward)
+        log.debug("verify_step", source=step.source, draft_tokens=result.num_draft_tokens,
+                  accepted=result.num_accepted_draft_tokens, **times.milliseconds())
+
+    def finish(self, last) -> None:
+        """Hands the drafter the tokens it has not been sent (the last steps', or all of them
+        where a head drafted), in the background, so its global tree learns the whole output."""
+        if self._drafter is not None:
+            unsent = self._withheld + list(last.token_ids) if self._proposer is not None else self._output
+            self._loop._finish_in_background(self._drafter, unsent, last.committed_len)
+            self._drafter = None
+
+    def close(self) -> None:
+        if self._drafter is not None:
+            self._drafter.close()
 
 
 def _delta(result, finish_reason: str | None = None, speculation: SpeculationUsage | None = None) -> TokenDelta:
@@ -236,17 +238,16 @@ def _delta(result, finish_reason: str | None = None, speculation: SpeculationUsa
     return TokenDelta(list(result.token_ids), finish_reason, speculation, logprobs)
 
 
-def _send_step(verifier, last, source: str, draft: common_pb2.Draft | None, ran_ahead: bool,
-               offered: list[verifier_pb2.Continuation], lookup_tokens: int):
-    """Sends a step's draft, or nothing when the verifier already runs it
-    (`ran_ahead`), with `offered` continuations for the step after, and where
-    none matches, a prompt lookup of up to `lookup_tokens` (0: wait)."""
-    next_round = (verifier_pb2.NextRound(step_committed_len=last.committed_len, continuations=offered,
-                                         lookup_tokens=lookup_tokens)
-                  if offered or lookup_tokens else None)
-    if ran_ahead:
+def _send_step(verifier, last, step: Step):
+    """Sends a step's draft, or nothing when the verifier already runs it,
+    with its offers for the step after, and where none matches, a prompt
+    lookup of up to step.lookup_tokens (0: wait)."""
+    next_round = (verifier_pb2.NextRound(step_committed_len=last.committed_len, continuations=step.offers,
+                                         lookup_tokens=step.lookup_tokens)
+                  if step.offers or step.lookup_tokens else None)
+    if step.ran_ahead:
         return verifier.send_offer(next_round)
-    return verifier.send_verify(draft, use_head_draft=source == HEAD, next_round=next_round)
+    return verifier.send_verify(step.draft, use_head_draft=step.source == HEAD, next_round=next_round)
 
 
 def _step_usage(result, source: str, ran_ahead: bool) -> SpeculationUsage:
@@ -254,42 +255,6 @@ def _step_usage(result, source: str, ran_ahead: bool) -> SpeculationUsage:
     return SpeculationUsage(drafted, accepted, 1, *((drafted, accepted) if source == PREDICTION else (0, 0)),
                             drafter_steps=int(source == DRAFTER), head_steps=int(source == HEAD),
                             next_round_steps=int(ran_ahead))
-
-
-def _pick_draft(method: str, predicted: common_pb2.Draft | None, drafted: common_pb2.Draft,
-                hybrid: HybridChoice | None) -> tuple[str, common_pb2.Draft | None]:
-    """Which draft this step verifies, and its source. A predicted output wins
-    while it lasts. Hybrid takes the draft expected to commit more tokens per
-    unit of step time, the drafter's judged by its score, the head's by what
-    its steps have committed in this request (head_step_worth). Arctic's rule compares the
-    suffix score with the head draft's length, as if every head token were
-    accepted and verification were free; on a CPU verifier neither holds, so
-    that rule sends steps to long, unsure head drafts, and it needs the head's
-    draft made at every step to know its length."""
-    if predicted is not None:
-        return PREDICTION, predicted
-    if method in HEAD_METHODS or (hybrid is not None and hybrid.prefers_head(drafted)):
-        return HEAD, None
-    return (DRAFTER, drafted) if drafted.token_ids else (NONE, drafted)
-
-
-def _predicted_draft(prediction: PredictionDrafter | None, last, max_tokens: int) -> common_pb2.Draft | None:
-    """The predicted output's continuation, preferred to the drafter's: the client
-    told us what it expects. None when the output has left the prediction."""
-    if prediction is None:
-        return None
-    prediction.advance(last.token_ids)
-    tokens = prediction.draft(max_tokens)
-    return common_pb2.Draft(token_ids=tokens, source="prediction") if tokens else None
-
-
-async def _next_draft(drafter: DrafterSession | None, new_tokens: list[int], committed_len: int) -> common_pb2.Draft:
-    """A draft continuing the committed tokens, `new_tokens` the drafter has not
-    seen yet; the verifier cuts it to what can still be committed."""
-    if drafter is None or not drafter.alive:
-        return _NO_DRAFT
-    draft = await drafter.propose(new_tokens, committed_len)
-    return _NO_DRAFT if draft is None else draft
 
 
 async def _checked(call):

@@ -13,7 +13,8 @@ from gateway.grpc_api import add_generation_servicer
 from gateway.metrics import GatewayMetrics
 from gateway.model_info import Backends
 from gateway.openai_api import create_app
-from gateway.orchestrator import LoopPolicy, Orchestrator
+from gateway.orchestrator import Orchestrator
+from gateway.planner import PlannerPolicy
 from gateway.reasoning import REASONING_PARSERS
 from gateway.response_store import ResponseStore
 from gateway.sampling_defaults import read_sampling_defaults
@@ -83,14 +84,10 @@ async def run(config: GatewayConfig) -> None:
     log.info("authentication", api_keys=len(config.keyring), tenant_from="api_key" if config.keyring
              else "x-tenant-id header (trusted network)", protect_metrics=config.protect_metrics)
     verifiers.attach_metrics(metrics)
-    # An older verifier reports only the cost at one sequence.
-    token_costs = tuple(sorted(info.draft_token_cost_by_batch_size.items())) or ((1, info.draft_token_cost),)
-    policy = LoopPolicy(draft_token_costs=token_costs,
-                        draft_tokens_by_load=config.speculation_draft_tokens_by_load,
-                        next_round=config.speculation_next_round and info.accepts_next_round,
-                        next_round_lookup=config.speculation_next_round_lookup,
-                        adaptive_draft_length=config.speculation_adaptive_draft_length,
-                        break_even=config.speculation_break_even)
+    debug = config.debug
+    policy = PlannerPolicy(draft_token_costs=tuple(sorted(info.draft_token_cost_by_batch_size.items())),
+                           draft_tokens_by_load=config.speculation_draft_tokens_by_load,
+                           next_round=debug.next_round, lookup=debug.lookup, break_even=debug.break_even)
     orchestrator = Orchestrator(verifiers, drafter, metrics, policy)
     if drafter is not None:
         await _check_drafter(drafter, config.drafter_wide_speculation)

@@ -76,7 +76,7 @@ class VerifierSession:
         prefill = verifier_pb2.Prefill(
             sequence_id=request.request_id, prompt_token_ids=request.prompt_token_ids, sampling=sampling,
             num_head_draft_tokens=speculation.num_speculative_tokens if speculation.uses_head else 0,
-            # Hybrid picks its source before the head would have drafted (gateway/hybrid.py).
+            # Hybrid picks its source before the head would have drafted (gateway/planner.py).
             head_draft_on_demand=speculation.method == "hybrid",
             cache_salt=request.tenant,
         )
@@ -163,10 +163,6 @@ class VerifierPool:
         timer = SequenceTimer(self._metrics) if self._metrics is not None else None
         call = self._stubs[index].Session(metadata=request_metadata(request_id))
         return index, VerifierSession(call, timer, self._step_timeout)
-
-    def num_in_flight(self, index: int) -> int:
-        """Sequences this gateway runs on verifier `index`."""
-        return self._in_flight[index]
 
     def release(self, index: int) -> None:
         self._in_flight[index] -= 1

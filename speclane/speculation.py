@@ -16,17 +16,7 @@ from protos.drafter.v1 import drafter_pb2
 HEAD_METHODS = ("eagle", "eagle3", "mtp")  # drafted by a head inside the verifier
 METHODS = ("suffix", "ngram", "none", *HEAD_METHODS, "hybrid")  # hybrid: suffix or the head, per step
 DRAFTER_METHODS = ("suffix", "ngram")  # what the drafter service proposes with
-METHOD_ALIASES = {"deepseek_mtp": "mtp"}  # vLLM's older name
-# --speculative-config keys that configure the verifier's head (where it is loaded) or its
-# hidden-state capture, not a sequence.
-VERIFIER_KEYS = ("model", "draft_tensor_parallel_size", "draft_model_config", "shared_storage_path",
-                 "draft_token_cost", "eagle_topk", "num_draft_tokens")
-# --speculative-config keys the gateway applies server-wide: vLLM's load cut-off, and ours:
-# draft lengths by load, whether the gateway offers verifiers next-round drafts (default on) and lets them
-# look a missed step's draft up themselves (default "auto"), and whether drafts stop where their tokens no
-# longer pay at the verifier's load (default on).
-GATEWAY_KEYS = ("speculative_disable_by_batch_size", "num_speculative_tokens_by_batch_size", "next_round_drafts",
-                "next_round_lookup", "adaptive_draft_length", "break_even_drafts")
+METHOD_ALIASES = {"deepseek_mtp": "mtp"}  # vLLM's name for DeepSeek's MTP layers
 # vLLM's method that only captures hidden states in the verifier: the sequences themselves are not speculated.
 CAPTURE_METHOD = "extract_hidden_states"
 MAX_SPECULATIVE_TOKENS = 64
@@ -37,12 +27,22 @@ DEFAULT_SPECULATIVE_TOKENS = 8
 MAX_TREE_DEPTH = 256
 # The longest n-gram prompt lookup matches (the drafter core's bound).
 MAX_PROMPT_LOOKUP = 1024
+# The public --speculative-config keys, each as vLLM, SGLang or Arctic names it
+# (docs/reference/speculative-config.md). Per sequence (a request may set them too):
+# SpeculationSettings' fields. The rest:
 # vLLM keys that shape the drafter's shared trees: configured on the drafter, for
 # all sequences (key -> DrafterLimits field). A request may only repeat the value.
 DRAFTER_WIDE_KEYS = {
     "suffix_decoding_max_tree_depth": "max_tree_depth",
     "suffix_decoding_max_cached_requests": "max_cached_requests",
 }
+# vLLM's load cut-offs, applied by the gateway at every step.
+LOAD_KEYS = ("disable_by_batch_size", "num_speculative_tokens_per_batch_size")
+# The verifier's head (vLLM's, and SGLang's EAGLE tree knobs) and vLLM's hidden-state capture.
+VERIFIER_KEYS = ("model", "draft_tensor_parallel_size", "eagle_topk", "num_draft_tokens", "draft_model_config",
+                 "shared_storage_path")
+# A batch size no verifier reaches: the open end of a load range.
+MAX_BATCH_SIZE = 2**31 - 1
 
 
 @dataclass(frozen=True)
@@ -56,19 +56,15 @@ class DrafterLimits:
 
 @dataclass(frozen=True)
 class SpeculationSettings:
-    """One sequence's speculation settings (vLLM --speculative-config keys, plus
-    our `suffix_decoding_max_spec_offset` and `suffix_decoding_use_tree_spec`)."""
+    """One sequence's speculation settings: vLLM's --speculative-config keys."""
 
     method: str = "suffix"
     num_speculative_tokens: int | None = None  # None: the method's default (see with_draft_length)
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 5
-    # suffix: draft budget = min(k, factor * match_len + offset); stop below min_token_prob
+    # suffix: draft budget = min(k, factor * match_len); stop below min_token_prob
     suffix_decoding_max_spec_factor: float = 1.0
-    suffix_decoding_max_spec_offset: float = 0.0
     suffix_decoding_min_token_prob: float = 0.1
-    # Ask for a token tree (several continuations verified in one pass).
-    suffix_decoding_use_tree_spec: bool = False
 
     def __post_init__(self):
         if self.method in METHOD_ALIASES:
@@ -81,8 +77,7 @@ class SpeculationSettings:
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max <= MAX_PROMPT_LOOKUP:
             raise ValueError(f"need 1 <= prompt_lookup_min <= prompt_lookup_max <= {MAX_PROMPT_LOOKUP}, got "
                              f"{self.prompt_lookup_min} and {self.prompt_lookup_max}")
-        for name in ("suffix_decoding_max_spec_factor", "suffix_decoding_max_spec_offset",
-                     "suffix_decoding_min_token_prob"):
+        for name in ("suffix_decoding_max_spec_factor", "suffix_decoding_min_token_prob"):
             if not math.isfinite(getattr(self, name)):
                 raise ValueError(f"{name} must be a finite number")
         if self.suffix_decoding_max_spec_factor < 0:
@@ -187,8 +182,65 @@ def _typed(key: str, value, expected: type):
     return value
 
 
-def speculative_config_values(text: str) -> dict:
-    """The JSON object of a --speculative-config ({} when empty); raises ValueError."""
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """A --speculative-config, split by who applies each part."""
+
+    settings: SpeculationSettings = SpeculationSettings()  # each sequence's defaults
+    drafter_wide: dict = dataclasses.field(default_factory=dict)  # for the drafter's own flags
+    # (fewest, most running sequences, at most this many draft tokens): the gateway's per-step load limits.
+    draft_tokens_by_load: tuple[tuple[int, int, int], ...] = ()
+    method: str = ""  # as given (the verifier tells extract_hidden_states and the head methods apart)
+    verifier: dict = dataclasses.field(default_factory=dict)  # VERIFIER_KEYS given
+    unused: tuple[str, ...] = ()  # keys speclane does not use (e.g. vLLM's `enforce_eager`): warned about
+
+
+def parse_speculative_config(text: str) -> SpeculativeConfig:
+    """The one reading of a vLLM --speculative-config JSON object (empty: the defaults),
+    for the gateway and the verifier alike. Keys speclane does not use are named, not
+    refused, so a vLLM command line runs as it is. Raises ValueError naming the key."""
+    values = _json_object(text)
+    drafter_wide = {key: values.pop(key) for key in DRAFTER_WIDE_KEYS if key in values}
+    for key, value in drafter_wide.items():
+        if not _int_in(value, 0):
+            raise ValueError(f"{key} must be a non-negative integer")
+    by_load = draft_tokens_by_load(values.pop("disable_by_batch_size", None),
+                                   values.pop("num_speculative_tokens_per_batch_size", None))
+    verifier = {key: values.pop(key) for key in VERIFIER_KEYS if key in values}
+    method = values.get("method", "")
+    if method == CAPTURE_METHOD:
+        values["method"] = "none"
+    known = {field.name for field in dataclasses.fields(SpeculationSettings)}
+    settings = SpeculationSettings().merged({key: value for key, value in values.items() if key in known})
+    unused = tuple(sorted(key for key in values if key not in known))
+    return SpeculativeConfig(settings, drafter_wide, by_load, METHOD_ALIASES.get(method, method), verifier, unused)
+
+
+def draft_tokens_by_load(disable_by_batch_size, per_batch_size) -> tuple[tuple[int, int, int], ...]:
+    """vLLM's load cut-offs as (fewest, most running sequences, at most this many
+    draft tokens): num_speculative_tokens_per_batch_size's ranges ([[1, 8, 5], [9, 32, 2],
+    [33, 256, 0]]: k 5 up to 8 sequences, 2 up to 32, none beyond) and
+    disable_by_batch_size L, no drafts while more than L sequences run."""
+    limits = []
+    if disable_by_batch_size is not None:
+        if not _int_in(disable_by_batch_size, 1):
+            raise ValueError("disable_by_batch_size must be a positive integer")
+        limits.append((disable_by_batch_size + 1, MAX_BATCH_SIZE, 0))
+    ranges = [] if per_batch_size is None else per_batch_size
+    if not isinstance(ranges, list):
+        raise ValueError("num_speculative_tokens_per_batch_size must be a list of [min, max, k] batch size ranges")
+    for entry in ranges:
+        if not (isinstance(entry, list) and len(entry) == 3 and _int_in(entry[0], 1) and _int_in(entry[1], entry[0])
+                and _int_in(entry[2], 0, MAX_SPECULATIVE_TOKENS)):
+            raise ValueError("num_speculative_tokens_per_batch_size entries are [min, max, k]: batch sizes "
+                             f"1 <= min <= max, k 0 to {MAX_SPECULATIVE_TOKENS}; got {entry!r}")
+    ordered = sorted(tuple(entry) for entry in ranges)
+    if any(low <= previous[1] for previous, (low, _, _) in zip(ordered, ordered[1:])):
+        raise ValueError("num_speculative_tokens_per_batch_size ranges must not overlap")
+    return tuple(sorted(limits + ordered))
+
+
+def _json_object(text: str) -> dict:
     if not text.strip():
         return {}
     try:
@@ -200,26 +252,40 @@ def speculative_config_values(text: str) -> dict:
     return values
 
 
-def parse_speculative_config(text: str) -> tuple[SpeculationSettings, dict[str, int], tuple[str, ...]]:
-    """A vLLM --speculative-config JSON object (empty: the defaults): the per-sequence
-    settings, the drafter-wide values it names (for the drafter), and the keys it
-    names that speclane does not use (e.g. `enforce_eager`: the caller warns, so a
-    vLLM command line runs as it is)."""
-    values = speculative_config_values(text)
-    if not values:
-        return SpeculationSettings(), {}, ()
-    drafter_wide = {key: values.pop(key) for key in DRAFTER_WIDE_KEYS if key in values}
-    for key in (*VERIFIER_KEYS, *GATEWAY_KEYS):
-        values.pop(key, None)
-    if values.get("method") == CAPTURE_METHOD:
-        values["method"] = "none"
-    for key, value in drafter_wide.items():
-        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise ValueError(f"{key} must be a non-negative integer")
-    known = {field.name for field in dataclasses.fields(SpeculationSettings)}
-    unused = tuple(sorted(key for key in values if key not in known))
-    settings = SpeculationSettings().merged({key: value for key, value in values.items() if key in known})
-    return settings, drafter_wide, unused
+def _int_in(value, low: int, high: float = float("inf")) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and low <= value <= high
+
+
+@dataclass(frozen=True)
+class SpeculationDebug:
+    """--speculation-debug: switches for experiments, one JSON object read by the
+    gateway and the verifier alike. What ships is the default of each."""
+
+    next_round: bool = True  # offer the verifier the drafts after each step
+    lookup: str = "auto"  # verifier lookups where no offer matches: "auto" (where they pay), "on", "off"
+    break_even: bool = True  # cut drafter drafts where their tokens stop paying
+    draft_token_cost: float | None = None  # the verifier's cost of a draft token; None: measured at start-up
+
+
+MAX_TOKEN_COST = 10.0  # a draft token costing ten plain steps is no speculation worth doing
+
+
+def parse_speculation_debug(text: str) -> SpeculationDebug:
+    values = _json_object(text)
+    fields = {field.name for field in dataclasses.fields(SpeculationDebug)}
+    for key in values:
+        if key not in fields:
+            raise ValueError(f"unknown speculation debug switch {key!r} (known: {', '.join(sorted(fields))})")
+    for key in ("next_round", "break_even"):
+        if not isinstance(values.get(key, True), bool):
+            raise ValueError(f"speculation debug {key} must be true or false")
+    if values.get("lookup", "auto") not in ("auto", "on", "off"):
+        raise ValueError('speculation debug lookup must be "auto", "on" or "off"')
+    cost = values.get("draft_token_cost")
+    if cost is not None and (isinstance(cost, bool) or not isinstance(cost, int | float)
+                             or not 0 <= cost <= MAX_TOKEN_COST):
+        raise ValueError(f"speculation debug draft_token_cost must be a number in [0, {MAX_TOKEN_COST}]")
+    return SpeculationDebug(**{**values, **({"draft_token_cost": float(cost)} if cost is not None else {})})
 
 
 _PROTO_METHODS = {"suffix": drafter_pb2.METHOD_SUFFIX, "ngram": drafter_pb2.METHOD_NGRAM}
@@ -228,9 +294,7 @@ _PROTO_KEYS = {
     "prompt_lookup_min": "prompt_lookup_min",
     "prompt_lookup_max": "prompt_lookup_max",
     "max_spec_factor": "suffix_decoding_max_spec_factor",
-    "max_spec_offset": "suffix_decoding_max_spec_offset",
     "min_token_prob": "suffix_decoding_min_token_prob",
-    "use_tree_spec": "suffix_decoding_use_tree_spec",
     "max_tree_depth": "suffix_decoding_max_tree_depth",
 }
 

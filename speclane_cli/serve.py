@@ -30,12 +30,12 @@ log = structlog.get_logger()
 
 # Each service's flags that `speclane serve` sets itself rather than passing through: the addresses
 # (free localhost ports), the TLS files (from the gateway's flags of the same names, or --tls-dir),
-# the verifier's --speculative-config (the gateway's: the verifier loads its head), and the drafter's
-# tree shape (--speculative-config's drafter-wide keys).
+# the verifier's --speculative-config and --speculation-debug (the gateway's: the verifier loads its
+# head), and the drafter's tree shape (--speculative-config's drafter-wide keys).
 SET_BY_SERVE = {
     "gateway": frozenset({"model", "grpc_address", "drafter_address", "verifier_addresses"}),
     "verifier": frozenset({"model", "model_name", "address", "log_level", "tls_cert", "tls_key", "tls_ca",
-                           "speculative_config"}),
+                           "speculative_config", "speculation_debug"}),
     "drafter": frozenset({"address", "log_level", "metrics_port", "tls_cert", "tls_key", "tls_ca",
                           *DRAFTER_WIDE_KEYS.values()}),
 }
@@ -83,7 +83,8 @@ def configs_from_args(args):
     )
     verifier = config_flags.from_namespace(
         VerifierConfig, args, model=model_dir, model_name=model_name, address=verifier_address,
-        log_level=args.log_level, speculative_config=args.speculative_config, **tls["verifier"],
+        log_level=args.log_level, speculative_config=args.speculative_config,
+        speculation_debug=args.speculation_debug, **tls["verifier"],
     )
     # The drafter-wide keys of --speculative-config configure the drafter itself.
     drafter_wide = {DRAFTER_WIDE_KEYS[key]: value for key, value in gateway.drafter_wide_speculation.items()}

@@ -9,8 +9,14 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from speclane.speculation import (
+    DRAFTER_WIDE_KEYS,
+    LOAD_KEYS,
+    VERIFIER_KEYS,
     DrafterLimits,
+    SpeculationDebug,
     SpeculationSettings,
+    SpeculativeConfig,
+    parse_speculation_debug,
     parse_speculative_config,
     settings_from_proto,
     settings_to_proto,
@@ -21,23 +27,40 @@ LIMITS = DrafterLimits(max_tree_depth=24, max_cached_requests=100, max_speculati
 
 
 def test_empty_config_gives_the_defaults():
-    assert parse_speculative_config("") == (SpeculationSettings(), {}, ())
+    assert parse_speculative_config("") == SpeculativeConfig()
 
 
 def test_vllm_keys_speclane_does_not_use_are_named_not_refused():
-    settings, _, unused = parse_speculative_config(
+    config = parse_speculative_config(
         '{"method": "ngram", "num_speculative_tokens": 3, "enforce_eager": true, "quantization": null, '
         '"disable_padded_drafter_batch": false}')
-    assert (settings.method, settings.num_speculative_tokens) == ("ngram", 3)
-    assert unused == ("disable_padded_drafter_batch", "enforce_eager", "quantization")
+    assert (config.settings.method, config.settings.num_speculative_tokens) == ("ngram", 3)
+    assert config.unused == ("disable_padded_drafter_batch", "enforce_eager", "quantization")
 
 
-def test_vllm_config_splits_per_sequence_and_drafter_wide_keys():
-    settings, drafter_wide, _ = parse_speculative_config(
-        '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, '
+def test_vllm_config_splits_per_sequence_drafter_wide_and_verifier_keys():
+    config = parse_speculative_config(
+        '{"method": "deepseek_mtp", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "eagle_topk": 2, '
         '"suffix_decoding_max_tree_depth": 32, "suffix_decoding_max_cached_requests": 0}')
-    assert (settings.method, settings.num_speculative_tokens) == ("ngram", 4)
-    assert drafter_wide == {"suffix_decoding_max_tree_depth": 32, "suffix_decoding_max_cached_requests": 0}
+    assert (config.settings.method, config.settings.num_speculative_tokens) == ("mtp", 4)
+    assert config.drafter_wide == {"suffix_decoding_max_tree_depth": 32, "suffix_decoding_max_cached_requests": 0}
+    assert (config.method, config.verifier, config.unused) == ("mtp", {"eagle_topk": 2}, ())
+
+
+def test_the_public_keys_are_the_ecosystems_and_at_most_sixteen():
+    keys = {field.name for field in dataclasses.fields(SpeculationSettings)} | set(DRAFTER_WIDE_KEYS) \
+        | set(LOAD_KEYS) | set(VERIFIER_KEYS)
+    assert len(keys) == 16
+    assert not any(key in keys for key in ("draft_token_cost", "next_round_lookup", "break_even_drafts",
+                                           "suffix_decoding_use_tree_spec", "suffix_decoding_max_spec_offset"))
+
+
+def test_the_debug_setting_switches_only_what_it_names():
+    assert parse_speculation_debug("") == SpeculationDebug()
+    assert parse_speculation_debug('{"draft_token_cost": 0}') == SpeculationDebug(draft_token_cost=0.0)
+    for wrong in ('{"draft_token_cost": "auto"}', '{"draft_token_cost": 11}', '{"lookup": true}', '[1]'):
+        with pytest.raises(ValueError):
+            parse_speculation_debug(wrong)
 
 
 @pytest.mark.parametrize("given_bounds, expected", [
@@ -47,7 +70,7 @@ def test_vllm_config_splits_per_sequence_and_drafter_wide_keys():
 ])
 def test_one_lookup_bound_rule_for_config_and_requests(given_bounds, expected):
     """vLLM's rule: when only one bound is given, the other takes its value."""
-    from_config, _, _ = parse_speculative_config(str(given_bounds).replace("'", '"'))
+    from_config = parse_speculative_config(str(given_bounds).replace("'", '"')).settings
     from_request = SpeculationSettings().merged(given_bounds, LIMITS)
     assert (from_config.prompt_lookup_min, from_config.prompt_lookup_max) == expected
     assert (from_request.prompt_lookup_min, from_request.prompt_lookup_max) == expected
@@ -77,7 +100,8 @@ def test_the_drafters_limit_bounds_the_draft_length():
     {"suffix_decoding_min_token_prob": 1.5},
     {"suffix_decoding_max_spec_factor": float("nan")},
     {"suffix_decoding_max_spec_factor": -1.0},
-    {"suffix_decoding_use_tree_spec": 1},
+    {"suffix_decoding_use_tree_spec": True},
+    {"suffix_decoding_max_spec_offset": 1.0},
     {"bogus": 1},
 ])
 def test_bad_values_are_refused(values):
@@ -97,9 +121,7 @@ _OVERRIDES = st.fixed_dictionaries({}, optional={
     "prompt_lookup_min": st.integers(0, 8),
     "prompt_lookup_max": st.integers(0, 8),
     "suffix_decoding_max_spec_factor": st.sampled_from([-1.0, 0.0, 0.5, 1.0, 2.0]),
-    "suffix_decoding_max_spec_offset": st.sampled_from([-2.0, 0.0, 3.0]),
     "suffix_decoding_min_token_prob": st.sampled_from([0.0, 0.25, 1.0, 1.5]),
-    "suffix_decoding_use_tree_spec": st.booleans(),
     "suffix_decoding_max_tree_depth": st.sampled_from([16, 24]),
     "suffix_decoding_max_cached_requests": st.sampled_from([100, 200]),
 })
@@ -119,10 +141,11 @@ def test_what_the_gateway_accepts_the_drafter_accepts_unchanged(overrides):
 
 
 def test_head_methods_and_the_verifier_keys_of_a_vllm_eagle3_command_line():
-    settings, _, unused = parse_speculative_config(
+    config = parse_speculative_config(
         '{"method": "eagle3", "model": "/heads/eagle3", "num_speculative_tokens": 4, '
         '"draft_tensor_parallel_size": 1}')
-    assert (settings.method, settings.num_speculative_tokens, unused) == ("eagle3", 4, ())
+    settings = config.settings
+    assert (settings.method, settings.num_speculative_tokens, config.unused) == ("eagle3", 4, ())
     assert settings.uses_head and not settings.uses_drafter
 
 
@@ -143,4 +166,4 @@ def test_a_draft_tokens_cost_is_the_measured_one_at_the_batch_size():
     assert token_cost_at(COSTS, 8) == pytest.approx(0.1)
     assert token_cost_at(COSTS, 20) == pytest.approx(0.23)  # halfway between 8 and 32
     assert token_cost_at(COSTS, 64) == pytest.approx(0.36)  # beyond the largest measured: its cost
-    assert token_cost_at(((1, 0.2),), 32) == pytest.approx(0.2)  # an older verifier: one cost for every batch
+    assert token_cost_at(((1, 0.2),), 32) == pytest.approx(0.2)  # one cost measured: it holds for every batch

@@ -13,8 +13,10 @@ from speclane.models import PACKAGED_MODELS, hub_model, is_model_dir, served_nam
 from speclane.speculation import (
     CAPTURE_METHOD,
     DEFAULT_SPECULATIVE_TOKENS,
+    HEAD_METHODS,
     MAX_SPECULATIVE_TOKENS,
-    speculative_config_values,
+    parse_speculation_debug,
+    parse_speculative_config,
 )
 from speclane.tls import TlsFiles, server_tls
 from verifier_service.heads.shipped import shipped_head, shipped_heads
@@ -87,7 +89,10 @@ class VerifierConfig:
                                          "target's own MTP layers when omitted; eagle/eagle3: the head shipped for "
                                          "a packaged model). With extract_hidden_states it writes each request's "
                                          "hidden states to `shared_storage_path` and generates 1 token. Other "
-                                         "methods and keys are the gateway's")
+                                         "methods and keys are the gateway's (docs/reference/speculative-config.md)")
+    speculation_debug: str = option("", "experiments only: the gateway's --speculation-debug JSON object; the "
+                                        "verifier reads its draft_token_cost (a draft token's verify cost relative "
+                                        "to a plain step, instead of the one measured at start-up)")
     log_level: str = option("info", "debug, info, warning or error (debug logs every forward pass)")
     tls_cert: str = option("", "PEM certificate of the gRPC server: it then serves TLS (mTLS with --tls-ca)")
     tls_key: str = option("", "PEM private key of --tls-cert")
@@ -147,7 +152,8 @@ class VerifierConfig:
             raise ValueError(f"max_draft_tokens must be at least {MAX_SPECULATIVE_TOKENS}, the most "
                              "num_speculative_tokens a request may ask for")
         check_log_level(self.log_level)
-        object.__setattr__(self, "draft", draft_settings(self.speculative_config))
+        debug = parse_speculation_debug(self.speculation_debug)
+        object.__setattr__(self, "draft", draft_settings(self.speculative_config, debug.draft_token_cost))
         method = self.draft.head_method
         if method in ("eagle", "eagle3") and not self.draft.head_model and shipped_head(self.model, method) is None:
             raise ValueError(f"no {method} head ships for {self.model} (shipped: {', '.join(shipped_heads())}); "
@@ -155,8 +161,6 @@ class VerifierConfig:
         object.__setattr__(self, "tls", server_tls(self.tls_cert, self.tls_key, self.tls_ca))
 
 
-HEAD_METHODS = ("eagle", "eagle3", "mtp", "deepseek_mtp")
-MAX_TOKEN_COST = 10.0  # a draft token costing ten plain steps is no speculation worth doing
 MAX_TREE_TOPK = 16  # children per node of a head's draft tree (EAGLE-2 used 10)
 
 
@@ -178,8 +182,8 @@ class DraftSettings:
 
     head_method: str = ""  # a head to load ("" for none)
     head_model: str = ""  # its directory; "": the default place (see heads/loading.py)
-    # ours: a verify step's extra cost per draft token, relative to a plain step (see draft_cost.py);
-    # None: measured at start-up. 0 makes every head draft num_speculative_tokens long.
+    # A verify step's extra cost per draft token, relative to a plain step (see draft_cost.py): set by
+    # --speculation-debug for experiments; None: measured at start-up. 0 makes every head draft k long.
     draft_token_cost: float | None = None
     tree: TreeShape | None = None  # the head drafts EAGLE-2 dynamic trees of this shape; None: chains
     # extract_hidden_states: hidden_states indices written per request into capture_dir
@@ -187,10 +191,10 @@ class DraftSettings:
     capture_dir: str = ""
 
 
-def draft_settings(speculative_config: str) -> DraftSettings:
+def draft_settings(speculative_config: str, draft_token_cost: float | None = None) -> DraftSettings:
     """The verifier's part of a --speculative-config (other methods are the gateway's)."""
-    values = speculative_config_values(speculative_config)
-    method = values.get("method", "")
+    config = parse_speculative_config(speculative_config)
+    values, method = config.verifier, config.method
     if method == CAPTURE_METHOD:
         # vLLM's keys: the layer ids under draft_model_config.hf_config; where to write ours.
         hf_config = (values.get("draft_model_config") or {}).get("hf_config") or {}
@@ -201,21 +205,17 @@ def draft_settings(speculative_config: str) -> DraftSettings:
         if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in layers):
             raise ValueError("eagle_aux_hidden_state_layer_ids must be non-negative layer indices")
         return DraftSettings(capture_layers=tuple(layers), capture_dir=directory)
-    token_cost = values.get("draft_token_cost", "auto")
-    if token_cost != "auto" and (isinstance(token_cost, bool) or not isinstance(token_cost, int | float)
-                                 or not 0 <= token_cost <= MAX_TOKEN_COST):
-        raise ValueError(f"draft_token_cost must be \"auto\" or a number in [0, {MAX_TOKEN_COST}]")
-    token_cost = None if token_cost == "auto" else float(token_cost)
     if method not in HEAD_METHODS:
         if values.get("eagle_topk", 1) != 1:
             raise ValueError("eagle_topk needs a head method (eagle, eagle3 or mtp): it shapes the head's drafts")
-        return DraftSettings(draft_token_cost=token_cost)
+        return DraftSettings(draft_token_cost=draft_token_cost)
     if values.get("draft_tensor_parallel_size", 1) != 1:
         raise ValueError("draft_tensor_parallel_size must be 1: the head runs on rank 0")
     model = values.get("model") or ""
     if not isinstance(model, str):
         raise ValueError("speculative_config.model must be a head directory")
-    return DraftSettings(head_method=method, head_model=model, draft_token_cost=token_cost, tree=tree_shape(values))
+    tree = tree_shape({**values, "num_speculative_tokens": config.settings.num_speculative_tokens})
+    return DraftSettings(head_method=method, head_model=model, draft_token_cost=draft_token_cost, tree=tree)
 
 
 def tree_shape(values: dict) -> TreeShape | None:

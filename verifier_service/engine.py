@@ -182,6 +182,8 @@ class Engine:
                 entry.work.done(exc)
             return True
         forward_seconds = time.perf_counter() - started
+        # Every client's sequences: a gateway sizes its drafts by this load, not by its own share of it.
+        num_running = len(self.scheduler.admitted)
         row = token = 0
         answered: list[tuple[Scheduled, StepResult]] = []
         for entry in picked:
@@ -190,7 +192,7 @@ class Engine:
             fed = None if features is None else features[token: token + entry.segment.num_tokens]
             token += entry.segment.num_tokens
             try:
-                result = self._settle(entry, rows, fed, forward_seconds)
+                result = self._settle(entry, rows, fed, forward_seconds, num_running)
             except Exception as exc:  # noqa: BLE001 - fail this step alone: left queued, it would fail every pass
                 self._fail(entry.work, exc)
                 continue
@@ -230,7 +232,7 @@ class Engine:
         work.done(exc)
 
     def _settle(self, entry: Scheduled, rows: torch.Tensor, features: torch.Tensor | None,
-                forward_seconds: float) -> StepResult | None:
+                forward_seconds: float, num_running: int) -> StepResult | None:
         """Judges the step and commits its tokens; its result (None for a prompt chunk: more to come)."""
         seq, segment, draft = entry.work.seq, entry.segment, entry.draft
         if self.capture is not None and not seq.num_generated:
@@ -265,7 +267,7 @@ class Engine:
         self.scheduler.ready.remove(entry.work)
         if seq.finished:
             self.scheduler.release(seq)
-        return dataclasses.replace(result, forward_seconds=forward_seconds)
+        return dataclasses.replace(result, forward_seconds=forward_seconds, num_running=num_running)
 
     def _answer(self, answered: list[tuple[Scheduled, StepResult]]) -> None:
         """Drafts the next step of every answered sequence that drafts with the

@@ -143,6 +143,7 @@ class StepResult:
     head_draft_score: float = 0.0
     forward_seconds: float = 0.0  # the pass that produced it (shared with its batch)
     head_draft_seconds: float = 0.0  # the head's drafting for this step (SessionResponse.head_draft_seconds)
+    num_running: int = 0  # sequences admitted when its pass ran (SessionResponse.num_running)
 
 
 class Sequence:

@@ -98,6 +98,7 @@ def response_from(result: StepResult, head_method: str = "") -> verifier_pb2.Ses
         num_draft_tokens=result.num_draft_tokens,
         forward_seconds=result.forward_seconds,
         head_draft_seconds=result.head_draft_seconds,
+        num_running=result.num_running,
         logprobs=[verifier_pb2.TokenLogprob(logprob=lp.logprob, top_token_ids=lp.top_token_ids,
                                             top_logprobs=lp.top_logprobs) for lp in result.logprobs],
     )
@@ -156,7 +157,6 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             draft_head=self.head_method,
             draft_token_cost=self.engine.engine.draft_token_cost,
             draft_token_cost_by_batch_size=self.engine.engine.draft_token_costs,
-            accepts_next_round=True,
         )
 
     async def GetTokenizer(self, request, context):

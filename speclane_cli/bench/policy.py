@@ -3,9 +3,10 @@
 The target's greedy replies to the bench data sets are recorded once (transformers, the same chat template and
 conversations as `bench serve`) and saved; each policy then replays them through the compiled drafter core as the
 gateway drives it: a drafter session per request (the data set's requests in order, one tenant, so the global
-tree learns as it would at concurrency 1), a draft of k tokens verified greedily (accepted up to the first token
-the target did not write, plus the target's own next token), and with next-round drafts the continuations the
-gateway offers (its own code) used as the next step's draft when the step ends as one of them foresaw.
+tree learns as it would at concurrency 1), each step planned by the gateway's own step planner
+(gateway/planner.py), its draft verified greedily (accepted up to the first token the target did not write, plus
+the target's own next token), and with next-round drafts the planner's offers used as the next step's draft
+when the step ends as one of them foresaw.
 
 Steps are priced as the verifier measures them (`draft_cost.py`): a plain step costs 1, each draft token
 `--draft-token-cost` more, so a policy's decode speed relative to n-gram lookup is estimated exactly from counts.
@@ -18,9 +19,9 @@ from dataclasses import dataclass
 
 from drafter_service.engine import DraftEngine, draft_from_core
 from drafter_service.service import draft_to_proto
-from gateway.break_even import MethodAcceptance, RequestAcceptance
-from gateway.next_round import continuations_after, cut, offered_draft, step_part
-from gateway.orchestrator import _NO_DRAFT, LoopPolicy
+from gateway.estimates import MethodAcceptance, RequestAcceptance
+from gateway.planner import Measurements, PlannerPolicy, StepState, draft_budget, plan_step
+from protos.common.v1 import common_pb2
 from speclane.speculation import DrafterLimits, SpeculationSettings
 from speclane.tokens import common_prefix
 
@@ -47,42 +48,51 @@ class Replayed:
 
 def replay(traces: list[Trace], settings: SpeculationSettings, token_cost: float,
            next_round: bool = True, break_even: bool = False) -> Replayed:
-    """Decodes every trace with the drafter's drafts under `settings` (suffix or ngram) and counts what it costs;
-    with `break_even`, each draft cut where it stops paying at `token_cost`, as the gateway's break_even_drafts."""
+    """Decodes every trace with the drafter's drafts under `settings` (suffix or ngram) and counts what it costs.
+    Each step is planned by the gateway's own step planner (gateway/planner.py) at one sequence's load, with
+    `break_even`, each draft cut where it stops paying at `token_cost`; the verifier's lookups are left out
+    (they trade the round trip's wait, which this replay does not price)."""
     limits = DrafterLimits()
     engine = DraftEngine(limits.max_tree_depth, limits.max_cached_requests)
     k = settings.num_speculative_tokens
     # As the gateway asks: each draft going on past its step, for the drafter's guess of the bonus token and k more.
     lookahead = min(k + 1, limits.max_speculative_tokens) if next_round else 0
-    policy = LoopPolicy(draft_token_costs=((1, token_cost),), break_even=break_even)
+    policy = PlannerPolicy(draft_token_costs=((1, token_cost),), next_round=next_round, lookup="off",
+                           break_even=break_even)
     method_acceptance = MethodAcceptance()
     result = Replayed()
     for trace in traces:
         out = trace.output
         seq_id = engine.start(trace.prompt, settings, tenant="", lookahead=lookahead)
         acceptance = RequestAcceptance(method_acceptance) if break_even else None
-        position, withheld, offered = 1, list(out[:1]), []
+        position, withheld, offered, cut_steps = 1, list(out[:1]), (), 0
         while position < len(out):
             committed_len = len(trace.prompt) + position
-            taken = offered_draft(offered, committed_len, withheld[-1])
-            limit = policy.paying_draft_tokens(1, k, acceptance)
-            drafted = _NO_DRAFT
-            if limit > 0 or taken is not None:  # as the gateway: a step that drafts nothing asks for nothing
+            # The verifier runs ahead where the step ends as one of the offers foresaw.
+            ran_ahead = any(c.draft.committed_len == committed_len and c.bonus_token_id == withheld[-1]
+                            for c in offered)
+            state = StepState(settings.method, k, next_round, ran_ahead, None, committed_len, withheld[-1], offered)
+            measured = Measurements(1, token_cost, token_cost, acceptance.rates(k) if acceptance else None,
+                                    cut_steps, None, False)
+            budget = draft_budget(policy, state, measured)
+            drafted = common_pb2.Draft()
+            if budget.ask_drafter:
                 core_draft = engine.core.step([seq_id], [withheld])[0]
                 drafted, withheld = draft_to_proto(draft_from_core(core_draft), committed_len), []
-            draft = taken or cut(step_part(drafted), 0, limit)
-            result.next_round_steps += taken is not None
-            offered = continuations_after(draft, drafted, limit) if next_round else []
-            accepted = common_prefix(draft.token_ids, out[position:])
+            step = plan_step(state, measured, budget, drafted, None)
+            offered, cut_steps = step.offers, budget.cut_steps
+            result.next_round_steps += ran_ahead
+            draft = step.draft.token_ids
+            accepted = common_prefix(draft, out[position:])
             if acceptance is not None:
-                acceptance.observe(len(draft.token_ids), accepted)
+                acceptance.observe(len(draft), accepted)
             committed = list(out[position:position + accepted + 1])
             withheld += committed
             position += len(committed)
             result.steps += 1
-            result.drafted += len(draft.token_ids)
+            result.drafted += len(draft)
             result.accepted += accepted
-            result.cost += 1 + token_cost * len(draft.token_ids)
+            result.cost += 1 + token_cost * len(draft)
         engine.end(seq_id)
         result.tokens += len(out) - 1
     return result
@@ -142,7 +152,7 @@ def add_arguments(parser) -> None:
                         help="a draft token's verify cost relative to a plain step (the verifier logs its own)")
     parser.add_argument("--no-next-round", action="store_true", help="replay without next-round drafts")
     parser.add_argument("--break-even", action="store_true",
-                        help="cut both methods' drafts where they stop paying, as break_even_drafts does")
+                        help="cut both methods' drafts where they stop paying, as the gateway ships")
 
 
 def run(args) -> int:

@@ -17,8 +17,7 @@ from speclane_cli.bench.client import api_base
 STREAM_SHARE = 0.6  # of the requests that are not deliberate disconnects, the rest are whole replies
 STOP_STRINGS = (["\n\n"], ["```"], ["def "], [". ", "!"])
 # None: the server's own speculation settings.
-SPECULATION = (None, None, {"method": "ngram"}, {"method": "none"},
-               {"method": "suffix", "suffix_decoding_use_tree_spec": True})
+SPECULATION = (None, None, {"method": "ngram"}, {"method": "none"}, {"method": "suffix"})
 REQUEST_TIMEOUT_SECONDS = 600.0
 
 

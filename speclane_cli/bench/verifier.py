@@ -11,7 +11,7 @@
   system prompt compute against their unique prompt tokens;
 - scale: decode tokens/s of SmolLM2 in process at 32, 64 and 128 sequences;
 - throughput: 8 concurrent greedy requests against 1 at a time through the
-  real `speclane serve` stack, with speculation off, suffix chains and trees.
+  real `speclane serve` stack, with speculation off and suffix decoding.
 """
 
 import asyncio
@@ -28,8 +28,7 @@ import torch
 from speclane.models import DEFAULT_MODEL, resolve_model
 from speclane.net import free_port, wait_http_ok
 
-MODES = {"none": {"method": "none"}, "suffix": {"method": "suffix"},
-         "suffix-tree": {"method": "suffix", "suffix_decoding_use_tree_spec": True}}
+MODES = {"none": {"method": "none"}, "suffix": {"method": "suffix"}}
 SECTIONS = ("overhead", "memory", "scale", "throughput")
 BLOCK = 16
 

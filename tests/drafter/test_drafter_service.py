@@ -99,18 +99,6 @@ def test_ngram_session_drafts_by_prompt_lookup():
     assert draft.source == "ngram"
 
 
-def test_tree_spec_returns_parents():
-    async def main():
-        # Depth 2 keeps the tree to "token -> next token": after 1 come 2 and 3.
-        async with drafter(config=DrafterConfig(max_tree_depth=2)) as stub:
-            return await run_session(stub, start([1, 2, 50, 1, 3, 60, 1], k=4, max_spec_offset=3, max_tree_depth=2,
-                                                 use_tree_spec=True), [[]])
-
-    (draft,) = asyncio.run(main())
-    assert list(draft.token_ids) == [2, 3]
-    assert list(draft.parents) == [-1, -1]
-
-
 @pytest.mark.parametrize("method", [drafter_pb2.METHOD_SUFFIX, drafter_pb2.METHOD_NGRAM])
 def test_a_draft_goes_on_past_its_step_along_the_same_path(method):
     """After "1 2" a match of 2 gives a budget of 2 tokens; with lookahead the draft goes

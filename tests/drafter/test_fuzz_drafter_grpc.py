@@ -48,7 +48,7 @@ WITNESS_PROMPT = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3, 2, 3, 8, 4, 6]
 WITNESS_COMMITS = [[], [2, 6, 4], [3, 3], [8, 3, 2, 7, 9], [5], [0, 2, 8, 8, 4, 1, 9, 7]]
 WITNESS_PARAMS = {
     "suffix": drafter_pb2.ProposerParams(method=drafter_pb2.METHOD_SUFFIX, num_speculative_tokens=6,
-                                         max_spec_factor=2.0, min_token_prob=0.0, use_tree_spec=True),
+                                         max_spec_factor=2.0, min_token_prob=0.0),
     "ngram": drafter_pb2.ProposerParams(method=drafter_pb2.METHOD_NGRAM, num_speculative_tokens=4,
                                         prompt_lookup_min=1, prompt_lookup_max=3),
 }
@@ -151,8 +151,7 @@ def params(draw) -> tuple[drafter_pb2.ProposerParams, bool]:
                                     + [drafter_pb2.METHOD_UNSPECIFIED, 7] * any_values)),
         num_speculative_tokens=draw(st.sampled_from([8, 1, 3, MAX_SPECULATIVE_TOKENS])
                                     | (st.sampled_from([0, MAX_SPECULATIVE_TOKENS + 1, 2**32 - 1]) if any_values
-                                       else st.nothing())),
-        use_tree_spec=draw(st.booleans()))
+                                       else st.nothing())))
     valid = message.method in (drafter_pb2.METHOD_SUFFIX, drafter_pb2.METHOD_NGRAM) \
         and 1 <= message.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS
     lookups = st.integers(1, 6) | (st.sampled_from([0, MAX_PROMPT_LOOKUP, MAX_PROMPT_LOOKUP + 1, 2**32 - 1])
@@ -172,9 +171,6 @@ def params(draw) -> tuple[drafter_pb2.ProposerParams, bool]:
     if draw(st.booleans()):
         message.max_spec_factor = draw(st.sampled_from([0.0, 1.0, 2.5]) | any_float)
         valid = valid and math.isfinite(message.max_spec_factor) and message.max_spec_factor >= 0
-    if draw(st.booleans()):
-        message.max_spec_offset = draw(st.sampled_from([0.0, -1.0, 3.0]) | any_float)
-        valid = valid and math.isfinite(message.max_spec_offset)
     if draw(st.booleans()):
         message.min_token_prob = draw(st.sampled_from([0.0, 0.1, 1.0]) | any_float)
         valid = valid and math.isfinite(message.min_token_prob) and 0 <= message.min_token_prob <= 1

@@ -15,11 +15,10 @@ def model_dir():
 
 @pytest.fixture(scope="session")
 def stack(model_dir, tmp_path_factory):
-    # The verifier's own lookups ("auto") engage by measured timings, so tests that count next-round
-    # steps would depend on the host's speed; test_lossless.py runs a gateway with them always on.
+    # As shipped: the step planner's policies all on (the verifier's own lookups engage where the
+    # measured round trip makes them pay; test_verifier_lookups.py forces them on).
     running = start_stack(model_dir, tmp_path_factory.mktemp("stack-logs"),
-                          speculative_config='{"method": "suffix", "num_speculative_tokens": 8, '
-                                             '"next_round_lookup": false}')
+                          speculative_config='{"method": "suffix", "num_speculative_tokens": 8}')
     yield running
     running.stop()
 

@@ -124,14 +124,17 @@ TEST_THREADS = 1
 
 
 def start_stack(model_dir: pathlib.Path, log_dir: pathlib.Path, speculative_config: str = "",
-                tls_dir: pathlib.Path | None = None, num_verifiers: int = 1, dtype: str = "auto") -> Stack:
+                tls_dir: pathlib.Path | None = None, num_verifiers: int = 1, dtype: str = "auto",
+                speculation_debug: str = "") -> Stack:
     """With `tls_dir` (made by `speclane certs`): mTLS between the services, TLS on the
-    gateway's gRPC port and HTTPS, each service with its own certificate."""
+    gateway's gRPC port and HTTPS, each service with its own certificate. `speculation_debug`
+    (--speculation-debug) goes to the verifier and the gateway alike."""
     drafter = DrafterConfig(address=f"127.0.0.1:{free_port()}", **tls_fields(tls_dir, "drafter"))
     # As `speclane serve`: the verifier loads the head a head method names.
     verifier, *more_verifiers = (
         VerifierConfig(model=str(model_dir), model_name="smollm2-135m-instruct", address=f"127.0.0.1:{free_port()}",
-                       speculative_config=speculative_config, dtype=dtype, threads=TEST_THREADS,
+                       speculative_config=speculative_config, speculation_debug=speculation_debug, dtype=dtype,
+                       threads=TEST_THREADS,
                        **tls_fields(tls_dir, "verifier"))
         for _ in range(num_verifiers))
     gateway_tls = tls_fields(tls_dir, "gateway")
@@ -140,7 +143,7 @@ def start_stack(model_dir: pathlib.Path, log_dir: pathlib.Path, speculative_conf
         model=str(model_dir), served_model_name="smollm2-135m-instruct", port=free_port(),
         grpc_address=f"127.0.0.1:{free_port()}", drafter_address=drafter.address,
         verifier_addresses=tuple(v.address for v in (verifier, *more_verifiers)),
-        speculative_config=speculative_config, **gateway_tls, **https,
+        speculative_config=speculative_config, speculation_debug=speculation_debug, **gateway_tls, **https,
     )
     stack = Stack(drafter, verifier, gateway, log_dir, more_verifiers=tuple(more_verifiers))
     for name in ("drafter", *stack.verifier_names, "gateway"):

@@ -43,8 +43,8 @@ def stack(model_dir, tmp_path_factory):
         # The break-even cut learns how long drafts pay from all requests, so one tenant's could shorten
         # another's (lengths only), and the verifier's own lookups engage by timing; the accepted counts
         # below are compared exactly.
-        speculative_config='{"method": "suffix", "num_speculative_tokens": 8, "break_even_drafts": false, '
-                           '"next_round_lookup": false}',
+        speculative_config='{"method": "suffix", "num_speculative_tokens": 8}',
+        speculation_debug='{"break_even": false, "lookup": "off"}',
         api_keys_file=str(keys),
         max_request_body_bytes=BODY_LIMIT, max_tokens_limit=MAX_TOKENS, protect_metrics=True,
         draft_timeout_ms=5000,  # a busy test host must not skip drafts: the counts below are compared exactly

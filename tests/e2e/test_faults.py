@@ -132,7 +132,7 @@ def faulty(model_dir, tmp_path_factory):
         model=str(model_dir), served_model_name=MODEL, port=free_port(), grpc_address=f"127.0.0.1:{free_port()}",
         drafter_address=drafter.address, verifier_addresses=(link.address,),
         # No verifier lookups: with the drafter down they still draft, and a probe below asks if the drafter does.
-        speculative_config='{"method": "suffix", "num_speculative_tokens": 8, "next_round_lookup": false}',
+        speculative_config='{"method": "suffix", "num_speculative_tokens": 8}', speculation_debug='{"lookup": "off"}',
         verifier_timeout_s=STEP_DEADLINE_S,
         # A busy 2-core host may delay a draft past the 200 ms default, which would end a drafter
         # session early and upset the session counts; a killed drafter fails at once anyway.

@@ -41,8 +41,10 @@ def tiny_target(model_dir, tmp_path_factory):
     return path
 
 
-def start(target, log_dir, speculative_config: dict, dtype: str = "auto"):
-    return start_stack(target, log_dir, speculative_config=json.dumps(speculative_config), dtype=dtype)
+def start(target, log_dir, speculative_config: dict, dtype: str = "auto", draft_token_cost: float | None = None):
+    debug = json.dumps({"draft_token_cost": draft_token_cost}) if draft_token_cost is not None else ""
+    return start_stack(target, log_dir, speculative_config=json.dumps(speculative_config), dtype=dtype,
+                       speculation_debug=debug)
 
 
 def assert_lossless(address, prompts, methods, k):
@@ -68,7 +70,7 @@ def test_eagle_and_mtp_heads_keep_greedy_output(tiny_target, tmp_path, prompts, 
     # vLLM's older name for MTP: the target's own MTP layer, no model key. A random head is
     # unsure of every token: with draft tokens free, its drafts stay k long (trees: 8 nodes) and get verified.
     stack = start(tiny_target, tmp_path, {"method": "eagle" if method == "eagle" else "deepseek_mtp",
-                                          "draft_token_cost": 0, **extra, **tree})
+                                          **extra, **tree}, draft_token_cost=0)
     try:
         totals = assert_lossless(stack.gateway.grpc_address, prompts, [method, "hybrid"], k)
     finally:
@@ -104,8 +106,8 @@ def test_the_shipped_eagle3_head_keeps_greedy_output_and_is_accepted(eagle3_stac
 def test_a_bf16_target_verifies_the_heads_trees_without_changing_greedy_output(model_dir, tmp_path, prompts):
     # bf16 products and attention round a 17-token pass apart from a plain step unless the verifier runs
     # batch-invariant (auto for bf16): without it, most of these outputs changed.
-    stack = start(model_dir, tmp_path, {"method": "eagle3", "num_speculative_tokens": 4, "eagle_topk": 4,
-                                        "draft_token_cost": 0}, dtype="bfloat16")
+    stack = start(model_dir, tmp_path, {"method": "eagle3", "num_speculative_tokens": 4, "eagle_topk": 4},
+                  dtype="bfloat16", draft_token_cost=0)
     try:
         eagle3 = assert_lossless(stack.gateway.grpc_address, prompts, ["eagle3"], 4)["eagle3"]
         assert '"batch_invariant": true' in (tmp_path / "verifier.log").read_text()
@@ -118,8 +120,8 @@ def test_the_shipped_eagle3_heads_trees_in_the_configuration_of_both_goals_keep_
                                                                                                 prompts):
     """fp32, 16-node trees kept to the nodes that pay at a draft-token cost of 0.04: the configuration
     docs/benchmarks/heads/README.md measures at 2 tokens a step and 1.3x on chat."""
-    stack = start(model_dir, tmp_path, {"method": "eagle3", "num_speculative_tokens": 4, "eagle_topk": 4,
-                                        "draft_token_cost": 0.04})
+    stack = start(model_dir, tmp_path, {"method": "eagle3", "num_speculative_tokens": 4, "eagle_topk": 4},
+                  draft_token_cost=0.04)
     try:
         eagle3 = assert_lossless(stack.gateway.grpc_address, prompts, ["eagle3"], 4)["eagle3"]
     finally:

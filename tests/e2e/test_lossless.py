@@ -11,7 +11,6 @@ MAX_TOKENS = 40
 PROMPTS = [("humaneval", i) for i in range(10)] + [("sharegpt", i) for i in range(10)]
 SPECULATION = {
     "suffix": {"method": "suffix"},
-    "suffix-tree": {"method": "suffix", "suffix_decoding_use_tree_spec": True},
     # The stack names k = 8; suffix decoding's own default is the tree depth.
     "suffix-24": {"method": "suffix", "num_speculative_tokens": 24},
     "ngram": {"method": "ngram"},
@@ -39,25 +38,20 @@ def test_speculative_greedy_output_equals_plain(client, prompts, source, index):
     plain = runs["none"]
     assert plain.usage.draft_tokens == 0 and plain.usage.verify_steps > 0
     assert len(plain.token_ids) > 0
-    for name in ("suffix", "suffix-tree", "suffix-24", "ngram"):
+    for name in ("suffix", "suffix-24", "ngram"):
         assert runs[name].token_ids == plain.token_ids, f"{name} changed the output"
         assert runs[name].text == plain.text
 
 
-@pytest.mark.parametrize("name", ["suffix", "suffix-tree"])
-def test_speculation_accepts_tokens_on_repetitive_code(client, name):
+def test_speculation_accepts_tokens_on_repetitive_code(client):
     result = client.generate(messages=code_edit_messages(), max_tokens=96, temperature=0.0,
-                             speculation=SPECULATION[name])
+                             speculation=SPECULATION["suffix"])
     plain = client.generate(messages=code_edit_messages(), max_tokens=96, temperature=0.0,
                             speculation=SPECULATION["none"])
     assert result.token_ids == plain.token_ids
     assert result.usage.accepted_tokens > 0
     # Accepted drafts mean fewer verify steps than tokens.
     assert result.usage.verify_steps < plain.usage.verify_steps
-    # Next-round drafts (on by default) hit where the draft and the drafter's next token were right,
-    # and missed elsewhere; a tree is never drafted ahead.
-    if name == "suffix":
-        assert 0 < result.usage.next_round_steps < result.usage.verify_steps - 1
-    else:
-        assert result.usage.next_round_steps == 0
+    # Next-round drafts hit where the draft and the drafter's next token were right, and missed elsewhere.
+    assert 0 < result.usage.next_round_steps < result.usage.verify_steps - 1
 

@@ -20,7 +20,8 @@ def test_every_service_reports_serving(stack):
 def test_killing_the_drafter_mid_generation_keeps_the_output(model_dir, tmp_path):
     # No verifier lookups: with the drafter gone they would still draft, and this test counts the drafts.
     own = start_stack(model_dir, tmp_path,
-                      speculative_config='{"method": "ngram", "num_speculative_tokens": 4, "next_round_lookup": false}')
+                      speculative_config='{"method": "ngram", "num_speculative_tokens": 4}',
+                      speculation_debug='{"lookup": "off"}')
     try:
         client = openai.OpenAI(base_url=own.base_url, api_key="unused", max_retries=0, timeout=300)
         request = {"model": MODEL, "messages": MESSAGES, "max_tokens": 96, "temperature": 0}

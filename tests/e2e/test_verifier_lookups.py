@@ -15,9 +15,10 @@ pytestmark = pytest.mark.e2e
 
 @pytest.fixture(scope="module")
 def stack(model_dir, tmp_path_factory):
-    """Lookups always on ("auto" looks up where it measures that it pays)."""
-    running = start_stack(model_dir, tmp_path_factory.mktemp("lookups"), speculative_config=(
-        '{"method": "suffix", "num_speculative_tokens": 8, "next_round_lookup": true}'))
+    """Lookups always on (as shipped, "auto" looks up where it measures that it pays)."""
+    running = start_stack(model_dir, tmp_path_factory.mktemp("lookups"),
+                          speculative_config='{"method": "suffix", "num_speculative_tokens": 8}',
+                          speculation_debug='{"lookup": "on"}')
     yield running
     running.stop()
 

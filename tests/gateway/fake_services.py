@@ -15,7 +15,8 @@ import grpc
 from gateway.drafter_client import DrafterClient
 from gateway.grpc_api import add_generation_servicer
 from gateway.metrics import GatewayMetrics
-from gateway.orchestrator import LoopPolicy, Orchestrator
+from gateway.orchestrator import Orchestrator
+from gateway.planner import PlannerPolicy
 from gateway.types import GenerationRequest, TokenDelta
 from gateway.verifier_pool import VerifierPool
 from protos.common.v1 import common_pb2
@@ -78,13 +79,14 @@ class FakeVerifier(verifier_pb2_grpc.VerifierServicer):
         self.drafts: list[list[int]] = []  # every draft verified, as sent or offered
         self.offers: list[verifier_pb2.NextRound] = []  # every next round offered
         self.outcomes: list[str] = []  # one per finished Session
+        self.open_sessions = 0
+        self.num_running: int | None = None  # the load each answer reports; None: the sessions open here
 
     def add_to(self, server: grpc.aio.Server) -> None:
         verifier_pb2_grpc.add_VerifierServicer_to_server(self, server)
 
     async def GetModelInfo(self, request, context):
-        return verifier_pb2.ModelInfo(model_name=MODEL_NAME, vocab_size=420, max_context_len=256, eos_token_ids=[2],
-                                      accepts_next_round=True)
+        return verifier_pb2.ModelInfo(model_name=MODEL_NAME, vocab_size=420, max_context_len=256, eos_token_ids=[2])
 
     async def Session(self, request_iterator, context):
         prompt_len = max_new = generated = 0
@@ -102,6 +104,7 @@ class FakeVerifier(verifier_pb2_grpc.VerifierServicer):
 
         reader = asyncio.ensure_future(read())
         continuation = None
+        self.open_sessions += 1
         try:
             with _recorded(context, self.outcomes):
                 for step in itertools.count():
@@ -142,8 +145,10 @@ class FakeVerifier(verifier_pb2_grpc.VerifierServicer):
                         token_ids=tokens, num_accepted_draft_tokens=accepted, committed_len=prompt_len + generated,
                         finish_reason=common_pb2.FINISH_REASON_LENGTH if finished
                         else common_pb2.FINISH_REASON_UNSPECIFIED,
-                        num_draft_tokens=verified, next_round_hit=continuation is not None, lookup_draft=looked_up)
+                        num_draft_tokens=verified, next_round_hit=continuation is not None, lookup_draft=looked_up,
+                        num_running=self.open_sessions if self.num_running is None else self.num_running)
         finally:
+            self.open_sessions -= 1
             reader.cancel()
 
 
@@ -239,7 +244,7 @@ class Gateway:
 @contextlib.asynccontextmanager
 async def gateway(verifiers: Sequence[FakeVerifier], drafter: FakeDrafter | None = None, *,
                   timeout: float = 1.0, retry_seconds: float = 5.0,
-                  policy: LoopPolicy = LoopPolicy()) -> AsyncIterator[Gateway]:
+                  policy: PlannerPolicy = PlannerPolicy()) -> AsyncIterator[Gateway]:
     """Starts the fakes and the real gateway loop over them (a DrafterClient only with a drafter)."""
     async with contextlib.AsyncExitStack() as stack:
         addresses = [await stack.enter_async_context(serve(fake.add_to)) for fake in verifiers]

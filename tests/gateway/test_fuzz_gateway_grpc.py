@@ -197,8 +197,6 @@ def requests(draw) -> gateway_pb2.GenerateRequest:
         maybe(draw, wild, speculation, "suffix_decoding_max_cached_requests", st.just(10000), uint32)
         maybe(draw, wild, speculation, "suffix_decoding_max_spec_factor", st.floats(0, 4, width=32), floats32)
         maybe(draw, wild, speculation, "suffix_decoding_min_token_prob", st.floats(0, 1, width=32), floats32)
-        maybe(draw, wild, speculation, "suffix_decoding_max_spec_offset", st.floats(-4, 4, width=32), floats32)
-        maybe(draw, wild, speculation, "suffix_decoding_use_tree_spec", st.booleans(), st.nothing())
     return request
 
 

@@ -67,7 +67,6 @@ async def test_model_info_reports_the_model_the_defaults_and_the_backends(ctx, t
         assert info.default_speculation["method"] == "ngram"
         assert info.default_speculation["num_speculative_tokens"] == 5
         assert info.default_speculation["prompt_lookup_min"] == 3
-        assert info.default_speculation["suffix_decoding_use_tree_spec"] is False
         assert info.default_speculation["suffix_decoding_max_tree_depth"] == 32  # the drafter's own
         assert (info.num_verifiers, info.num_verifiers_serving) == (2, 2)
         assert info.drafter_configured and info.drafter_reachable

@@ -8,12 +8,12 @@ import grpc
 import pytest
 
 from gateway.errors import InvalidRequest, Overloaded, Unavailable
-from gateway.orchestrator import LoopPolicy
-from gateway.round_trip import EXPLORE_EVERY, RoundTrip, looks_up, lookup_loss
+from gateway.estimates import RoundTrip, lookup_loss
+from gateway.planner import EXPLORE_EVERY, PlannerPolicy
 from gateway.types import SpeculationUsage
 from protos.common.v1 import common_pb2
 from protos.gateway.v1 import gateway_pb2
-from speclane.speculation import SpeculationSettings
+from speclane.speculation import MAX_BATCH_SIZE, SpeculationSettings
 from tests.gateway.fake_services import (
     PROMPT,
     FakeDrafter,
@@ -196,14 +196,15 @@ async def test_a_head_methods_output_feeds_the_drafters_trees_and_none_stays_awa
 
 
 async def test_no_drafts_while_the_verifier_runs_more_sequences_than_the_limit():
-    verifier = FakeVerifier()
-    async with gateway([verifier], FakeDrafter(draft_len=3), policy=LoopPolicy(draft_tokens_by_load=((2, 0),))) as gw:
+    verifier, policy = FakeVerifier(), PlannerPolicy(draft_tokens_by_load=((2, MAX_BATCH_SIZE, 0),))
+    async with gateway([verifier], FakeDrafter(draft_len=3), policy=policy) as gw:
         alone = await collect(gw)
         assert [] not in verifier.drafts  # one sequence: within the limit
         verifier.drafts.clear()
-        together = await asyncio.gather(collect(gw), collect(gw))
-    assert tokens_of(alone) == tokens_of(together[0]) == tokens_of(together[1]) == TARGET[:10]
-    assert verifier.drafts[:2] == [[], []]  # both first steps ran with two in flight
+        verifier.num_running = 2
+        busy = await collect(gw)
+    assert tokens_of(alone) == tokens_of(busy) == TARGET[:10]
+    assert verifier.drafts and all(draft == [] for draft in verifier.drafts)
 
 
 async def test_a_verifier_gone_at_prefill_fails_over_to_the_next_and_is_left_out():
@@ -294,7 +295,7 @@ def lookahead(max_tokens: int = 30, k: int = 3):
 async def test_next_round_drafts_let_the_verifier_go_on_without_a_verify():
     # The drafter drafts k + 1 + k = 7 target tokens: k to verify, the bonus, the next k.
     verifier, drafter = FakeVerifier(accept=8, step_seconds=0.02), FakeDrafter(draft_len=7)
-    async with gateway([verifier], drafter, policy=LoopPolicy(next_round=True)) as gw:
+    async with gateway([verifier], drafter, policy=PlannerPolicy()) as gw:
         deltas = await collect(gw, lookahead())
     assert tokens_of(deltas) == target_tokens(0, 30)
     assert (drafter.params[0].num_speculative_tokens, drafter.lookaheads[0]) == (3, 4)
@@ -319,7 +320,7 @@ async def test_a_step_cut_short_by_the_drafters_budget_still_offers_the_path_bey
     draft goes on past it (step_len), and the step after runs on that offer."""
     verifier, drafter = FakeVerifier(accept=8, step_seconds=0.02), FakeDrafter(draft_len=7)
     drafter.step_len = 2
-    async with gateway([verifier], drafter, policy=LoopPolicy(next_round=True)) as gw:
+    async with gateway([verifier], drafter, policy=PlannerPolicy()) as gw:
         deltas = await collect(gw, lookahead())
     assert tokens_of(deltas) == target_tokens(0, 30)
     assert deltas[-1].speculation.next_round_steps == deltas[-1].speculation.verify_steps - 1 > 0
@@ -334,7 +335,7 @@ async def test_with_the_break_even_cut_a_step_cut_short_by_the_budget_still_offe
     step's draft, held to the cut's limit (k while drafts land), not to 2."""
     verifier, drafter = FakeVerifier(accept=8, step_seconds=0.02), FakeDrafter(draft_len=7)
     drafter.step_len = 2
-    policy = LoopPolicy(next_round=True, draft_token_costs=((1, 0.2),), break_even=True)
+    policy = PlannerPolicy(draft_token_costs=((1, 0.2),))
     async with gateway([verifier], drafter, policy=policy) as gw:
         deltas = await collect(gw, lookahead())
     assert tokens_of(deltas) == target_tokens(0, 30)
@@ -348,7 +349,7 @@ async def test_a_next_round_miss_falls_back_to_a_verify_and_loses_nothing(miss):
     verifier = FakeVerifier(accept=2 if miss == "draft rejected" else 8, step_seconds=0.02)
     drafter = FakeDrafter(draft_len=7)
     drafter.wrong_bonus = miss == "bonus guessed wrong"
-    async with gateway([verifier], drafter, policy=LoopPolicy(next_round=True)) as gw:
+    async with gateway([verifier], drafter, policy=PlannerPolicy()) as gw:
         deltas = await collect(gw, lookahead())
     assert tokens_of(deltas) == target_tokens(0, 30)
     assert deltas[-1].speculation.next_round_steps == 0
@@ -362,7 +363,7 @@ async def test_a_detour_lets_the_verifier_go_on_after_a_rejected_draft_token(rig
     detour's draft. A detour for another token never runs, and loses nothing."""
     verifier, drafter = FakeVerifier(accept=1, step_seconds=0.02), FakeDrafter(draft_len=3)
     drafter.detour_at, drafter.detour_token = 1, None if right else 998
-    async with gateway([verifier], drafter, policy=LoopPolicy(next_round=True)) as gw:
+    async with gateway([verifier], drafter, policy=PlannerPolicy()) as gw:
         deltas = await collect(gw, lookahead())
     assert tokens_of(deltas) == target_tokens(0, 30)
     usage = deltas[-1].speculation
@@ -386,7 +387,7 @@ async def test_with_next_round_lookup_the_verifier_starts_a_step_no_offer_foresa
     the verifier starts each such step with a draft it looked up itself, and the
     loop then offers continuations after that draft rather than sending a Verify."""
     verifier, drafter = FakeVerifier(accept=2, step_seconds=0.02), FakeDrafter(draft_len=7)
-    async with gateway([verifier], drafter, policy=LoopPolicy(next_round=True, next_round_lookup=mode)) as gw:
+    async with gateway([verifier], drafter, policy=PlannerPolicy(lookup=mode)) as gw:
         deltas = await collect(gw, lookahead())
     assert tokens_of(deltas) == target_tokens(0, 30)
     usage = deltas[-1].speculation
@@ -413,21 +414,20 @@ def test_auto_looks_drafts_up_where_the_wait_they_save_outweighs_the_tokens_they
         local.observe_wait(0.001, 0.070)  # 1.4%: one host
         link.observe_wait(0.008, 0.070)  # 11%: a 5 ms link
         link.observe_step(4, None)
-    assert not looks_up("auto", local) and looks_up("auto", link)
-    assert looks_up("on", local) and not looks_up("off", link)
-    assert not looks_up("auto", RoundTrip())  # nothing measured yet
+    assert not local.lookup_pays(EXPLORE_EVERY) and link.lookup_pays(EXPLORE_EVERY)
+    assert not RoundTrip().lookup_pays(EXPLORE_EVERY)  # nothing measured yet
     # Lookups that lose a token a step against the drafter's drafts (a quarter of the step's 4)
     # cost more than the 11% they save; one step in EXPLORE_EVERY still looks up, to measure again.
     for _ in range(100):
         link.observe_step(3, 1)
-    assert not looks_up("auto", link)
+    assert not link.lookup_pays(EXPLORE_EVERY)
     for _ in range(EXPLORE_EVERY):
         link.observe_step(3, None)
-    assert looks_up("auto", link)
+    assert link.lookup_pays(EXPLORE_EVERY)
     # Losing a tenth of a token a step, the same wait pays.
     for _ in range(100):
         link.observe_step(4, 0.1)
-    assert looks_up("auto", link)
+    assert link.lookup_pays(EXPLORE_EVERY)
 
 
 def test_a_lookups_loss_is_what_the_drafters_draft_foresaw_of_the_committed_tokens_beyond_it():
@@ -437,42 +437,22 @@ def test_a_lookups_loss_is_what_the_drafters_draft_foresaw_of_the_committed_toke
     assert lookup_loss([], 3, committed) == -3 and lookup_loss([5, 6, 7], 3, committed) == 0
 
 
-def test_next_round_lookup_is_auto_unless_the_speculative_config_sets_it():
-    from gateway.config import GatewayConfig
-
-    assert GatewayConfig().speculation_next_round_lookup == "auto"
-    assert GatewayConfig(speculative_config='{"next_round_lookup": true}').speculation_next_round_lookup == "on"
-    assert GatewayConfig(speculative_config='{"next_round_lookup": false}').speculation_next_round_lookup == "off"
-    with pytest.raises(ValueError, match="next_round_lookup must be true, false or"):
-        GatewayConfig(speculative_config='{"next_round_lookup": "always"}')
-
-
-async def test_without_the_policy_no_next_round_is_offered_and_the_drafter_drafts_k():
+async def test_without_next_round_drafts_none_is_offered_and_the_drafter_drafts_k():
     verifier, drafter = FakeVerifier(accept=8), FakeDrafter(draft_len=7)
-    async with gateway([verifier], drafter) as gw:
+    async with gateway([verifier], drafter, policy=PlannerPolicy(next_round=False, lookup="off")) as gw:
         deltas = await collect(gw, lookahead())
     assert tokens_of(deltas) == target_tokens(0, 30)
     assert (drafter.params[0].num_speculative_tokens, drafter.lookaheads[0]) == (3, 0) and not verifier.offers
     assert deltas[-1].speculation.next_round_steps == 0
 
 
-# Adaptive draft length
-
-async def test_a_request_whose_drafts_keep_failing_gets_shorter_drafts_and_the_same_output():
-    verifier = FakeVerifier(accept=0)  # every draft rejected at its first token
-    async with gateway([verifier], FakeDrafter(draft_len=8), policy=LoopPolicy(adaptive_draft_length=True)) as gw:
-        deltas = await collect(gw, generation(max_tokens=12))
-    assert tokens_of(deltas) == target_tokens(0, 12)
-    assert [len(draft) for draft in verifier.drafts[:5]] == [8, 4, 2, 1, 1]
-
-
-# Drafts cut where they stop paying at the load (gateway/break_even.py)
+# Drafts cut where they stop paying at the load (gateway/planner.py's break-even cut)
 
 async def _draft_lengths_with_every_draft_rejected(drafter: FakeDrafter) -> list[int]:
     """Twelve tokens with the break-even cut on, every draft rejected at its first
     token; the length of each draft verified. The output must stay the target's."""
     verifier = FakeVerifier(accept=0)
-    policy = LoopPolicy(draft_token_costs=((1, 0.2),), break_even=True)
+    policy = PlannerPolicy(draft_token_costs=((1, 0.2),))
     async with gateway([verifier], drafter, policy=policy) as gw:
         deltas = await collect(gw, generation(max_tokens=12))
     assert tokens_of(deltas) == target_tokens(0, 12)
@@ -491,7 +471,7 @@ async def test_drafts_that_keep_failing_stop_being_sent_and_the_output_stays():
 
 async def test_drafts_that_land_are_kept_whole_under_load():
     verifier = FakeVerifier(accept=8)
-    policy = LoopPolicy(draft_token_costs=((1, 0.2), (4, 0.6)), break_even=True)
+    policy = PlannerPolicy(draft_token_costs=((1, 0.2), (4, 0.6)))
     async with gateway([verifier], FakeDrafter(draft_len=3), policy=policy) as gw:
         together = await asyncio.gather(*(collect(gw, generation(max_tokens=16)) for _ in range(4)))
     assert all(tokens_of(deltas) == target_tokens(0, 16) for deltas in together)
@@ -526,67 +506,81 @@ async def test_a_prediction_the_output_leaves_falls_back_to_the_drafter():
 
 
 def test_each_step_verifies_the_draft_its_method_picks():
-    from gateway.hybrid import HeadWorth, HybridChoice
-    from gateway.orchestrator import DRAFTER, HEAD, NONE, PREDICTION, _pick_draft
+    from gateway.planner import DRAFTER, HEAD, NONE, PREDICTION, Measurements, pick_draft
 
     def draft(tokens, score=0.0):
         return common_pb2.Draft(token_ids=tokens, score=score)
 
+    def measured(head_worth):
+        return Measurements(1, 0.1, 0.1, None, 0, head_worth, False)
+
     suffix, nothing = draft([1, 2, 3], score=2.5), draft([])
-    hybrid = HybridChoice(token_cost=0.1, head=HeadWorth(weight=0.25))
-    assert _pick_draft("hybrid", None, suffix, hybrid) == (DRAFTER, suffix)
-    assert _pick_draft("hybrid", None, nothing, hybrid) == (HEAD, None)
-    assert _pick_draft("eagle3", None, suffix, None) == (HEAD, None)
-    assert _pick_draft("suffix", None, suffix, None) == (DRAFTER, suffix)
-    assert _pick_draft("suffix", None, nothing, None)[0] == NONE
+    hybrid, alone = measured(1.0), measured(None)
+    assert pick_draft("hybrid", None, suffix, hybrid) == (DRAFTER, suffix)
+    assert pick_draft("hybrid", None, nothing, hybrid) == (HEAD, None)
+    assert pick_draft("eagle3", None, suffix, alone) == (HEAD, None)
+    assert pick_draft("suffix", None, suffix, alone) == (DRAFTER, suffix)
+    assert pick_draft("suffix", None, nothing, alone)[0] == NONE
     predicted = draft([9, 9])
-    assert _pick_draft("hybrid", predicted, suffix, hybrid) == (PREDICTION, predicted)
+    assert pick_draft("hybrid", predicted, suffix, hybrid) == (PREDICTION, predicted)
 
 
-def test_the_gateway_reads_draft_lengths_by_load_from_the_speculative_config():
+def test_the_gateway_reads_vllms_load_cut_offs_from_the_speculative_config():
     from gateway.config import GatewayConfig
 
-    config = GatewayConfig(speculative_config='{"method": "suffix", "speculative_disable_by_batch_size": 24, '
-                                              '"num_speculative_tokens_by_batch_size": {"8": 4, "16": 2}}')
-    assert config.speculation_draft_tokens_by_load == ((8, 4), (16, 2), (25, 0))
+    config = GatewayConfig(speculative_config='{"method": "suffix", "disable_by_batch_size": 24, '
+                                              '"num_speculative_tokens_per_batch_size": [[8, 15, 4], [16, 24, 2]]}')
+    assert config.speculation_draft_tokens_by_load == ((8, 15, 4), (16, 24, 2), (25, MAX_BATCH_SIZE, 0))
     assert config.unused_speculation_keys == ()
     assert GatewayConfig().speculation_draft_tokens_by_load == ()
     for wrong in ("0", "2.5", "true"):
-        with pytest.raises(ValueError, match="speculative_disable_by_batch_size must be a positive integer"):
-            GatewayConfig(speculative_config=f'{{"speculative_disable_by_batch_size": {wrong}}}')
-    for wrong in ('{"0": 4}', '{"x": 4}', '{"8": -1}', '{"8": 65}', '{"8": true}', '[8, 4]'):
-        with pytest.raises(ValueError, match="num_speculative_tokens_by_batch_size"):
-            GatewayConfig(speculative_config=f'{{"num_speculative_tokens_by_batch_size": {wrong}}}')
+        with pytest.raises(ValueError, match="disable_by_batch_size must be a positive integer"):
+            GatewayConfig(speculative_config=f'{{"disable_by_batch_size": {wrong}}}')
+    for wrong in ('{"8": 4}', '[[0, 4, 2]]', '[[8, 4, 2]]', '[[1, 8, -1]]', '[[1, 8, 65]]', '[[1, 8, true]]',
+                  '[[1, 8]]', '[[1, 8, 4], [8, 16, 2]]'):
+        with pytest.raises(ValueError, match="num_speculative_tokens_per_batch_size"):
+            GatewayConfig(speculative_config=f'{{"num_speculative_tokens_per_batch_size": {wrong}}}')
 
 
 def test_the_strictest_limit_a_load_reaches_bounds_the_draft():
-    policy = LoopPolicy(draft_tokens_by_load=((8, 4), (16, 2), (25, 0)))
-    assert [policy.max_draft_tokens(n, k=8) for n in (1, 7, 8, 15, 16, 24, 25, 100)] == [8, 8, 4, 4, 2, 2, 0, 0]
-    assert LoopPolicy(draft_tokens_by_load=((4, 6),)).max_draft_tokens(10, k=8) == 6
+    from gateway.planner import Measurements, StepState, draft_budget
+
+    def limit(policy, running, k=8):
+        state = StepState("suffix", k, False, False, None, 10, 1, ())
+        return draft_budget(policy, state, Measurements(running, 0.0, 0.0, None, 0, None, False)).limit
+
+    policy = PlannerPolicy(draft_tokens_by_load=((8, 15, 4), (16, 24, 2), (25, MAX_BATCH_SIZE, 0), (30, 40, 3)))
+    assert [limit(policy, n) for n in (1, 7, 8, 15, 16, 24, 25, 100)] == [8, 8, 4, 4, 2, 2, 0, 0]
+    assert limit(PlannerPolicy(draft_tokens_by_load=((4, 16, 6),)), 10) == 6
+    assert limit(PlannerPolicy(draft_tokens_by_load=((4, 16, 6),)), 17) == 8  # past the range: k
 
 
-async def test_drafts_are_cut_to_what_the_verifiers_load_allows():
+async def test_drafts_are_cut_to_the_load_the_verifier_reports():
+    """The verifier's own count of running sequences, every gateway's: a sequence
+    alone on this gateway is cut where the verifier says it is busy."""
     verifier = FakeVerifier(accept=8)
-    async with gateway([verifier], FakeDrafter(draft_len=6), policy=LoopPolicy(draft_tokens_by_load=((2, 3),))) as gw:
+    policy = PlannerPolicy(draft_tokens_by_load=((2, MAX_BATCH_SIZE, 3),))
+    async with gateway([verifier], FakeDrafter(draft_len=6), policy=policy) as gw:
         alone = await collect(gw)
         assert max(map(len, verifier.drafts)) > 3  # one sequence: below the table's first row
         verifier.drafts.clear()
-        together = await asyncio.gather(collect(gw), collect(gw))
-    assert tokens_of(alone) == tokens_of(together[0]) == tokens_of(together[1]) == TARGET[:10]
-    assert [len(draft) for draft in verifier.drafts[:2]] == [3, 3]  # both first steps ran with two in flight
+        verifier.num_running = 2  # another gateway's sequence runs there too
+        shared = await collect(gw)
+    assert tokens_of(alone) == tokens_of(shared) == TARGET[:10]
+    assert verifier.drafts and max(map(len, verifier.drafts)) == 3
 
 
-def test_next_round_drafts_are_on_unless_the_speculative_config_turns_them_off():
+def test_the_planners_policies_ship_on_and_only_the_debug_setting_turns_them_off():
     from gateway.config import GatewayConfig
+    from speclane.speculation import SpeculationDebug
 
-    assert GatewayConfig().speculation_next_round
-    off = GatewayConfig(speculative_config='{"method": "ngram", "next_round_drafts": false}')
-    assert not off.speculation_next_round and off.unused_speculation_keys == () and off.speculation.method == "ngram"
-    with pytest.raises(ValueError, match="next_round_drafts must be true or false"):
-        GatewayConfig(speculative_config='{"next_round_drafts": 1}')
-    assert GatewayConfig().speculation_break_even
-    assert not GatewayConfig(speculative_config='{"break_even_drafts": false}').speculation_break_even
-    assert not GatewayConfig().speculation_adaptive_draft_length
-    assert GatewayConfig(speculative_config='{"adaptive_draft_length": true}').speculation_adaptive_draft_length
-    with pytest.raises(ValueError, match="adaptive_draft_length must be true or false"):
-        GatewayConfig(speculative_config='{"adaptive_draft_length": "yes"}')
+    assert GatewayConfig().debug == SpeculationDebug() and PlannerPolicy() == PlannerPolicy(
+        next_round=True, lookup="auto", break_even=True)
+    off = GatewayConfig(speculation_debug='{"next_round": false, "lookup": "off", "break_even": false}')
+    assert (off.debug.next_round, off.debug.lookup, off.debug.break_even) == (False, "off", False)
+    for wrong in ('{"next_round": 1}', '{"lookup": "always"}', '{"bogus": true}', '{"draft_token_cost": -1}'):
+        with pytest.raises(ValueError, match="speculation debug"):
+            GatewayConfig(speculation_debug=wrong)
+    # They are not --speculative-config keys: such a key is named as unused, like any key speclane does not read.
+    other = GatewayConfig(speculative_config='{"method": "ngram", "next_round_lookup": false}')
+    assert other.unused_speculation_keys == ("next_round_lookup",) and other.speculation.method == "ngram"

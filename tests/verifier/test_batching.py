@@ -74,3 +74,14 @@ def test_a_long_prefill_is_chunked_and_does_not_stall_decoding(runner, hf_model)
         engine.step()
     assert long_answers[0].token_ids == reference(hf_model, long_prompt, 1)
     assert all(p.num_tokens <= 16 for p in passes)
+
+
+def test_each_answer_reports_how_many_sequences_ran_when_its_pass_did(runner):
+    """SessionResponse.num_running: every client's sequences, the load a gateway sizes drafts by."""
+    engine = make_engine(runner)
+    params = GenerationParams(GREEDY, max_new_tokens=4, ignore_eos=True)
+    first, second = (engine.open(f"n{i}", prompt, params) for i, prompt in enumerate(PROMPTS[:2]))
+    assert [result.num_running for result in engine.run_together([(first, Draft()), (second, Draft())])] == [2, 2]
+    engine.close(first)
+    assert engine.run(second).num_running == 1
+    engine.close(second)

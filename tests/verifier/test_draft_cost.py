@@ -25,14 +25,18 @@ def test_the_token_cost_is_the_extra_step_time_per_draft_token_at_each_batch_siz
     assert engine.num_live == 0 and engine.blocks.used_blocks == 0  # its sequences are gone
 
 
-def test_the_verifier_reads_the_token_cost_of_a_speculative_config():
-    from verifier_service.config import draft_settings
+def test_the_verifier_takes_the_token_cost_from_the_debug_setting_for_experiments():
+    from verifier_service.config import VerifierConfig
 
-    assert draft_settings('{"method": "eagle3", "model": "/h"}').draft_token_cost is None  # measured
-    assert draft_settings('{"method": "eagle3", "model": "/h", "draft_token_cost": 0}').draft_token_cost == 0.0
+    def cost(speculative_config: str, debug: str = ""):
+        return VerifierConfig(model="smollm2-135m-instruct", speculative_config=speculative_config,
+                              speculation_debug=debug).draft.draft_token_cost
+
+    assert cost('{"method": "eagle3"}') is None  # measured
+    assert cost('{"method": "eagle3"}', '{"draft_token_cost": 0}') == 0.0
     # Without a head too: the gateway cuts the drafter's drafts with it.
-    assert draft_settings('{"method": "suffix", "draft_token_cost": 0.25}').draft_token_cost == 0.25
-    assert draft_settings("").draft_token_cost is None
+    assert cost('{"method": "suffix"}', '{"draft_token_cost": 0.25}') == 0.25
+    assert cost("") is None
     for wrong in ('"cheap"', "-0.1", "true", "11"):
         with pytest.raises(ValueError, match="draft_token_cost must be"):
-            draft_settings(f'{{"method": "mtp", "draft_token_cost": {wrong}}}')
+            cost('{"method": "mtp"}', f'{{"draft_token_cost": {wrong}}}')

@@ -18,26 +18,22 @@ METHOD_SUFFIX: Method
 METHOD_NGRAM: Method
 
 class ProposerParams(_message.Message):
-    __slots__ = ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "max_spec_factor", "max_spec_offset", "min_token_prob", "max_tree_depth", "use_tree_spec")
+    __slots__ = ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "max_spec_factor", "min_token_prob", "max_tree_depth")
     METHOD_FIELD_NUMBER: _ClassVar[int]
     NUM_SPECULATIVE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOOKUP_MIN_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOOKUP_MAX_FIELD_NUMBER: _ClassVar[int]
     MAX_SPEC_FACTOR_FIELD_NUMBER: _ClassVar[int]
-    MAX_SPEC_OFFSET_FIELD_NUMBER: _ClassVar[int]
     MIN_TOKEN_PROB_FIELD_NUMBER: _ClassVar[int]
     MAX_TREE_DEPTH_FIELD_NUMBER: _ClassVar[int]
-    USE_TREE_SPEC_FIELD_NUMBER: _ClassVar[int]
     method: Method
     num_speculative_tokens: int
     prompt_lookup_min: int
     prompt_lookup_max: int
     max_spec_factor: float
-    max_spec_offset: float
     min_token_prob: float
     max_tree_depth: int
-    use_tree_spec: bool
-    def __init__(self, method: _Optional[_Union[Method, str]] = ..., num_speculative_tokens: _Optional[int] = ..., prompt_lookup_min: _Optional[int] = ..., prompt_lookup_max: _Optional[int] = ..., max_spec_factor: _Optional[float] = ..., max_spec_offset: _Optional[float] = ..., min_token_prob: _Optional[float] = ..., max_tree_depth: _Optional[int] = ..., use_tree_spec: _Optional[bool] = ...) -> None: ...
+    def __init__(self, method: _Optional[_Union[Method, str]] = ..., num_speculative_tokens: _Optional[int] = ..., prompt_lookup_min: _Optional[int] = ..., prompt_lookup_max: _Optional[int] = ..., max_spec_factor: _Optional[float] = ..., min_token_prob: _Optional[float] = ..., max_tree_depth: _Optional[int] = ...) -> None: ...
 
 class Start(_message.Message):
     __slots__ = ("sequence_id", "prompt_token_ids", "params", "tenant", "num_lookahead_tokens")

@@ -64,7 +64,7 @@ class TokenIds(_message.Message):
     def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class SpeculationConfig(_message.Message):
-    __slots__ = ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "suffix_decoding_max_tree_depth", "suffix_decoding_max_cached_requests", "suffix_decoding_max_spec_factor", "suffix_decoding_min_token_prob", "suffix_decoding_use_tree_spec", "suffix_decoding_max_spec_offset")
+    __slots__ = ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "suffix_decoding_max_tree_depth", "suffix_decoding_max_cached_requests", "suffix_decoding_max_spec_factor", "suffix_decoding_min_token_prob")
     METHOD_FIELD_NUMBER: _ClassVar[int]
     NUM_SPECULATIVE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOOKUP_MIN_FIELD_NUMBER: _ClassVar[int]
@@ -73,8 +73,6 @@ class SpeculationConfig(_message.Message):
     SUFFIX_DECODING_MAX_CACHED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     SUFFIX_DECODING_MAX_SPEC_FACTOR_FIELD_NUMBER: _ClassVar[int]
     SUFFIX_DECODING_MIN_TOKEN_PROB_FIELD_NUMBER: _ClassVar[int]
-    SUFFIX_DECODING_USE_TREE_SPEC_FIELD_NUMBER: _ClassVar[int]
-    SUFFIX_DECODING_MAX_SPEC_OFFSET_FIELD_NUMBER: _ClassVar[int]
     method: str
     num_speculative_tokens: int
     prompt_lookup_min: int
@@ -83,9 +81,7 @@ class SpeculationConfig(_message.Message):
     suffix_decoding_max_cached_requests: int
     suffix_decoding_max_spec_factor: float
     suffix_decoding_min_token_prob: float
-    suffix_decoding_use_tree_spec: bool
-    suffix_decoding_max_spec_offset: float
-    def __init__(self, method: _Optional[str] = ..., num_speculative_tokens: _Optional[int] = ..., prompt_lookup_min: _Optional[int] = ..., prompt_lookup_max: _Optional[int] = ..., suffix_decoding_max_tree_depth: _Optional[int] = ..., suffix_decoding_max_cached_requests: _Optional[int] = ..., suffix_decoding_max_spec_factor: _Optional[float] = ..., suffix_decoding_min_token_prob: _Optional[float] = ..., suffix_decoding_use_tree_spec: _Optional[bool] = ..., suffix_decoding_max_spec_offset: _Optional[float] = ...) -> None: ...
+    def __init__(self, method: _Optional[str] = ..., num_speculative_tokens: _Optional[int] = ..., prompt_lookup_min: _Optional[int] = ..., prompt_lookup_max: _Optional[int] = ..., suffix_decoding_max_tree_depth: _Optional[int] = ..., suffix_decoding_max_cached_requests: _Optional[int] = ..., suffix_decoding_max_spec_factor: _Optional[float] = ..., suffix_decoding_min_token_prob: _Optional[float] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
     __slots__ = ("text", "token_ids", "messages", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids", "ignore_eos", "speculation", "model", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_p", "logit_bias", "min_tokens", "logprobs", "prediction", "tools", "tool_choice", "parallel_tool_calls", "json_schema", "chat_template_kwargs", "add_generation_prompt", "continue_final_message")

@@ -103,7 +103,7 @@ class SessionRequest(_message.Message):
     def __init__(self, prefill: _Optional[_Union[Prefill, _Mapping]] = ..., verify: _Optional[_Union[Verify, _Mapping]] = ..., next_round: _Optional[_Union[NextRound, _Mapping]] = ...) -> None: ...
 
 class SessionResponse(_message.Message):
-    __slots__ = ("token_ids", "num_accepted_draft_tokens", "committed_len", "finish_reason", "num_draft_tokens", "logprobs", "queue_seconds", "prefill_seconds", "head_draft", "forward_seconds", "step_seconds", "next_round_hit", "head_draft_seconds", "lookup_draft")
+    __slots__ = ("token_ids", "num_accepted_draft_tokens", "committed_len", "finish_reason", "num_draft_tokens", "logprobs", "queue_seconds", "prefill_seconds", "head_draft", "forward_seconds", "step_seconds", "next_round_hit", "head_draft_seconds", "lookup_draft", "num_running")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_ACCEPTED_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COMMITTED_LEN_FIELD_NUMBER: _ClassVar[int]
@@ -118,6 +118,7 @@ class SessionResponse(_message.Message):
     NEXT_ROUND_HIT_FIELD_NUMBER: _ClassVar[int]
     HEAD_DRAFT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     LOOKUP_DRAFT_FIELD_NUMBER: _ClassVar[int]
+    NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     num_accepted_draft_tokens: int
     committed_len: int
@@ -132,7 +133,8 @@ class SessionResponse(_message.Message):
     next_round_hit: bool
     head_draft_seconds: float
     lookup_draft: _common_pb2.Draft
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., num_accepted_draft_tokens: _Optional[int] = ..., committed_len: _Optional[int] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., num_draft_tokens: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., queue_seconds: _Optional[float] = ..., prefill_seconds: _Optional[float] = ..., head_draft: _Optional[_Union[_common_pb2.Draft, _Mapping]] = ..., forward_seconds: _Optional[float] = ..., step_seconds: _Optional[float] = ..., next_round_hit: _Optional[bool] = ..., head_draft_seconds: _Optional[float] = ..., lookup_draft: _Optional[_Union[_common_pb2.Draft, _Mapping]] = ...) -> None: ...
+    num_running: int
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., num_accepted_draft_tokens: _Optional[int] = ..., committed_len: _Optional[int] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., num_draft_tokens: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., queue_seconds: _Optional[float] = ..., prefill_seconds: _Optional[float] = ..., head_draft: _Optional[_Union[_common_pb2.Draft, _Mapping]] = ..., forward_seconds: _Optional[float] = ..., step_seconds: _Optional[float] = ..., next_round_hit: _Optional[bool] = ..., head_draft_seconds: _Optional[float] = ..., lookup_draft: _Optional[_Union[_common_pb2.Draft, _Mapping]] = ..., num_running: _Optional[int] = ...) -> None: ...
 
 class TokenLogprob(_message.Message):
     __slots__ = ("logprob", "top_token_ids", "top_logprobs")
@@ -149,7 +151,7 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model_name", "vocab_size", "max_context_len", "eos_token_ids", "device", "dtype", "tensor_parallel_size", "draft_head", "draft_token_cost", "accepts_next_round", "draft_token_cost_by_batch_size")
+    __slots__ = ("model_name", "vocab_size", "max_context_len", "eos_token_ids", "device", "dtype", "tensor_parallel_size", "draft_head", "draft_token_cost", "draft_token_cost_by_batch_size")
     class DraftTokenCostByBatchSizeEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -166,7 +168,6 @@ class ModelInfo(_message.Message):
     TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
     DRAFT_HEAD_FIELD_NUMBER: _ClassVar[int]
     DRAFT_TOKEN_COST_FIELD_NUMBER: _ClassVar[int]
-    ACCEPTS_NEXT_ROUND_FIELD_NUMBER: _ClassVar[int]
     DRAFT_TOKEN_COST_BY_BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     vocab_size: int
@@ -177,9 +178,8 @@ class ModelInfo(_message.Message):
     tensor_parallel_size: int
     draft_head: str
     draft_token_cost: float
-    accepts_next_round: bool
     draft_token_cost_by_batch_size: _containers.ScalarMap[int, float]
-    def __init__(self, model_name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_context_len: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., tensor_parallel_size: _Optional[int] = ..., draft_head: _Optional[str] = ..., draft_token_cost: _Optional[float] = ..., accepts_next_round: _Optional[bool] = ..., draft_token_cost_by_batch_size: _Optional[_Mapping[int, float]] = ...) -> None: ...
+    def __init__(self, model_name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_context_len: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., tensor_parallel_size: _Optional[int] = ..., draft_head: _Optional[str] = ..., draft_token_cost: _Optional[float] = ..., draft_token_cost_by_batch_size: _Optional[_Mapping[int, float]] = ...) -> None: ...
 
 class GetTokenizerRequest(_message.Message):
     __slots__ = ()

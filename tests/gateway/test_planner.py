@@ -1,0 +1,63 @@
+"""The step planner's rules (gateway/planner.py), one at a time; test_planner_replay.py checks them together."""
+
+from gateway.planner import (
+    DRAFTER,
+    HEAD,
+    LOOKUP,
+    NONE,
+    Measurements,
+    PlannerPolicy,
+    StepState,
+    draft_budget,
+    plan_step,
+)
+from protos.common.v1 import common_pb2
+
+# The drafter looked ahead: 3 tokens for the step (step_len), then its guess of the bonus token and 3 more.
+DRAFTED = common_pb2.Draft(token_ids=[1, 2, 3, 4, 5, 6, 7], step_len=3, committed_len=10)
+
+
+def state(method="suffix", ran_ahead=False, looked_up=None, offered=()) -> StepState:
+    return StepState(method, 3, True, ran_ahead, looked_up, 10, 9, offered)
+
+
+def measured(acceptance=None, lookup_pays=False, head_worth=None, running=1) -> Measurements:
+    return Measurements(running, 0.2, 0.2, acceptance, 0, head_worth, lookup_pays)
+
+
+def plan(step_state, step_measured, drafted=DRAFTED, policy=PlannerPolicy()):
+    budget = draft_budget(policy, step_state, step_measured)
+    return budget, plan_step(step_state, step_measured, budget, drafted, None)
+
+
+def test_a_drafter_step_verifies_its_own_part_and_offers_the_step_after():
+    budget, step = plan(state(), measured())
+    assert (budget.limit, budget.drafter_limit, budget.ask_drafter) == (3, 3, True)
+    assert (step.source, list(step.draft.token_ids), step.lookup_tokens) == (DRAFTER, [1, 2, 3], 0)
+    [offer] = step.offers
+    assert (offer.bonus_token_id, list(offer.draft.token_ids), offer.draft.committed_len) == (4, [5, 6, 7], 14)
+
+
+def test_where_no_draft_token_pays_the_drafter_is_not_asked():
+    budget, step = plan(state(), measured(acceptance=(0.1, 0.1, 0.1)), drafted=common_pb2.Draft())
+    assert (budget.drafter_limit, budget.ask_drafter, step.source, step.offers) == (0, False, NONE, ())
+
+
+def test_where_the_verifier_ran_ahead_the_drafter_is_still_asked_for_the_offers_after():
+    budget, _ = plan(state(ran_ahead=True, looked_up=common_pb2.Draft(token_ids=[8])),
+                     measured(acceptance=(0.1, 0.1, 0.1)))
+    assert budget.ask_drafter
+    _, step = plan(state(ran_ahead=True, looked_up=common_pb2.Draft(token_ids=[8])), measured())
+    assert (step.source, list(step.draft.token_ids), step.ran_ahead) == (LOOKUP, [8], True)
+
+
+def test_lookups_go_with_drafter_steps_where_they_pay():
+    assert plan(state(), measured(lookup_pays=True))[1].lookup_tokens == 3
+    assert plan(state(method="eagle3"), measured(lookup_pays=True))[1].lookup_tokens == 0  # a head step
+
+
+def test_at_a_load_that_allows_no_draft_nothing_is_drafted_or_offered():
+    policy = PlannerPolicy(draft_tokens_by_load=((8, 64, 0),))
+    budget, step = plan(state(method="eagle3"), measured(running=8), policy=policy)
+    assert (budget.limit, step.source, step.offers) == (0, NONE, ())
+    assert plan(state(method="eagle3"), measured(running=7), policy=policy)[1].source == HEAD
