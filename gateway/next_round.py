@@ -56,8 +56,8 @@ def offered_draft(offered: list[verifier_pb2.Continuation], committed_len: int,
 
 
 def offer_outcome(result) -> str:
-    """How a step offered a next round ended, for the metric: the verifier went on with an offer, with its own
-    lookup (NextRound.lookup_tokens), or waited for a Verify."""
+    """How a step offered a next round ended, for the metric: the verifier went on with an offer (or, running
+    ahead, without a draft), with its own lookup (NextRound.lookup_tokens), or waited for a Verify."""
     if not result.next_round_hit:
         return "missed"
     return "looked_up" if result.HasField("lookup_draft") else "taken"

@@ -156,7 +156,8 @@ class _Sequence:
     def state(self, last) -> StepState:
         looked_up = last.lookup_draft if last.next_round_hit and last.HasField("lookup_draft") else None
         return StepState(self._speculation.method, self._speculation.num_speculative_tokens, self._lookahead,
-                         last.next_round_hit, looked_up, last.committed_len, last.token_ids[-1], self._offered)
+                         last.next_round_hit, looked_up, last.committed_len, last.token_ids[-1], self._offered,
+                         self._loop._policy.next_round)
 
     def measure(self, last) -> Measurements:
         """What the planner needs to know, at the verifier's load as it last reported it."""
@@ -241,10 +242,10 @@ def _delta(result, finish_reason: str | None = None, speculation: SpeculationUsa
 def _send_step(verifier, last, step: Step):
     """Sends a step's draft, or nothing when the verifier already runs it,
     with its offers for the step after, and where none matches, a prompt
-    lookup of up to step.lookup_tokens (0: wait)."""
+    lookup of up to step.lookup_tokens, or no draft (run_ahead), or a wait."""
     next_round = (verifier_pb2.NextRound(step_committed_len=last.committed_len, continuations=step.offers,
-                                         lookup_tokens=step.lookup_tokens)
-                  if step.offers or step.lookup_tokens else None)
+                                         lookup_tokens=step.lookup_tokens, run_ahead=step.run_ahead)
+                  if step.offers or step.lookup_tokens or step.run_ahead else None)
     if step.ran_ahead:
         return verifier.send_offer(next_round)
     return verifier.send_verify(step.draft, use_head_draft=step.source == HEAD, next_round=next_round)

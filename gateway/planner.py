@@ -9,7 +9,8 @@ A step is planned in two halves around the drafter's answer:
   to ask the drafter at all;
 - plan_step: which source drafts (a predicted output, the verifier's head,
   the drafter, a lookup the verifier already started, or none), and which
-  next-round offers and lookup tokens go with it.
+  next-round offers and lookup tokens go with it, and whether the verifier
+  may start the step after without a draft (run_ahead).
 docs/design/step-planner.md explains the rules and why."""
 
 from dataclasses import dataclass
@@ -54,6 +55,7 @@ class StepState:
     committed_len: int
     last_token: int
     offered: tuple[verifier_pb2.Continuation, ...]  # the offers sent with the step before
+    next_round: bool = True  # the policy lets the verifier start steps itself (PlannerPolicy.next_round)
 
 
 @dataclass(frozen=True)
@@ -84,6 +86,7 @@ class Step:
     drafter_draft: common_pb2.Draft  # the drafter's draft for this step, cut: what a lookup is measured against
     budget: Budget
     ran_ahead: bool  # the verifier already runs it: only the offers go out
+    run_ahead: bool = False  # where no offer matches, the verifier starts the step after without a draft
 
 
 def draft_budget(policy: PlannerPolicy, state: StepState, measured: Measurements) -> Budget:
@@ -132,8 +135,9 @@ def plan_step(state: StepState, measured: Measurements, budget: Budget, drafted:
     drafter_draft = cut(step_part(drafted), 0, budget.drafter_limit)
     if state.ran_ahead and state.looked_up is not None:
         source, draft = LOOKUP, state.looked_up
-    elif state.ran_ahead:
-        source, draft = DRAFTER, offered_draft(state.offered, state.committed_len, state.last_token)
+    elif state.ran_ahead:  # on the offer the outcome matched, else without a draft (run_ahead)
+        offer = offered_draft(state.offered, state.committed_len, state.last_token)
+        source, draft = (DRAFTER, offer) if offer is not None else (NONE, common_pb2.Draft())
     elif budget.limit == 0:  # a head's draft is not shortened here: only switched off
         source, draft = NONE, common_pb2.Draft()
     else:
@@ -142,7 +146,10 @@ def plan_step(state: StepState, measured: Measurements, budget: Budget, drafted:
     offers = (continuations_after(draft, drafted, budget.drafter_limit)
               if drafter_step and source != NONE and budget.limit > 0 else [])
     lookup_tokens = budget.drafter_limit if drafter_step and measured.lookup_pays else 0
-    return Step(source, draft, tuple(offers), lookup_tokens, drafter_draft, budget, state.ran_ahead)
+    # Nothing will draft the step after either (plain decoding, or drafts off at this load): the verifier
+    # starts it at once instead of waiting a round trip for an empty Verify.
+    run_ahead = state.next_round and predicted is None and (state.method == "none" or budget.limit == 0)
+    return Step(source, draft, tuple(offers), lookup_tokens, drafter_draft, budget, state.ran_ahead, run_ahead)
 
 
 def pick_draft(method: str, predicted: common_pb2.Draft | None, drafted: common_pb2.Draft,

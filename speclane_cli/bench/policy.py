@@ -71,7 +71,8 @@ def replay(traces: list[Trace], settings: SpeculationSettings, token_cost: float
             # The verifier runs ahead where the step ends as one of the offers foresaw.
             ran_ahead = any(c.draft.committed_len == committed_len and c.bonus_token_id == withheld[-1]
                             for c in offered)
-            state = StepState(settings.method, k, next_round, ran_ahead, None, committed_len, withheld[-1], offered)
+            state = StepState(settings.method, k, next_round, ran_ahead, None, committed_len, withheld[-1], offered,
+                              next_round)
             measured = Measurements(1, token_cost, token_cost, acceptance.rates(k) if acceptance else None,
                                     cut_steps, None, False)
             budget = draft_budget(policy, state, measured)

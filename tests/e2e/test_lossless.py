@@ -52,6 +52,8 @@ def test_speculation_accepts_tokens_on_repetitive_code(client):
     assert result.usage.accepted_tokens > 0
     # Accepted drafts mean fewer verify steps than tokens.
     assert result.usage.verify_steps < plain.usage.verify_steps
-    # Next-round drafts hit where the draft and the drafter's next token were right, and missed elsewhere.
-    assert 0 < result.usage.next_round_steps < result.usage.verify_steps - 1
+    # Next-round drafts hit where the draft and the drafter's next token were right; where they missed, the
+    # verifier's own lookups (shipped on where the measured round trip makes them pay) may start the step too.
+    # Only the step after the prefill always waits.
+    assert 0 < result.usage.next_round_steps <= result.usage.verify_steps - 1
 

@@ -179,6 +179,9 @@ class FakeVerifierSession:
                 answer.lookup_draft.CopyFrom(common_pb2.Draft(token_ids=looked_up,
                                                               committed_len=answer.committed_len))
                 self._ahead = (looked_up, False)
+            elif next_round.run_ahead:
+                answer.next_round_hit = True
+                self._ahead = ([], False)
         self._pending = answer
 
     async def send_verify(self, draft, use_head_draft: bool = False, next_round=None) -> None:
@@ -204,7 +207,8 @@ def _offers(next_round) -> list:
     if next_round is None:
         return []
     return [next_round.lookup_tokens, [[c.bonus_token_id, c.draft.committed_len - next_round.step_committed_len,
-                                        list(c.draft.token_ids)] for c in next_round.continuations]]
+                                        list(c.draft.token_ids)] for c in next_round.continuations],
+            *(["run_ahead"] if next_round.run_ahead else [])]
 
 
 class FakeVerifiers:

@@ -61,3 +61,18 @@ def test_at_a_load_that_allows_no_draft_nothing_is_drafted_or_offered():
     budget, step = plan(state(method="eagle3"), measured(running=8), policy=policy)
     assert (budget.limit, step.source, step.offers) == (0, NONE, ())
     assert plan(state(method="eagle3"), measured(running=7), policy=policy)[1].source == HEAD
+
+
+def test_plain_decoding_and_drafts_off_at_the_load_let_the_verifier_run_ahead():
+    """With nothing to draft for the step after, the verifier should not wait a round trip for an empty Verify;
+    a step it ran ahead that way verifies no draft."""
+    _, plain = plan(state("none"), measured(), drafted=common_pb2.Draft())
+    assert plain.run_ahead and plain.source == NONE
+    off_at_load = PlannerPolicy(draft_tokens_by_load=((33, 64, 0),))
+    assert plan(state(), measured(running=40), policy=off_at_load)[1].run_ahead
+    assert not plan(state(), measured(running=8), policy=off_at_load)[1].run_ahead  # drafts pay here
+    assert not plan(state(), measured())[1].run_ahead
+    _, no_next_round = plan(StepState("none", 3, False, False, None, 10, 9, (), next_round=False), measured())
+    assert not no_next_round.run_ahead
+    _, after = plan(state("none", ran_ahead=True), measured(), drafted=common_pb2.Draft())
+    assert after.source == NONE and not after.draft.token_ids and after.ran_ahead
