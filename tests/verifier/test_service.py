@@ -96,11 +96,17 @@ async def session_error(channel, *requests) -> grpc.aio.AioRpcError:
     return caught.value
 
 
-def test_round_trip_matches_the_engine(tiny_model_dir, engine):
-    seq = engine.open("ref", PROMPT, params_from_proto(verifier_pb2.Prefill(sampling=OK_SAMPLING)))
-    expected = engine.prefill(seq).token_ids
+def plain_greedy(engine, prompt: list[int], sampling: verifier_pb2.SamplingParams) -> list[int]:
+    """The engine's own tokens for the prompt, decoded without drafts: what a session must give."""
+    seq = engine.open("ref", prompt, params_from_proto(verifier_pb2.Prefill(sampling=sampling)))
+    tokens = engine.prefill(seq).token_ids
     while not seq.finished:
-        expected += engine.verify(seq, Draft()).token_ids
+        tokens += engine.verify(seq, Draft()).token_ids
+    return tokens
+
+
+def test_round_trip_matches_the_engine(tiny_model_dir, engine):
+    expected = plain_greedy(engine, PROMPT, OK_SAMPLING)
 
     async def main():
         async with running_verifier(tiny_model_dir) as (channel, async_engine):
@@ -143,10 +149,7 @@ def next_round(step_committed_len: int, *continuations: tuple[int, list[int], in
 
 
 def test_a_next_round_offer_that_matches_runs_without_a_verify_and_a_miss_waits_for_one(tiny_model_dir, engine):
-    seq = engine.open("ref", PROMPT, params_from_proto(verifier_pb2.Prefill(sampling=OK_SAMPLING)))
-    expected = engine.prefill(seq).token_ids
-    while not seq.finished:
-        expected += engine.verify(seq, Draft()).token_ids
+    expected = plain_greedy(engine, PROMPT, OK_SAMPLING)
     start = len(PROMPT) + 1  # after the prefill's token
 
     async def main():
@@ -194,10 +197,7 @@ def test_a_next_round_offer_that_matches_runs_without_a_verify_and_a_miss_waits_
 def test_where_no_offer_matches_a_next_round_with_lookups_runs_the_verifiers_own_draft(tiny_model_dir, engine):
     prompt = list(range(VOCAB))  # every token occurs in it, so a lookup always finds a match
     sampling = verifier_pb2.SamplingParams(max_new_tokens=12, ignore_eos=True)
-    seq = engine.open("ref", prompt, params_from_proto(verifier_pb2.Prefill(sampling=sampling)))
-    expected = engine.prefill(seq).token_ids
-    while not seq.finished:
-        expected += engine.verify(seq, Draft()).token_ids
+    expected = plain_greedy(engine, prompt, sampling)
     start = len(prompt) + 1
     looked_up = lookup_draft(prompt + expected[:5], 4)
     assert looked_up
@@ -227,10 +227,7 @@ def test_a_next_round_that_runs_ahead_decodes_the_next_step_without_waiting_for_
     the tokens are plain greedy decoding's."""
     prompt = [3, 5, 7, 9, 11]
     sampling = verifier_pb2.SamplingParams(max_new_tokens=6, ignore_eos=True)
-    seq = engine.open("ref", prompt, params_from_proto(verifier_pb2.Prefill(sampling=sampling)))
-    expected = engine.prefill(seq).token_ids
-    while not seq.finished:
-        expected += engine.verify(seq, Draft()).token_ids
+    expected = plain_greedy(engine, prompt, sampling)
 
     async def main():
         async with running_verifier(tiny_model_dir) as (channel, _):
