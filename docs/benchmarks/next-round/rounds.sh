@@ -11,7 +11,7 @@ bench_rounds() {
   for round in $(seq 1 $rounds); do
     for port in "$@"; do
       speclane bench serve --url http://127.0.0.1:$port --dataset code-edit --concurrency 1 --num-prompts 8 \
-        --max-turns 1 --methods suffix --max-tokens 128 --output-dir $OUT/out-$round-$port > bench-$round-$port.log 2>&1
+        --max-turns 1 --methods ${METHOD:-suffix} --max-tokens 128 --output-dir $OUT/out-$round-$port > bench-$round-$port.log 2>&1
       echo "round $round port $port done"
     done
   done
