@@ -22,6 +22,7 @@ import uuid
 import httpx
 from tqdm import tqdm
 
+from speclane_cli.bench.report import markdown_table, terminal_table
 from speclane_cli.bench.serve import csv_list, request_fields
 from speclane_cli.bench.stats import RequestResult, RunStats, summarize
 
@@ -133,17 +134,6 @@ COLUMNS = (
 )
 
 
-def table(rows: list[dict], markdown: bool) -> str:
-    header = [name for name, _ in COLUMNS]
-    body = [[cell(r) for _, cell in COLUMNS] for r in rows]
-    if markdown:
-        align = [":--" if i < 2 else "--:" for i in range(len(header))]
-        return "\n".join("| " + " | ".join(cells) + " |" for cells in [header, align, *body])
-    widths = [max(len(line[i]) for line in [header, *body]) for i in range(len(header))]
-    return "\n".join("  ".join(cell.ljust(w) if i < 2 else cell.rjust(w)
-                               for i, (cell, w) in enumerate(zip(cells, widths))) for cells in [header, *body])
-
-
 def _run_all(settings: dict, sessions: list, methods: list[str]) -> list[dict]:
     from speclane_cli.bench.client import closed_loop
 
@@ -172,7 +162,7 @@ def write_results(settings: dict, rows: list[dict], absent: dict[str, str]) -> l
     json_path, md_path = out_dir / "results.json", out_dir / "results.md"
     json_path.write_text(json.dumps({"command": command, "settings": settings, "absent_methods": absent,
                                      "runs": rows}, indent=2) + "\n")
-    lines = ["# speclane bench agent", "", "```", command, "```", "", table(rows, markdown=True), "",
+    lines = ["# speclane bench agent", "", "```", command, "```", "", markdown_table(rows, COLUMNS, left_aligned=2), "",
              "Tok/s = output tokens per second of wall time; x none = Tok/s over none's at the same concurrency; "
              "Tok/step = tokens per verify step; Accept = accepted / drafted tokens; TTFT first = mean time to "
              "first token of the sessions' first requests, later = of the others (their prompts extend the "
@@ -202,7 +192,7 @@ def run(args) -> int:
     methods = [method for method in settings["methods"] if method not in absent]
     rows = _run_all(settings, sessions, methods)
     written = write_results(settings, rows, absent)
-    print(table(rows, markdown=False))
+    print(terminal_table(rows, COLUMNS, left_aligned=2))
     for method, reason in absent.items():
         print(f"{method}: absent: {reason}", file=sys.stderr)
     failed = sum(r["failed"] for r in rows)
