@@ -77,6 +77,7 @@ class Chunk:
     usage: Usage | None = None
     logprobs: list[TokenLogprob] = dataclasses.field(default_factory=list)  # one per token id, if asked for
     tool_calls: list[ToolCall] = dataclasses.field(default_factory=list)  # each complete call, once
+    reasoning: str = ""  # the <think> part, split off by the server's --reasoning-parser
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,6 +88,7 @@ class Generation:
     usage: Usage
     logprobs: list[TokenLogprob]
     tool_calls: list[ToolCall]
+    reasoning: str = ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -159,7 +161,8 @@ def chunk_from(response: gateway_pb2.GenerateResponse) -> Chunk:
                 for entry in response.logprobs]
     calls = [ToolCall(call.id, call.name, call.arguments) for call in response.tool_calls]
     if not response.finish_reason:
-        return Chunk(list(response.token_ids), response.text, logprobs=logprobs, tool_calls=calls)
+        return Chunk(list(response.token_ids), response.text, logprobs=logprobs, tool_calls=calls,
+                     reasoning=response.reasoning)
     usage = response.usage
     return Chunk(list(response.token_ids), response.text, FINISH_REASON_NAMES.get(response.finish_reason, ""),
                  Usage(usage.prompt_tokens, usage.completion_tokens, usage.speculation.draft_tokens,
@@ -167,14 +170,14 @@ def chunk_from(response: gateway_pb2.GenerateResponse) -> Chunk:
                        usage.accepted_prediction_tokens, usage.rejected_prediction_tokens,
                        usage.speculation.drafter_steps, usage.speculation.head_steps,
                        usage.speculation.next_round_steps),
-                 logprobs, calls)
+                 logprobs, calls, response.reasoning)
 
 
 def generation_from(chunks: list[Chunk]) -> Generation:
     last = chunks[-1]
     return Generation([token for chunk in chunks for token in chunk.token_ids], "".join(c.text for c in chunks),
                       last.finish_reason, last.usage, [entry for chunk in chunks for entry in chunk.logprobs],
-                      [call for chunk in chunks for call in chunk.tool_calls])
+                      [call for chunk in chunks for call in chunk.tool_calls], "".join(c.reasoning for c in chunks))
 
 
 class _Settings:

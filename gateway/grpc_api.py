@@ -10,7 +10,7 @@ from gateway.assistant_stream import AssistantMessage, AssistantStream
 from gateway.auth import AUTHORIZATION_METADATA_KEY, ApiKey, tenant_for
 from gateway.errors import InvalidRequest, ModelNotFound, Overloaded, Unavailable
 from gateway.model_info import Backends, model_info
-from gateway.serving import ServingContext, build_generation_request, generate_text
+from gateway.serving import ServingContext, build_generation_request, generate_text, prompt_tail
 from protos.conventions import TENANT_METADATA_KEY
 from protos.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from speclane.grpc_server import bind_request_id_from
@@ -48,7 +48,7 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServicer):
             tool_grammar, tool_parser = grpc_messages.tool_plan(self._ctx, request)
             params = grpc_messages.params(request, tenant, tool_grammar)
             generation = build_generation_request(self._ctx, request_id, params, **grpc_messages.prompt(request))
-            output = AssistantStream(tool_parser)  # the proto has no reasoning field: it stays in the text
+            output = AssistantStream(tool_parser, self._ctx.reasoning_parser, prompt_tail(self._ctx, generation))
             with self._ctx.limiter.acquire(1, caller):
                 completion_tokens = 0
                 async with contextlib.aclosing(generate_text(self._ctx, generation, params.stop)) as deltas:
@@ -57,7 +57,7 @@ class GenerationServicer(gateway_pb2_grpc.GenerationServicer):
                         events, finish_reason = output.read(delta.text, delta.finish_reason)
                         message = AssistantMessage()
                         message.add(events)
-                        yield grpc_messages.response(delta, message.content, message.calls, finish_reason,
+                        yield grpc_messages.response(delta, message, finish_reason,
                                                      len(generation.prompt_token_ids), completion_tokens)
         except ModelNotFound as error:
             await context.abort(grpc.StatusCode.NOT_FOUND, str(error))

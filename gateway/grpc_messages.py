@@ -3,12 +3,13 @@ protobuf stops here, on both sides."""
 
 import json
 
+from gateway.assistant_stream import AssistantMessage
 from gateway.chat_template import ChatPrompt
 from gateway.errors import InvalidRequest
 from gateway.json_limits import json_problem
 from gateway.serving import GenerationParams, ServingContext, TextDelta
 from gateway.structured_output import json_grammar, tool_choice_plan
-from gateway.tool_calls import ToolCall, ToolCallParser
+from gateway.tool_calls import ToolCallParser
 from gateway.types import LogitControls
 from protos.conventions import FINISH_REASONS_BY_NAME
 from protos.gateway.v1 import gateway_pb2
@@ -98,14 +99,15 @@ def prompt(request: gateway_pb2.GenerateRequest) -> dict:
     raise InvalidRequest("one of text, token_ids or messages is required", "input")
 
 
-def response(delta: TextDelta, text: str, calls: list[ToolCall], finish_reason: str | None,
+def response(delta: TextDelta, split: AssistantMessage, finish_reason: str | None,
              prompt_tokens: int, completion_tokens: int) -> gateway_pb2.GenerateResponse:
-    """One streamed message; `text` and `calls` are the delta's text split by the tool call parser."""
+    """One streamed message; `split` is the delta's text split into reasoning, content and tool calls."""
     message = gateway_pb2.GenerateResponse(
-        token_ids=delta.token_ids, text=text,
+        token_ids=delta.token_ids, text=split.content, reasoning=split.reasoning,
         logprobs=[gateway_pb2.TokenLogprob(logprob=entry.logprob, top_token_ids=[i for i, _ in entry.top],
                                            top_logprobs=[lp for _, lp in entry.top]) for entry in delta.logprobs],
-        tool_calls=[gateway_pb2.ToolCall(id=call.id, name=call.name, arguments=call.arguments) for call in calls])
+        tool_calls=[gateway_pb2.ToolCall(id=call.id, name=call.name, arguments=call.arguments)
+                    for call in split.calls])
     if finish_reason:
         message.finish_reason = FINISH_REASONS_BY_NAME[finish_reason]
         usage = delta.speculation

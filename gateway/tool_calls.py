@@ -8,7 +8,8 @@ arguments' JSON text as it comes. The stream is a function of the text alone,
 never of how it was cut into steps (a speculative step commits many tokens at
 once, which is where peers' streamed parsers break). `json`: the whole output
 is one such object, or a list of them ("parameters" may stand for "arguments"),
-read once it is complete.
+read once it is complete; a ```json fence around it is allowed (small models
+trained on hermes often answer a call as a bare or fenced object).
 """
 
 import json
@@ -17,6 +18,7 @@ import uuid
 from dataclasses import dataclass
 
 HERMES_START, HERMES_END = "<tool_call>", "</tool_call>"
+JSON_FENCE, FENCE_END = "```json", "```"
 # A call's head up to the first character of its arguments' value: from here on they stream.
 _HERMES_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*"([^"\\<]*)"\s*,\s*"(?:arguments|parameters)"\s*:\s*(?=\S)')
 
@@ -206,20 +208,28 @@ class HermesStream:
         return [Content(kept)] if kept else []
 
 
+def _unfenced(text: str) -> str:
+    stripped = text.strip()
+    if stripped.startswith(JSON_FENCE) and stripped.endswith(FENCE_END) and len(stripped) > 2 * len(FENCE_END):
+        return stripped[len(JSON_FENCE):-len(FENCE_END)]
+    return text
+
+
 class JsonStream:
-    """Content unless the output starts as JSON; then the whole output is read as calls at its end."""
+    """Content unless the output starts as JSON (or a ```json fence); then the whole output is read as calls
+    at its end."""
 
     def __init__(self):
         self._buffer = ""
-        self._json: bool | None = None  # undecided until the first non-blank character
+        self._json: bool | None = None  # undecided until the start is JSON, a fence or neither
 
     def push(self, text: str) -> list:
         if self._json is None:
             self._buffer += text
             stripped = self._buffer.lstrip()
-            if not stripped:
+            if not stripped or (JSON_FENCE.startswith(stripped) and stripped != JSON_FENCE):
                 return []
-            self._json = stripped[0] in "[{"
+            self._json = stripped[0] in "[{" or stripped.startswith(JSON_FENCE)
             text, self._buffer = self._buffer, ""
         if self._json:
             self._buffer += text
@@ -228,7 +238,7 @@ class JsonStream:
 
     def finish(self) -> list:
         rest, self._buffer = self._buffer, ""
-        calls = _calls_from_json(rest) if self._json else None
+        calls = _calls_from_json(_unfenced(rest)) if self._json else None
         if not calls:
             return [Content(rest)] if rest else []
         events = []

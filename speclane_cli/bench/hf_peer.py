@@ -81,9 +81,9 @@ class HfPeer:
     def run(self, conversations: list[Conversation], method: str,
             on_request: Callable[[int], None]) -> tuple[list[RequestResult], float]:
         """Replays the conversations one request at a time, as the closed loop does at concurrency 1."""
-        async def ask(messages: list[dict]) -> tuple[RequestResult, str]:
+        async def ask(conversation: Conversation, replies: list[str]) -> tuple[RequestResult, str]:
             try:
-                return self.generate(messages, method == "hf-prompt-lookup")
+                return self.generate(conversation.messages(replies), method == "hf-prompt-lookup")
             except (RuntimeError, ValueError) as error:
                 return RequestResult(ok=False, error=f"{type(error).__name__}: {error}"), ""
 

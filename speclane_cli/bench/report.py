@@ -41,26 +41,29 @@ COLUMNS: tuple[tuple[str, Cell], ...] = (
 _LEFT_ALIGNED = 3  # the first three columns are names
 
 
-def _cells(rows: Sequence[Comparison]) -> list[list[str]]:
-    return [[cell(row) for _, cell in COLUMNS] for row in rows]
+def _cells(rows: Sequence, columns: Sequence[tuple[str, Callable]]) -> list[list[str]]:
+    return [[cell(row) for _, cell in columns] for row in rows]
 
 
-def terminal_table(rows: Sequence[Comparison]) -> str:
-    header = [name for name, _ in COLUMNS]
-    body = _cells(rows)
+def terminal_table(rows: Sequence, columns: Sequence[tuple[str, Callable]] = COLUMNS,
+                   left_aligned: int = _LEFT_ALIGNED) -> str:
+    """`columns` are (header, row -> cell text); the first `left_aligned` hold names."""
+    header = [name for name, _ in columns]
+    body = _cells(rows, columns)
     widths = [max(len(line[i]) for line in [header, *body]) for i in range(len(header))]
 
     def line(cells: list[str]) -> str:
-        return "  ".join(cell.ljust(w) if i < _LEFT_ALIGNED else cell.rjust(w)
+        return "  ".join(cell.ljust(w) if i < left_aligned else cell.rjust(w)
                          for i, (cell, w) in enumerate(zip(cells, widths)))
 
     return "\n".join([line(header), "  ".join("-" * w for w in widths), *(line(cells) for cells in body)])
 
 
-def markdown_table(rows: Sequence[Comparison]) -> str:
-    header = [name for name, _ in COLUMNS]
-    align = [":--" if i < _LEFT_ALIGNED else "--:" for i in range(len(header))]
-    return "\n".join("| " + " | ".join(cells) + " |" for cells in [header, align, *_cells(rows)])
+def markdown_table(rows: Sequence, columns: Sequence[tuple[str, Callable]] = COLUMNS,
+                   left_aligned: int = _LEFT_ALIGNED) -> str:
+    header = [name for name, _ in columns]
+    align = [":--" if i < left_aligned else "--:" for i in range(len(header))]
+    return "\n".join("| " + " | ".join(cells) + " |" for cells in [header, align, *_cells(rows, columns)])
 
 
 def failure_lines(runs: Sequence[RunStats]) -> list[str]:

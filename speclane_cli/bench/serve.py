@@ -22,7 +22,7 @@ DEFAULT_METHODS = "none,ngram,suffix"
 PEERS = ("hf-prompt-lookup",)
 
 
-def _csv(kind):
+def csv_list(kind):
     def parse(text: str) -> list:
         try:
             values = [kind(part.strip()) for part in text.split(",") if part.strip()]
@@ -70,9 +70,9 @@ def add_arguments(parser) -> None:
 def _settings(args) -> dict:
     """The arguments that define a run, parsed and checked; ValueError on bad input."""
     settings = {
-        "url": args.url, "model": args.model, "datasets": _csv(str)(args.dataset),
-        "concurrency": _csv(int)(args.concurrency), "num_prompts": args.num_prompts, "max_turns": args.max_turns,
-        "methods": _csv(str)(args.methods), "num_speculative_tokens": args.num_speculative_tokens,
+        "url": args.url, "model": args.model, "datasets": csv_list(str)(args.dataset),
+        "concurrency": csv_list(int)(args.concurrency), "num_prompts": args.num_prompts, "max_turns": args.max_turns,
+        "methods": csv_list(str)(args.methods), "num_speculative_tokens": args.num_speculative_tokens,
         "max_tokens": args.max_tokens, "rounds": args.rounds, "temperature": args.temperature, "seed": args.seed,
         "peer": args.peer, "peer_model": args.peer_model, "output_dir": args.output_dir,
     }

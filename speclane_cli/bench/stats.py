@@ -22,6 +22,8 @@ class RequestResult:
     accepted_tokens: int | None = None
     verify_steps: int | None = None
     next_round_steps: int | None = None  # steps the verifier started on a next-round draft
+    turn: int = 0  # the request's place in its conversation (0: the first, with nothing to reuse)
+    tool_calls: int = 0  # calls in the reply
 
     @property
     def tpot(self) -> float | None:

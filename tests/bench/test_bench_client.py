@@ -42,18 +42,32 @@ def test_a_streamed_reply_gives_text_timings_and_speculation_counters():
                  delta("Hel"), delta("lo, world"), USAGE, "[DONE]")
     result, reply, seen = send(lambda request: httpx.Response(200, content=stream))
     assert seen["headers"]["x-tenant-id"] == "t1"
-    assert reply == "Hello, world"
+    assert reply == {"role": "assistant", "content": "Hello, world"} and result.tool_calls == 0
     assert result.ok
     assert (result.input_tokens, result.output_tokens) == (12, 7)
     assert (result.draft_tokens, result.accepted_tokens, result.verify_steps) == (8, 5, 2)
     assert 0 < result.ttft <= result.e2e
 
 
+def test_a_streamed_tool_call_is_put_together_from_its_fragments():
+    def call(index, **fields):
+        return {"choices": [{"index": 0, "delta": {"tool_calls": [{"index": index, **fields}]}}], "usage": None}
+
+    stream = sse(call(0, id="call_a", type="function", function={"name": "write_file", "arguments": ""}),
+                 call(0, function={"arguments": '{"path": '}), call(0, function={"arguments": '"a.py"}'}),
+                 call(1, id="call_b", function={"name": "run_tests", "arguments": "{}"}), USAGE, "[DONE]")
+    result, reply, _ = send(lambda request: httpx.Response(200, content=stream))
+    assert result.ok and result.tool_calls == 2 and 0 < result.ttft <= result.e2e
+    assert reply == {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_a", "type": "function", "function": {"name": "write_file", "arguments": '{"path": "a.py"}'}},
+        {"id": "call_b", "type": "function", "function": {"name": "run_tests", "arguments": "{}"}}]}
+
+
 def test_an_http_error_is_a_failed_request_with_the_servers_message():
     result, reply, _ = send(lambda request: httpx.Response(400, json={"error": {"message": "bad method"}}))
     assert not result.ok
     assert result.error.startswith("HTTP 400") and "bad method" in result.error
-    assert reply == ""
+    assert reply == {}
 
 
 def test_an_in_band_error_after_the_headers_is_a_failed_request():

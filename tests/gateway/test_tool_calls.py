@@ -73,6 +73,20 @@ def test_json_parser_reads_one_call_or_a_list_and_leaves_prose_alone():
     assert [c.name for c in calls] == ["a", "b"]
     assert JSON.parse("The answer is {42}.") == ("The answer is {42}.", [])
     assert JSON.parse('{"not": "a call"}') == ('{"not": "a call"}', [])
+    fenced = '```json\n{\n  "name": "get_weather",\n  "arguments": {"city": "Oslo"}\n}\n```'
+    assert [(c.name, json.loads(c.arguments)) for c in JSON.parse(fenced)[1]] == [("get_weather", {"city": "Oslo"})]
+    assert JSON.parse("```json\n[1, 2]\n```") == ("```json\n[1, 2]\n```", [])  # fenced, but no call
+    assert JSON.parse("```python\nprint(1)\n```") == ("```python\nprint(1)\n```", [])
+
+
+def test_json_stream_streams_other_fences_and_holds_a_json_fence_by_any_cut():
+    text = '```json\n{"name": "a", "arguments": {}}\n```'
+    for cut in range(1, len(text)):
+        stream = TOOL_CALL_PARSERS["json"].stream()
+        events = stream.push(text[:cut]) + stream.push(text[cut:]) + stream.finish()
+        assert [e.call.name for e in events if isinstance(e, CallEnd)] == ["a"], cut
+    stream = TOOL_CALL_PARSERS["json"].stream()
+    assert stream.push("``") == [] and stream.push("`py") == [Content("```py")]
 
 
 def test_tool_choice_plan():
