@@ -52,3 +52,9 @@ def test_the_check_sees_function_level_imports(tmp_path):
     source = tmp_path / "lazy.py"
     source.write_text("def f():\n    from verifier_service.engine import Engine\n")
     assert "verifier_service.engine" in imported_modules(source)
+
+
+def test_no_two_test_files_share_a_name():
+    """A failure's file name alone says which test it is (tests/README.md)."""
+    names = [path.name for path in (ROOT / "tests").rglob("test_*.py")]
+    assert sorted({name for name in names if names.count(name) > 1}) == []
