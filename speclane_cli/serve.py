@@ -18,7 +18,7 @@ from gateway.config import GatewayConfig
 from speclane import config as config_flags
 from speclane.fetch import speclane_home
 from speclane.log import configure_logging
-from speclane.models import DEFAULT_MODEL, resolve_model, served_name
+from speclane.models import DEFAULT_MODEL, PACKAGED_MODELS, resolve_model, served_name
 from speclane.net import free_port, http_ok
 from speclane.speculation import DRAFTER_WIDE_KEYS
 from speclane.tls import issued
@@ -53,6 +53,8 @@ def add_arguments(parser) -> None:
     if DRAFTER_ENV + "SNAPSHOT_PATH" not in os.environ:
         # A drafter restarted by the supervisor (or the next `speclane serve`) starts warm; '' turns it off.
         parser.set_defaults(snapshot_path=None)
+    if GATEWAY_ENV + "TOOL_CALL_PARSER" not in os.environ:
+        parser.set_defaults(tool_call_parser=None)  # the packaged model's own, else hermes
     parser.add_argument("--grpc-port", type=int, default=50060, help="port of the public gRPC Generate API")
     parser.add_argument("--tls-dir", default="",
                         help="a directory made by `speclane certs`: mTLS between the services, each with its own "
@@ -76,8 +78,11 @@ def configs_from_args(args):
     model_name = args.served_model_name or served_name(model)
     model_dir = str(resolve_model(model))
     tls = _tls_flags(args)
+    packaged = PACKAGED_MODELS.get(model)
+    tool_call_parser = (args.tool_call_parser if args.tool_call_parser is not None
+                        else packaged.tool_call_parser if packaged else "hermes")
     gateway = config_flags.from_namespace(
-        GatewayConfig, args, model=model_dir, served_model_name=model_name,
+        GatewayConfig, args, model=model_dir, served_model_name=model_name, tool_call_parser=tool_call_parser,
         grpc_address=f"{args.host}:{args.grpc_port}", drafter_address=drafter_address,
         verifier_addresses=(verifier_address,), **tls["gateway"],
     )

@@ -65,3 +65,14 @@ def test_the_drafter_limits_reach_the_drafter_process(model_dir):
     assert drafter.share_tenants and drafter.max_cached_requests == 5
     argv = to_argv(drafter)
     assert argv[argv.index("--max-sessions") + 1] == "7"
+
+
+def test_a_packaged_model_brings_its_tool_call_parser_unless_one_is_given(model_dir, monkeypatch):
+    monkeypatch.delenv("SPECLANE_GATEWAY_TOOL_CALL_PARSER", raising=False)
+    monkeypatch.setattr(serve, "resolve_model", lambda model: model_dir)
+    _, _, qwen = serve.configs_from_args(parse(["qwen2.5-coder-0.5b-instruct"]))
+    assert qwen.tool_call_parser == "json"  # its quantized checkpoint never writes <tool_call> tags
+    _, _, given = serve.configs_from_args(parse(["qwen2.5-coder-0.5b-instruct", "--tool-call-parser", "hermes"]))
+    assert given.tool_call_parser == "hermes"
+    _, _, other = serve.configs_from_args(parse([model_dir]))
+    assert other.tool_call_parser == "hermes"
