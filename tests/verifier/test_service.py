@@ -105,6 +105,15 @@ def plain_greedy(engine, prompt: list[int], sampling: verifier_pb2.SamplingParam
     return tokens
 
 
+async def prefilled_session(channel, prompt: list[int], sampling: verifier_pb2.SamplingParams):
+    """A session on the serving verifier, past its prefill's answer."""
+    await wait_serving(channel)
+    call = verifier_pb2_grpc.VerifierStub(channel).Session()
+    await call.write(prefill(prompt, sampling))
+    await call.read()
+    return call
+
+
 def test_round_trip_matches_the_engine(tiny_model_dir, engine):
     expected = plain_greedy(engine, PROMPT, OK_SAMPLING)
 
@@ -204,10 +213,7 @@ def test_where_no_offer_matches_a_next_round_with_lookups_runs_the_verifiers_own
 
     async def main():
         async with running_verifier(tiny_model_dir) as (channel, _):
-            await wait_serving(channel)
-            call = verifier_pb2_grpc.VerifierStub(channel).Session()
-            await call.write(prefill(prompt, sampling))
-            await call.read()
+            call = await prefilled_session(channel, prompt, sampling)
             # The only continuation offered expects another bonus token: it misses.
             await call.write(next_round(start, (wrong(expected[4]), [1, 2], start + 4), lookup_tokens=4))
             await call.write(verify(expected[1:4], committed_len=start))
@@ -231,10 +237,7 @@ def test_a_next_round_that_runs_ahead_decodes_the_next_step_without_waiting_for_
 
     async def main():
         async with running_verifier(tiny_model_dir) as (channel, _):
-            await wait_serving(channel)
-            call = verifier_pb2_grpc.VerifierStub(channel).Session()
-            await call.write(prefill(prompt, sampling))
-            await call.read()
+            call = await prefilled_session(channel, prompt, sampling)
             await call.write(next_round(len(prompt) + 1, run_ahead=True))
             await call.write(verify([], committed_len=len(prompt) + 1))
             step = await call.read()
