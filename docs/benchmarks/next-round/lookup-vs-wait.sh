@@ -1,6 +1,7 @@
 #!/bin/bash
 # The verifier's own lookups on one host: two gateways over one drafter (global tree on) and one verifier,
-# next_round_lookup "auto" on 8201 and false on 8203, benched alternately. Run from an activated venv.
+# lookups "auto" (the default) on 8201 and "off" on 8203 (--speculation-debug; the results in README.md
+# ran the key it replaced, next_round_lookup), benched alternately. Run from an activated venv.
 # usage: CONCURRENCY=1 NUM_PROMPTS=8 DATASETS=sharegpt,humaneval,agent-loop,code-edit ROUNDS=2 OUT=DIR lookup-vs-wait.sh
 M=~/.cache/speclane/models/smollm2-135m-instruct
 OUT=${OUT:-/tmp/lookup-vs-wait}
@@ -8,13 +9,13 @@ mkdir -p $OUT && cd $OUT
 python -m drafter_service --address 127.0.0.1:51060 > drafter.log 2>&1 &
 python -m verifier_service --model $M --model-name smollm2-135m-instruct --address 127.0.0.1:51062 \
   --no-enable-prefix-caching > verifier.log 2>&1 &
-gw() {  # port, next_round_lookup
+gw() {  # port, lookups
   python -m gateway --model $M --served-model-name smollm2-135m-instruct --port $1 --grpc-address 127.0.0.1:$(($1 + 100)) \
     --drafter-address 127.0.0.1:51060 --verifier-addresses 127.0.0.1:51062 \
-    --speculative-config "{\"method\": \"suffix\", \"next_round_lookup\": $2}" > gateway-$1.log 2>&1 &
+    --speculative-config '{"method": "suffix"}' --speculation-debug "{\"lookup\": \"$2\"}" > gateway-$1.log 2>&1 &
 }
-gw 8201 '"auto"'
-gw 8203 false
+gw 8201 auto
+gw 8203 off
 for port in 8201 8203; do until curl -sf http://127.0.0.1:$port/health > /dev/null; do sleep 2; done; done
 for round in $(seq 1 ${ROUNDS:-2}); do
   for port in 8201 8203; do
