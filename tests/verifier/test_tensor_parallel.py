@@ -143,8 +143,9 @@ def test_three_ranks_with_an_eagle3_head_on_rank_0_give_the_plain_greedy_tokens(
                                "--device", "cpu", "--address", f"127.0.0.1:{port}", "--threads", "1",
                                "--tensor-parallel-size", "3", "--num-gpu-blocks-override", "64",
                                "--log-level", "warning",
-                               "--speculative-config", json.dumps({"method": "eagle3", "model": str(head_dir),
-                                                                   "draft_token_cost": 0, **tree})])
+                               "--speculative-config", json.dumps({"method": "eagle3", "model": str(head_dir), **tree}),
+                               # Every head draft as deep as k, whatever this host's measured cost of a draft token.
+                               "--speculation-debug", json.dumps({"draft_token_cost": 0})])
     try:
         tp_size, tokens, _, trees = asyncio.run(asyncio.wait_for(_generate_with_head(port, prompt, 3), 120))
     finally:
