@@ -15,8 +15,15 @@ from dataclasses import dataclass
 import torch
 
 from verifier_service.block_manager import MoveSlots
-from verifier_service.linear_attention import StateCommit
 from verifier_service.tree import depths
+
+
+@dataclass(frozen=True)
+class StateCommit:
+    """Keep, in `slot`, the linear-attention state after row `row` of its step in the last pass."""
+
+    slot: int
+    row: int
 
 
 @dataclass(frozen=True)

@@ -15,13 +15,12 @@ import structlog
 import torch
 
 from speclane.speculation import token_cost_at
-from verifier_service.batch import StepPlan
+from verifier_service.batch import StateCommit, StepPlan
 from verifier_service.block_manager import BlockManager, MoveSlots
 from verifier_service.errors import InvalidRequest, SequenceFinished, StaleDraft
 from verifier_service.grammar import GrammarCompiler
 from verifier_service.heads.capture import HiddenStateCapture
 from verifier_service.heads.drafting import DraftRequest, HeadDrafter, HeadState
-from verifier_service.linear_attention import StateCommit
 from verifier_service.logits_processing import make_logits_processor
 from verifier_service.model_runner import ModelRunner
 from verifier_service.sampling import make_generator, target_probs

@@ -20,13 +20,7 @@ import torch.nn.functional as F
 from transformers.activations import ACT2FN
 from transformers.models.qwen3_next.modeling_qwen3_next import l2norm, torch_chunk_gated_delta_rule
 
-
-@dataclass(frozen=True)
-class StateCommit:
-    """Keep, in `slot`, the state after row `row` of its step in the last pass."""
-
-    slot: int
-    row: int
+from verifier_service.batch import Segment, StateCommit
 
 
 def is_linear_attention(module: torch.nn.Module) -> bool:
@@ -52,7 +46,7 @@ class LinearLayout:
     window: torch.Tensor
 
 
-def linear_layout(segments: tuple, offsets: tuple[int, ...], kernel: int,
+def linear_layout(segments: tuple[Segment, ...], offsets: tuple[int, ...], kernel: int,
                   device: torch.device) -> LinearLayout:
     chunks, steps = [], []
     for seg, offset in zip(segments, offsets):
@@ -117,6 +111,7 @@ class LinearStates:
     def __init__(self, layers: dict[int, torch.nn.Module], num_slots: int, dtype: torch.dtype,
                  device: torch.device):
         self.num_slots = num_slots
+        self.kernel = next(iter(layers.values())).conv_kernel_size  # the same in every layer of a model
         self.conv = {i: torch.zeros(num_slots, m.conv_dim, m.conv_kernel_size - 1, dtype=dtype, device=device)
                      for i, m in layers.items()}
         self.recurrent = {i: torch.zeros(num_slots, m.num_v_heads, m.head_k_dim, m.head_v_dim, device=device)
@@ -129,6 +124,10 @@ class LinearStates:
         size = torch.finfo(dtype).bits // 8
         return sum(m.conv_dim * (m.conv_kernel_size - 1) * size + m.num_v_heads * m.head_k_dim * m.head_v_dim * 4
                    for m in layers.values())
+
+    def layout(self, segments: tuple[Segment, ...], offsets: tuple[int, ...]) -> LinearLayout:
+        """This pass's layout over the states (once per pass, shared by every linear layer)."""
+        return linear_layout(segments, offsets, self.kernel, next(iter(self.conv.values())).device)
 
     def commit(self, commits: tuple[StateCommit, ...]) -> None:
         """Keeps each slot's accepted node from the last pass's steps."""

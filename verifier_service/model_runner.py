@@ -18,7 +18,7 @@ from verifier_service.batch_invariant import make_invariant
 from verifier_service.cpu_linear import add_measured_linears, measures_linear_ways
 from verifier_service.distributed import TensorParallel
 from verifier_service.kv_cache import KVGeometry, PagedKVCache
-from verifier_service.linear_attention import LinearStates, is_linear_attention, linear_layout
+from verifier_service.linear_attention import LinearStates, is_linear_attention
 
 log = structlog.get_logger()
 
@@ -170,8 +170,7 @@ class ModelRunner:
         if not plan.segments:
             return torch.empty(0, self.vocab_size), None
         inputs = pass_inputs(plan, self.device)
-        kernel = next(iter(self.linear_layers.values())).conv_kernel_size if states is not None else 0
-        linear = linear_layout(plan.segments, inputs.offsets, kernel, self.device) if states is not None else None
+        linear = states.layout(plan.segments, inputs.offsets) if states is not None else None
         metadata = self.backend.prepare(plan.segments, inputs, cache.block_size, self.device)
         context = PassContext(cache, self.backend, metadata, states, linear)
         out = self.model(input_ids=inputs.input_ids, position_ids=inputs.positions, use_cache=False,

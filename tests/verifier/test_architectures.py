@@ -20,10 +20,10 @@ from protos.common.v1 import common_pb2
 from protos.verifier.v1 import verifier_pb2, verifier_pb2_grpc
 from speclane.net import free_port
 from verifier_service.attention import backend as attention_backend
-from verifier_service.batch import Segment, StepPlan
+from verifier_service.batch import Segment, StateCommit, StepPlan
 from verifier_service.block_manager import BlockManager, BlockTable, MoveSlots, slot
 from verifier_service.engine import Engine
-from verifier_service.linear_attention import LinearStates, StateCommit
+from verifier_service.linear_attention import LinearStates
 from verifier_service.model_runner import ModelRunner, UnsupportedModel
 from verifier_service.sampling import SamplingParams
 from verifier_service.self_check import check_against_reference
