@@ -7,7 +7,8 @@ registered for this implementation, so transformers builds no mask; which
 keys each query sees comes from the pass's metadata, built once per pass by
 the device's backend (backend.py). Each device's backend:
 
-- CPU: torch_sdpa.TorchAttention, one padded SDPA call per layer.
+- CPU: torch_sdpa.TorchAttention, padded SDPA calls per layer (segments of
+  similar lengths in one).
 - CUDA and Ascend: the same backend until they get kernels of their own.
 - --batch-invariant: invariant.InvariantAttention on any device.
 """
@@ -38,8 +39,9 @@ class PassContext:
     linear: LinearLayout | None = None
 
 
-def select_backend(device: torch.device, batch_invariant: bool) -> AttentionBackend:
-    return InvariantAttention() if batch_invariant else TorchAttention()
+def select_backend(device: torch.device, batch_invariant: bool, query_width: int) -> AttentionBackend:
+    """query_width: a layer's query heads x head dimension (on this rank)."""
+    return InvariantAttention() if batch_invariant else TorchAttention(query_width)
 
 
 def paged_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, sliding_window=None,
