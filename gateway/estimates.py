@@ -19,6 +19,9 @@ from speclane.tokens import common_prefix
 
 # Prior weight, in steps, of the method-wide estimate in a request's own.
 REQUEST_PRIOR_STEPS = 2.0
+# Prior weight, in scored tokens, of an estimate of the drafter's scores: the method-wide
+# one in a request's own, and "as scored" in the method-wide one.
+SCORE_PRIOR_TOKENS = 4.0
 # How much one head step moves a request's estimate of the head's worth (a few steps
 # follow a change of topic, one lucky step does not decide the rest) and the server's.
 REQUEST_HEAD_WEIGHT = 0.25
@@ -53,28 +56,58 @@ class PositionCounts:
         return (accepted + prior * prior_steps) / (reached + prior_steps)
 
 
+@dataclass
+class ScoreCounts:
+    """The drafter's own estimates of its verified drafts' accepted tokens (Draft.score:
+    suffix decoding's path probabilities, summed), and what those drafts accepted."""
+
+    scored: float = 0.0
+    accepted: int = 0
+
+    def observe(self, score: float, num_accepted: int) -> None:
+        self.scored += score
+        self.accepted += num_accepted
+
+    def scale(self, prior: float) -> float:
+        """accepted / scored, with `prior` weighing as SCORE_PRIOR_TOKENS scored tokens."""
+        return (self.accepted + prior * SCORE_PRIOR_TOKENS) / (self.scored + SCORE_PRIOR_TOKENS)
+
+
 class MethodAcceptance:
     """What a method's drafts have done across all requests: the prior of each new request.
     A position no request has reached yet counts as sure, so that drafts keep exploring it."""
 
     def __init__(self):
         self.counts = PositionCounts()
+        self.scores = ScoreCounts()
 
     def rate(self, position: int) -> float:
         return self.counts.rate(position, prior=1.0, prior_steps=1.0)
 
 
 class RequestAcceptance:
-    """One request's chance of acceptance by draft position, learnt from its verify
-    steps, started from what its method has seen on all requests."""
+    """One request's chance of acceptance by draft position, and how the drafter's
+    scores compare with what its drafts accept, learnt from its verify steps,
+    started from what its method has seen on all requests."""
 
     def __init__(self, method: MethodAcceptance):
         self._method = method
         self._counts = PositionCounts()
+        self._scores = ScoreCounts()
 
-    def observe(self, num_draft_tokens: int, num_accepted: int) -> None:
+    def observe(self, num_draft_tokens: int, num_accepted: int, score: float = 0.0) -> None:
+        """A verified draft; `score`: the drafter's estimate of its accepted tokens (0: none made)."""
         self._counts.observe(num_draft_tokens, num_accepted)
         self._method.counts.observe(num_draft_tokens, num_accepted)
+        if score > 0:
+            self._scores.observe(score, num_accepted)
+            self._method.scores.observe(score, num_accepted)
+
+    def score_scale(self) -> float:
+        """What the drafter's drafts accept per token of their score (1: as scored).
+        Suffix decoding's path probabilities are counts over past text: on chats, where
+        continuations vary, they promise more than the target accepts."""
+        return self._scores.scale(self._method.scores.scale(1.0))
 
     def rates(self, limit: int) -> tuple[float, ...]:
         """Positions 0..limit-1: each one's chance of acceptance once reached."""

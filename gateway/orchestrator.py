@@ -168,7 +168,8 @@ class _Sequence:
             last.num_running, token_cost_at(policy.draft_token_costs, last.num_running),
             token_cost_at(policy.draft_token_costs, 1),
             self._acceptance.rates(self._speculation.num_speculative_tokens) if self._acceptance else None,
-            self._cut_steps, self._head.worth if self._head else None, lookup)
+            self._cut_steps, self._head.worth if self._head else None, lookup,
+            self._acceptance.score_scale() if self._acceptance else 1.0)
 
     async def draft(self, last, budget: Budget) -> tuple[common_pb2.Draft, float]:
         """The drafter's draft continuing the committed tokens (asked only where the
@@ -204,7 +205,8 @@ class _Sequence:
             if self._head is not None:
                 self._head.observe(worth)
         if step.source in (DRAFTER, LOOKUP) and self._acceptance is not None:
-            self._acceptance.observe(result.num_draft_tokens, result.num_accepted_draft_tokens)
+            self._acceptance.observe(result.num_draft_tokens, result.num_accepted_draft_tokens,
+                                     step.draft.score if step.source == DRAFTER else 0.0)
         self._output += result.token_ids
         loss = (lookup_loss(list(step.drafter_draft.token_ids), result.num_accepted_draft_tokens,
                             list(result.token_ids)) if step.source == LOOKUP else None)

@@ -67,6 +67,7 @@ class Measurements:
     cut_steps: int  # steps in a row whose drafter draft was cut whole
     head_worth: float | None  # hybrid: what the request's head steps have been worth
     lookup_pays: bool
+    score_scale: float = 1.0  # hybrid: what the drafter's drafts accept per token of their score
 
 
 @dataclass(frozen=True)
@@ -131,7 +132,9 @@ def plan_step(state: StepState, measured: Measurements, budget: Budget, drafted:
     token" and the drafter's detours, "accepted up to here, then this token".
     When one of them is what happens the verifier starts it at once; where the
     round trip's wait is worth more than what lookups lose, it also starts the
-    steps no offer foresaw, with a draft it looks up itself."""
+    steps no offer foresaw, with a draft it looks up itself. Hybrid offers only
+    the drafts that beat the head's, and looks up only while the drafter's draft
+    does: the step after is left to the head otherwise."""
     drafter_draft = cut(step_part(drafted), 0, budget.drafter_limit)
     if state.ran_ahead and state.looked_up is not None:
         source, draft = LOOKUP, state.looked_up
@@ -145,7 +148,11 @@ def plan_step(state: StepState, measured: Measurements, budget: Budget, drafted:
     drafter_step = state.lookahead and source in (DRAFTER, LOOKUP, NONE)  # NONE: the drafter had nothing
     offers = (continuations_after(draft, drafted, budget.drafter_limit)
               if drafter_step and source != NONE and budget.limit > 0 else [])
-    lookup_tokens = budget.drafter_limit if drafter_step and measured.lookup_pays else 0
+    lookup = drafter_step and measured.lookup_pays
+    if measured.head_worth is not None:  # hybrid: a step the verifier starts itself never gets the head's draft
+        offers = [offer for offer in offers if not prefers_head(offer.draft, measured)]
+        lookup = lookup and not prefers_head(drafter_draft, measured)
+    lookup_tokens = budget.drafter_limit if lookup else 0
     # Nothing will draft the step after either (plain decoding, or drafts off at this load): the verifier
     # starts it at once instead of waiting a round trip for an empty Verify.
     run_ahead = state.next_round and predicted is None and (state.method == "none" or budget.limit == 0)
@@ -170,6 +177,8 @@ def pick_draft(method: str, predicted: common_pb2.Draft | None, drafted: common_
 
 def prefers_head(drafted: common_pb2.Draft, measured: Measurements) -> bool:
     """Whether the head's draft is expected to commit more per unit of verify time
-    than `drafted` (whose score is its expected accepted tokens)."""
+    than `drafted`, whose expected accepted tokens are its score as the drafter's
+    scores have turned out (Measurements.score_scale)."""
     n = len(drafted.token_ids)
-    return not n or draft_value(drafted.score, n, measured.alone_token_cost) < measured.head_worth
+    return not n or draft_value(drafted.score * measured.score_scale, n,
+                                measured.alone_token_cost) < measured.head_worth

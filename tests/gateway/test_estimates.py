@@ -98,3 +98,20 @@ def test_a_head_steps_worth_counts_the_heads_drafting_in_plain_steps():
     # An answer without timings (a prefill-less fake) is judged by its verification alone.
     untimed = verifier_pb2.SessionResponse(num_draft_tokens=2, num_accepted_draft_tokens=2)
     assert head_step_worth(untimed, token_cost=0.2) == pytest.approx(draft_value(2, 2, 0.2))
+
+
+def test_drafter_scores_are_taken_at_what_its_drafts_have_accepted():
+    method = MethodAcceptance()
+    request = RequestAcceptance(method)
+    assert request.score_scale() == 1.0  # nothing seen: as scored
+    for _ in range(20):  # scored 2 tokens a draft, 1 accepted
+        request.observe(3, 1, score=2.0)
+    assert request.score_scale() == pytest.approx(0.5, abs=0.05)
+    request.observe(3, 3)  # a draft without a score (a lookup) says nothing about scores
+    assert request.score_scale() == pytest.approx(0.5, abs=0.05)
+    # A new request starts from its method's, and its own drafts move it.
+    later = RequestAcceptance(method)
+    assert later.score_scale() == pytest.approx(0.5, abs=0.05)
+    for _ in range(20):
+        later.observe(3, 3, score=1.5)
+    assert later.score_scale() > 1.5

@@ -12,6 +12,7 @@ from gateway.planner import (
     plan_step,
 )
 from protos.common.v1 import common_pb2
+from protos.verifier.v1 import verifier_pb2
 
 # The drafter looked ahead: 3 tokens for the step (step_len), then its guess of the bonus token and 3 more.
 DRAFTED = common_pb2.Draft(token_ids=[1, 2, 3, 4, 5, 6, 7], step_len=3, committed_len=10)
@@ -21,8 +22,8 @@ def state(method="suffix", ran_ahead=False, looked_up=None, offered=()) -> StepS
     return StepState(method, 3, True, ran_ahead, looked_up, 10, 9, offered)
 
 
-def measured(acceptance=None, lookup_pays=False, head_worth=None, running=1) -> Measurements:
-    return Measurements(running, 0.2, 0.2, acceptance, 0, head_worth, lookup_pays)
+def measured(acceptance=None, lookup_pays=False, head_worth=None, running=1, score_scale=1.0) -> Measurements:
+    return Measurements(running, 0.2, 0.2, acceptance, 0, head_worth, lookup_pays, score_scale)
 
 
 def plan(step_state, step_measured, drafted=DRAFTED, policy=PlannerPolicy()):
@@ -76,3 +77,24 @@ def test_plain_decoding_and_drafts_off_at_the_load_let_the_verifier_run_ahead():
     assert not no_next_round.run_ahead
     _, after = plan(state("none", ran_ahead=True), measured(), drafted=common_pb2.Draft())
     assert after.source == NONE and not after.draft.token_ids and after.ran_ahead
+
+
+def test_hybrid_leaves_the_step_after_to_the_head_where_the_drafters_drafts_lose_to_it():
+    """An offer or a lookup makes the verifier start the step after itself, without the head's draft."""
+    confident = common_pb2.Draft(token_ids=[1, 2, 3, 4, 5, 6, 7], confidences=[0.9] * 7, score=2.7, step_len=3,
+                                 committed_len=10)
+    # The drafter's drafts worth (1 + 2.7) / 1.6 = 2.3 a unit of verify time: beyond a head worth 1.5.
+    _, step = plan(state("hybrid"), measured(head_worth=1.5, lookup_pays=True), drafted=confident)
+    assert (step.source, len(step.offers), step.lookup_tokens) == (DRAFTER, 1, 3)
+    # A step the verifier ran ahead on an offer: the offers after it are judged as well. Where the drafter's
+    # scores have promised twice what its drafts accepted, (1 + 1.35) / 1.6 = 1.47 loses to a head worth 1.6.
+    offered = (verifier_pb2.Continuation(bonus_token_id=9, draft=common_pb2.Draft(token_ids=[1, 2, 3],
+                                                                                  committed_len=10)),)
+    ran_ahead = state("hybrid", ran_ahead=True, offered=offered)
+    _, step = plan(ran_ahead, measured(head_worth=1.6, lookup_pays=True), drafted=confident)
+    assert (step.source, len(step.offers), step.lookup_tokens) == (DRAFTER, 1, 3)
+    _, step = plan(ran_ahead, measured(head_worth=1.6, lookup_pays=True, score_scale=0.5), drafted=confident)
+    assert (step.source, step.offers, step.lookup_tokens) == (DRAFTER, (), 0)
+    # Suffix decoding without a head offers and looks up as before.
+    _, step = plan(state("suffix"), measured(lookup_pays=True, score_scale=0.5), drafted=confident)
+    assert (len(step.offers), step.lookup_tokens) == (1, 3)
