@@ -225,10 +225,12 @@ def bench(system: str, method: str, port: int, dataset: str, concurrency: int, a
 
 
 def render(args) -> None:
-    """README tables: the main run (raw/), a repeat (raw-run2/) where there is one, and both pooled."""
+    """README tables: the first run (raw/), each later one (raw-runN/, into the README's resultN and tableN
+    markers where it has them), and the first two pooled."""
     texts = [render_run(["raw"], "", "meta.json")]
+    for path in sorted(HERE.glob("raw-run*")):
+        texts.append(render_run([path.name], path.name.removeprefix("raw-run"), f"meta-{path.name}.json"))
     if (HERE / "raw-run2").exists():
-        texts.append(render_run(["raw-run2"], "2", "meta-raw-run2.json"))
         texts.append(render_run(["raw", "raw-run2"], "-pooled", None))
     print("\n\n".join(texts))
 
