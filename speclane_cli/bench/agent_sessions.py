@@ -22,7 +22,7 @@ import json
 import pathlib
 import random
 
-from speclane_cli.bench.agentic import FEEDBACK, code_changes, config_file, problem_code
+from speclane_cli.bench.agentic import FEEDBACK, code_file, config_file
 from speclane_cli.datasets import humaneval_problems
 
 
@@ -106,9 +106,7 @@ def agent_sessions(num_sessions: int, num_requests: int, seed: int) -> list[Agen
     sessions = []
     for index in range(num_sessions):
         if index % 2 == 0:
-            problem = problems[index % len(problems)]
-            path, content, changes = f"src/{problem['entry_point']}.py", problem_code(problem), \
-                code_changes(problem, rng)
+            path, content, changes = code_file(problems[index % len(problems)], rng)
         else:
             path = f"config/{rng.choice(('service', 'deploy', 'settings'))}.json"
             content, changes = config_file(rng)

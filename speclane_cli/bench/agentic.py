@@ -47,6 +47,11 @@ def code_changes(problem: dict, rng: random.Random) -> list[str]:
     return changes
 
 
+def code_file(problem: dict, rng: random.Random) -> tuple[str, str, list[str]]:
+    """A HumanEval solution as a file an agent edits: (path, content, changes)."""
+    return f"src/{problem['entry_point']}.py", problem_code(problem), code_changes(problem, rng)
+
+
 def config_file(rng: random.Random) -> tuple[str, list[str]]:
     """A service's JSON configuration and small edits to it."""
     config = {
@@ -85,9 +90,7 @@ def agent_loop(num_prompts: int, seed: int, max_turns: int) -> list[Conversation
     conversations = []
     for index in range(num_prompts):
         if index % 2 == 0:
-            problem = problems[index % len(problems)]
-            path, content = f"src/{problem['entry_point']}.py", problem_code(problem)
-            changes = code_changes(problem, rng)
+            path, content, changes = code_file(problems[index % len(problems)], rng)
         else:
             path = "config/service.json"
             content, changes = config_file(rng)

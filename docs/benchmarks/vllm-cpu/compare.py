@@ -199,12 +199,13 @@ def bench(system: str, method: str, port: int, dataset: str, concurrency: int, a
         rc, tail = done.returncode, (done.stdout + done.stderr)[-1500:]
     except subprocess.TimeoutExpired:
         rc, tail = "timeout", ""
-    for png in out.glob("*.png"):  # plots of one cell say nothing: dropped, with the links to them
+    plots = [f"({png.name})" for png in out.glob("*.png")]  # plots of one cell say nothing: dropped, links too
+    for png in out.glob("*.png"):
         png.unlink()
-        report = out / "results.md"
-        if report.exists():
-            report.write_text("".join(line for line in report.read_text().splitlines(keepends=True)
-                                      if f"({png.name})" not in line))
+    report = out / "results.md"
+    if plots and report.exists():
+        report.write_text("".join(line for line in report.read_text().splitlines(keepends=True)
+                                  if not any(plot in line for plot in plots)))
     results = out / "results.json"
     run = None
     if results.exists():
