@@ -19,7 +19,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
                               "dump a target's regenerated replies and hidden states for head training"),
     "train-head": ("speclane_cli.train_head", "train an EAGLE or EAGLE-3 head on an extract-hidden-states dump"),
     "drafter": ("drafter_service.server", "run the drafter service alone"),
-    "verifier": ("verifier_service.server", "run the verifier service alone"),
+    "verifier": ("verifier_service.launch", "run the verifier service alone"),
     "gateway": ("gateway.server", "run the gateway alone"),
 }
 

@@ -1,3 +1,3 @@
-from verifier_service.server import main
+from verifier_service.launch import main
 
 main()

@@ -3,9 +3,11 @@ ranks under tensor parallelism), then serve gRPC."""
 
 import asyncio
 import dataclasses
+import os
 import random
 from collections.abc import Callable
 
+import structlog
 import torch
 from transformers.utils import logging as transformers_logging
 
@@ -16,9 +18,12 @@ from speclane.models import resolve_model
 from verifier_service.async_engine import AsyncEngine
 from verifier_service.config import ENV_PREFIX, VerifierConfig
 from verifier_service.device import resolve_threads, set_threads
+from verifier_service.launch import allocator
 from verifier_service.metrics import VerifierMetrics
 from verifier_service.service import VerifierServicer, add_to_server
 from verifier_service.workers import Rank0
+
+log = structlog.get_logger()
 
 
 def seed_everything(seed: int) -> None:
@@ -30,6 +35,7 @@ def seed_everything(seed: int) -> None:
 async def run(config: VerifierConfig, *, ready: Callable[[int], None] | None = None) -> None:
     """Serves until SIGTERM; health is NOT_SERVING until the model is loaded and warm."""
     configure_logging("verifier", config.log_level)
+    log.info("verifier_starting", malloc=allocator(os.environ))
     # Progress bars would break the one-JSON-object-per-line log stream.
     transformers_logging.disable_progress_bar()
     # A packaged model name or a hub model id becomes its directory (fetched once if missing).
