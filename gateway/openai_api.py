@@ -189,7 +189,7 @@ def create_app(ctx: ServingContext) -> FastAPI:
                 model=body.model, max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p,
                 top_k=body.top_k, seed=body.seed, stop=stop, stop_token_ids=body.stop_token_ids or (),
                 ignore_eos=body.ignore_eos, speculation=body.speculation,
-                tenant=tenant_for(caller, request.headers.get(TENANT_METADATA_KEY)),
+                tenant=tenant_for(caller, request.headers.get(TENANT_METADATA_KEY)), cache_salt=body.cache_salt,
                 logit_controls=body.logit_controls(),
                 logit_bias=body.logit_bias or {}, logprobs=body.top_logprobs_count(),
                 prediction=body.prediction_text() if flavor.chat else None, grammar=grammar)

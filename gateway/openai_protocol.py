@@ -8,7 +8,7 @@ from pydantic_core import PydanticCustomError
 
 from gateway.errors import InvalidRequest
 from gateway.json_limits import json_problem
-from gateway.types import SCALAR_LOGIT_CONTROLS, LogitControls
+from gateway.types import CACHE_SALT_PATTERN, SCALAR_LOGIT_CONTROLS, LogitControls
 
 LEGACY_DEFAULT_MAX_TOKENS = 16  # /v1/completions' default in OpenAI's API (and vLLM's)
 MAX_LEGACY_LOGPROBS = 5  # /v1/completions' limit in OpenAI's API
@@ -86,6 +86,7 @@ class CompletionBase(RequestBody):
     stream: bool = False
     stream_options: StreamOptions | None = None
     speculation: dict[str, Any] | None = None  # extension: vLLM --speculative-config keys
+    cache_salt: str | None = documented(pattern=f"^{CACHE_SALT_PATTERN}$")  # extension (vLLM)
     user: str | None = None  # an end-user id for the provider's abuse tracking: nothing to do
     presence_penalty: float | None = documented(minimum=-2, maximum=2)
     frequency_penalty: float | None = documented(minimum=-2, maximum=2)

@@ -32,6 +32,7 @@ from gateway.response_store import StoredResponse
 from gateway.serving import GenerationParams, ServingContext, TextDelta, build_generation_request, prompt_tail
 from gateway.structured_output import response_format_grammar, tool_choice_plan, tools_or_format_grammar
 from gateway.tool_calls import CallArguments, CallEnd, CallStart, Content, Reasoning
+from gateway.types import CACHE_SALT_PATTERN
 from protos.conventions import TENANT_METADATA_KEY
 
 log = structlog.get_logger()
@@ -58,6 +59,7 @@ class ResponsesRequest(RequestBody):
     store: bool = True
     previous_response_id: str | None = None
     speculation: dict[str, Any] | None = None  # extension: vLLM --speculative-config keys
+    cache_salt: str | None = documented(pattern=f"^{CACHE_SALT_PATTERN}$")  # extension (vLLM)
 
 
 def _part_text(content, where: str) -> str:
@@ -325,7 +327,7 @@ def add_responses_routes(app: FastAPI, ctx: ServingContext) -> None:
             params = GenerationParams(
                 model=body.model, max_tokens=body.max_output_tokens, temperature=body.temperature, top_p=body.top_p,
                 speculation=body.speculation, tenant=tenant_for(caller, request.headers.get(TENANT_METADATA_KEY)),
-                grammar=grammar)
+                cache_salt=body.cache_salt, grammar=grammar)
             generation = build_generation_request(ctx, request_id, params, chat=ChatPrompt(
                 messages, tools=tools, template_kwargs=kwargs))
             output = AssistantStream(tool_parser, ctx.reasoning_parser, prompt_tail(ctx, generation))

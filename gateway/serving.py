@@ -3,6 +3,7 @@ into a validated GenerationRequest, a concurrency limit, and running the
 propose/verify loop with detokenization and stop strings on top."""
 
 import contextlib
+import re
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field, replace
@@ -18,10 +19,18 @@ from gateway.response_store import DEFAULT_MAX_STORED_RESPONSES, ResponseStore
 from gateway.sampling_defaults import SamplingDefaults
 from gateway.stop_strings import StopStringMatcher
 from gateway.tool_calls import TOOL_CALL_PARSERS, ToolCallParser
-from gateway.types import GenerationRequest, LogitControls, SpeculationUsage, TokenDelta, TokenLogprob
+from gateway.types import (
+    CACHE_SALT_PATTERN,
+    GenerationRequest,
+    LogitControls,
+    SpeculationUsage,
+    TokenDelta,
+    TokenLogprob,
+)
 from speclane.speculation import HEAD_METHODS, DrafterLimits, SpeculationSettings
 
 MAX_STOP_STRINGS = 4  # OpenAI's limit
+CACHE_SALT = re.compile(CACHE_SALT_PATTERN)
 MAX_SEED = 2**64  # seeds travel as uint64
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit
 MAX_REPETITION_PENALTY = 2.0  # vLLM's bound
@@ -84,6 +93,7 @@ class GenerationParams:
     ignore_eos: bool = False
     speculation: dict | None = None  # overrides of ctx.default_speculation
     tenant: str = ""
+    cache_salt: str | None = None  # vLLM's per-request prefix-cache salt
     logit_controls: LogitControls = LogitControls()
     logit_bias: dict = field(default_factory=dict)  # token id (int or its string) -> bias
     logprobs: int | None = None  # top alternatives per token; None: no logprobs
@@ -124,6 +134,9 @@ def _check_params(params: GenerationParams) -> None:
         raise InvalidRequest(f"at most {MAX_STOP_STRINGS} stop strings are allowed, got {len(params.stop)}", "stop")
     if any(not isinstance(stop, str) or not stop for stop in params.stop):
         raise InvalidRequest("stop strings must be non-empty strings", "stop")
+    if params.cache_salt is not None and not CACHE_SALT.fullmatch(params.cache_salt):
+        raise InvalidRequest("cache_salt must be 1 to 128 characters, none of them '@', '/', '\\' or NUL",
+                             "cache_salt")
     if params.logprobs is not None and not 0 <= params.logprobs <= MAX_TOP_LOGPROBS:
         raise InvalidRequest(f"top_logprobs must be between 0 and {MAX_TOP_LOGPROBS}, got {params.logprobs}",
                              "top_logprobs")
@@ -224,6 +237,7 @@ def build_generation_request(ctx: ServingContext, request_id: str, params: Gener
         stop_token_ids=stop_token_ids,
         ignore_eos=params.ignore_eos,
         tenant=params.tenant,
+        cache_salt=params.cache_salt or "",
         logit_controls=replace(params.logit_controls, logit_bias=_logit_bias(ctx, params.logit_bias)),
         logprobs=params.logprobs,
         grammar=params.grammar,

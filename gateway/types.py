@@ -5,6 +5,9 @@ from dataclasses import astuple, dataclass, field
 
 from speclane.speculation import SpeculationSettings
 
+# vLLM's rule for a request's cache_salt: 1 to 128 characters, none of them @ / \ or NUL.
+CACHE_SALT_PATTERN = r"[^@/\\\x00]{1,128}"
+
 
 @dataclass(frozen=True)
 class LogitControls:
@@ -35,6 +38,7 @@ class GenerationRequest:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     tenant: str = ""
+    cache_salt: str = ""  # vLLM's: prefix-cache blocks are shared only within a tenant and a salt
     logit_controls: LogitControls = LogitControls()
     logprobs: int | None = None  # None: none; N: each token's logprob and its N most likely alternatives
     prediction_token_ids: tuple[int, ...] = ()  # OpenAI's predicted output, drafted from

@@ -78,7 +78,8 @@ class VerifierSession:
             num_head_draft_tokens=speculation.num_speculative_tokens if speculation.uses_head else 0,
             # Hybrid picks its source before the head would have drafted (gateway/planner.py).
             head_draft_on_demand=speculation.method == "hybrid",
-            cache_salt=request.tenant,
+            # NUL never occurs in a request's salt, so no tenant and salt pair reads as another.
+            cache_salt=f"{request.tenant}\x00{request.cache_salt}" if request.cache_salt else request.tenant,
         )
         await self._send(verifier_pb2.SessionRequest(prefill=prefill))
         response = await self._read()

@@ -12,12 +12,14 @@ Greedy by default, so a run is deterministic up to the server's batching.
 """
 
 import asyncio
+import dataclasses
 import json
 import pathlib
 import shlex
 import statistics
 import sys
 import uuid
+from typing import Any
 
 import httpx
 from tqdm import tqdm
@@ -134,10 +136,28 @@ COLUMNS = (
 )
 
 
+@dataclasses.dataclass(frozen=True)
+class Salted:
+    """A session whose requests share prefix-cache blocks with each other only (vLLM's cache_salt): its first
+    request starts cold, as a new conversation's does on a server that has not seen its system prompt, and
+    the TTFT of its later requests shows what reusing its own prefix saves."""
+
+    session: Any
+    salt: str
+
+    @property
+    def turns(self) -> range:
+        return self.session.turns
+
+    def request(self, replies: list[dict]) -> dict:
+        return {**self.session.request(replies), "cache_salt": self.salt}
+
+
 def _run_all(settings: dict, sessions: list, methods: list[str]) -> list[dict]:
     from speclane_cli.bench.client import closed_loop
 
     run_id = uuid.uuid4().hex[:8]
+    sessions = [Salted(session, f"session-{index}") for index, session in enumerate(sessions)]
     total = len(settings["concurrency"]) * len(methods) * sum(len(s.turns) for s in sessions)
     rows = []
     with tqdm(total=total, unit="req", desc="bench agent") as bar:
@@ -145,7 +165,7 @@ def _run_all(settings: dict, sessions: list, methods: list[str]) -> list[dict]:
             measured = {}
             for method in methods:
                 bar.set_postfix_str(f"c={concurrency} {method}")
-                # A tenant per run: its own suffix tree and prefix cache, so each run starts cold.
+                # A tenant per run: its own suffix tree (learning from all its sessions) and prefix cache.
                 results, seconds = asyncio.run(closed_loop(
                     settings["url"], sessions, concurrency, request_fields(settings, method),
                     tenant=f"bench-agent-{run_id}-c{concurrency}-{method}", on_request=bar.update))
@@ -166,7 +186,8 @@ def write_results(settings: dict, rows: list[dict], absent: dict[str, str]) -> l
              "Tok/s = output tokens per second of wall time; x none = Tok/s over none's at the same concurrency; "
              "Tok/step = tokens per verify step; Accept = accepted / drafted tokens; TTFT first = mean time to "
              "first token of the sessions' first requests, later = of the others (their prompts extend the "
-             "previous request's); Tool calls = calls in the replies.", ""]
+             "previous request's; each session salts the prefix cache, so only its own earlier requests "
+             "are reused); Tool calls = calls in the replies.", ""]
     lines += [f"- `{method}` absent: {reason}" for method, reason in absent.items()]
     md_path.write_text("\n".join(lines) + "\n")
     return [json_path, md_path]

@@ -36,3 +36,22 @@ def test_a_replayed_run_names_its_log_not_the_script():
                             "num_speculative_tokens": None, "max_tokens": 8, "temperature": 0.0, "seed": 0,
                             "output_dir": "out"})
     assert "--replay log.jsonl" in command and "--sessions" not in command and "--seed" not in command
+
+
+def test_each_session_salts_the_prefix_cache_with_its_own_name(monkeypatch):
+    import speclane_cli.bench.client as client
+    from speclane_cli.bench.agent import _run_all
+    from speclane_cli.bench.agent_sessions import agent_sessions
+
+    sent = []
+
+    async def closed_loop(url, sessions, concurrency, fields, tenant, on_request):
+        sent.extend(session.request([]) for session in sessions)
+        return results([0.5, 0.1], 4), 1.0
+
+    monkeypatch.setattr(client, "closed_loop", closed_loop)
+    sessions = agent_sessions(3, 2, seed=0)
+    _run_all({"url": "u", "concurrency": [1], "model": "m", "max_tokens": 8, "temperature": 0.0,
+              "num_speculative_tokens": None}, sessions, ["none"])
+    assert [request["cache_salt"] for request in sent] == ["session-0", "session-1", "session-2"]
+    assert [request["messages"] for request in sent] == [session.request([])["messages"] for session in sessions]

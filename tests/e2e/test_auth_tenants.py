@@ -105,6 +105,30 @@ def test_a_tenant_drafts_from_its_own_responses_and_never_from_anothers(stack):
     assert '"tenant_header_ignored"' in (stack.log_dir / "gateway.log").read_text()
 
 
+def test_a_cache_salt_keeps_a_requests_prefix_to_itself_within_its_tenant(stack):
+    """vLLM's cache_salt: requests share prefix-cache blocks only with the same tenant and salt."""
+    team_a = client(stack, KEY_A)
+
+    def hits_of(salt: str) -> int:
+        before = cache_hits(stack)
+        team_a.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=4, temperature=0,
+                                       extra_body={"cache_salt": salt})
+        return cache_hits(stack) - before
+
+    # Team A's unsalted blocks of this prompt are cached (the test above); a salted request finds none,
+    # the same salt again finds its own, another salt none.
+    first, again, other = hits_of("session-1"), hits_of("session-1"), hits_of("session-2")
+    assert first == 0 and again > 0 and other == 0, (first, again, other)
+    for bad in ("", "a/b", "x" * 129):
+        with pytest.raises(openai.BadRequestError) as refused:
+            team_a.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=4,
+                                           extra_body={"cache_salt": bad})
+        assert refused.value.body["param"] == "cache_salt"
+    with pytest.raises(openai.BadRequestError) as refused:
+        team_a.responses.create(model=MODEL, input="hi", max_output_tokens=4, extra_body={"cache_salt": "a@b"})
+    assert refused.value.body["param"] == "cache_salt"
+
+
 def test_without_a_key_requests_and_metrics_are_401_but_health_is_open(stack):
     with pytest.raises(openai.AuthenticationError):
         client(stack, "sk-not-a-key").chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=4)
