@@ -274,11 +274,19 @@ def render_run(raw_names: list[str], suffix: str, meta_name: str | None) -> str:
     def fmt(value, spec="{:.1f}"):
         return "-" if value is None else spec.format(value)
 
+    def vllm_steps(v):
+        """vLLM's tokens per step as speclane counts its own (1 + accepted / decode steps, each request's
+        first token left to its prefill): vLLM's mean acceptance length counts only the steps with a draft."""
+        accepted = v and (v.get("vllm_spec") or {}).get("spec_decode_num_accepted_tokens")
+        if accepted is None:
+            return None
+        done = v["requests"] - v["failed"]
+        return 1 + accepted / (v["mean_output_tokens"] * done - accepted - done)
+
     def steps(v, s, method):
         if method == "none":
             return "1 / 1"
-        vs = v and (v.get("vllm_spec") or {}).get("mean_acceptance_length")
-        return f"{fmt(vs, '{:.2f}')} / {fmt(s and s.get('tokens_per_step'), '{:.2f}')}"
+        return f"{fmt(vllm_steps(v), '{:.2f}')} / {fmt(s and s.get('tokens_per_step'), '{:.2f}')}"
 
     summary = {}
     for concurrency in concurrencies:
