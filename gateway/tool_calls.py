@@ -6,10 +6,11 @@ the format Qwen2.5, Qwen3 and Hermes models are trained on. A call streams as
 OpenAI streams one: its id and name as soon as the name is complete, then its
 arguments' JSON text as it comes. The stream is a function of the text alone,
 never of how it was cut into steps (a speculative step commits many tokens at
-once, which is where peers' streamed parsers break). `json`: the whole output
-is one such object, or a list of them ("parameters" may stand for "arguments"),
-read once it is complete; a ```json fence around it is allowed (small models
-trained on hermes often answer a call as a bare or fenced object).
+once, which is where peers' streamed parsers break). `json`: the output is
+such objects one after another, streamed the same way, or a list of them, read
+once it is complete ("parameters" may stand for "arguments"); a ```json fence
+around it is allowed (small models trained on hermes often answer a call as a
+bare or fenced object).
 """
 
 import json
@@ -123,6 +124,32 @@ class _ValueScanner:
         return text
 
 
+class _CallBody:
+    """One call object's text as it arrives: its start once the name is whole, then its arguments' JSON text
+    in fragments as they come."""
+
+    def __init__(self, index: int):
+        self.index, self.text, self.started, self._value, self._arguments = index, "", False, _ValueScanner(), []
+
+    def push(self, text: str) -> list:
+        self.text += text
+        events = []
+        if not self.started:
+            head = _HERMES_HEAD.match(self.text)
+            if head is None:
+                return []  # not yet, or not in the usual order: read whole at its end
+            self.started, self._id, self._name = True, new_call_id(), head.group(1)
+            text = self.text[head.end():]
+            events.append(CallStart(self.index, self._id, self._name))
+        if not self._value.done and (fragment := self._value.take(text)):
+            self._arguments.append(fragment)
+            events.append(CallArguments(self.index, fragment))
+        return events
+
+    def end(self) -> CallEnd:
+        return CallEnd(self.index, ToolCall(self._id, self._name, "".join(self._arguments)))
+
+
 class HermesStream:
     """Splits streamed text into content and <tool_call> blocks, streaming each call's arguments."""
 
@@ -155,7 +182,7 @@ class HermesStream:
             events += self._content(self._buffer[:start])
             self._pending_space = ""
             self._buffer, self._in_call = self._buffer[start + len(HERMES_START):], True
-            self._body, self._body_used, self._started, self._value = "", 0, False, _ValueScanner()
+            self._body, self._body_used = _CallBody(self._calls), 0
         return events
 
     def finish(self) -> list:
@@ -164,34 +191,19 @@ class HermesStream:
         if not self._in_call:
             return self._content(rest)
         events = self._call_body(rest[self._body_used:])
-        if self._started or _calls_from_json(self._body):
+        if self._body.started or _calls_from_json(self._body.text):
             return events + self._end_call()
         return [Content(HERMES_START + rest)]
 
     def _call_body(self, text: str) -> list:
-        self._body += text
-        if not self._started:
-            head = _HERMES_HEAD.match(self._body)
-            if head is None:
-                return []  # not yet, or not in the usual order: read whole at its end
-            self._started, self._id, self._name = True, new_call_id(), head.group(1)
-            self._arguments = []
-            text = self._body[head.end():]
-            events = [CallStart(self._calls, self._id, self._name)]
-        else:
-            events = []
-        if not self._value.done and (fragment := self._value.take(text)):
-            self._arguments.append(fragment)
-            events.append(CallArguments(self._calls, fragment))
-        return events
+        return self._body.push(text)
 
     def _end_call(self) -> list:
-        if self._started:
-            self._started = False
+        if self._body.started:
             self._calls += 1
-            return [CallEnd(self._calls - 1, ToolCall(self._id, self._name, "".join(self._arguments)))]
+            return [self._body.end()]
         events = []
-        for name, arguments in _calls_from_json(self._body) or []:  # not a call: dropped, as vLLM does
+        for name, arguments in _calls_from_json(self._body.text) or []:  # not a call: dropped, as vLLM does
             call = ToolCall(new_call_id(), name, arguments)
             events += [CallStart(self._calls, call.id, name), CallArguments(self._calls, arguments),
                        CallEnd(self._calls, call)]
@@ -216,12 +228,18 @@ def _unfenced(text: str) -> str:
 
 
 class JsonStream:
-    """Content unless the output starts as JSON (or a ```json fence); then the whole output is read as calls
-    at its end."""
+    """Content unless the output starts as JSON (or a ```json fence). Then call objects, one after another (small
+    models write parallel calls a line each), stream as hermes calls do: each one's id and name once the name is
+    whole, then its arguments' text. Whatever follows the last call is dropped. Anything else JSON-shaped (a list
+    of calls, an object that is not a call first) is read whole at the end."""
 
     def __init__(self):
         self._buffer = ""
         self._json: bool | None = None  # undecided until the start is JSON, a fence or neither
+        self._streaming = True  # until something other than a call object comes
+        self._object: _ValueScanner | None = None  # the bounds of the object being read
+        self._body: _CallBody | None = None  # that object, read as a call
+        self._calls = 0  # calls ended
 
     def push(self, text: str) -> list:
         if self._json is None:
@@ -230,14 +248,44 @@ class JsonStream:
             if not stripped or (JSON_FENCE.startswith(stripped) and stripped != JSON_FENCE):
                 return []
             self._json = stripped[0] in "[{" or stripped.startswith(JSON_FENCE)
-            text, self._buffer = self._buffer, ""
+            if not self._json:
+                text, self._buffer = self._buffer, ""
+                return [Content(text)]
+            return self._stream(stripped.removeprefix(JSON_FENCE))
         if self._json:
             self._buffer += text
-            return []
+            return self._stream(text)
         return [Content(text)] if text else []
+
+    def _stream(self, text: str) -> list:
+        events = []
+        while self._streaming and text:
+            if self._object is None:
+                text = text.lstrip()
+                if not text:
+                    break
+                if text[0] != "{":
+                    self._streaming = False
+                    break
+                self._object, self._body = _ValueScanner(), _CallBody(self._calls)
+            part = self._object.take(text)
+            text = text[len(part):]
+            events += self._body.push(part)
+            if self._object.done:
+                self._object = None
+                if not self._body.started:
+                    self._streaming = False
+                    break
+                events.append(self._body.end())
+                self._calls += 1
+        return events
 
     def finish(self) -> list:
         rest, self._buffer = self._buffer, ""
+        if self._object is not None and self._body.started:  # a call cut short (e.g. by max_tokens)
+            return [self._body.end()]
+        if self._calls:
+            return []
         calls = _calls_from_json(_unfenced(rest)) if self._json else None
         if not calls:
             return [Content(rest)] if rest else []

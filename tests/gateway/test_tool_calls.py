@@ -89,6 +89,43 @@ def test_json_stream_streams_other_fences_and_holds_a_json_fence_by_any_cut():
     assert stream.push("``") == [] and stream.push("`py") == [Content("```py")]
 
 
+FENCED_CALL = '```json\n{"name": "write_file", "arguments": {"path": "a.py", "content": "x = {1: \\"}\\"}"}}\n```'
+
+
+@given(st.lists(st.integers(min_value=1, max_value=len(FENCED_CALL)), max_size=30))
+def test_json_streaming_gives_the_same_call_however_the_text_is_cut(cuts):
+    stream, events = JSON.stream(), []
+    bounds = [0, *sorted(set(cuts)), len(FENCED_CALL)]
+    for start, end in zip(bounds, bounds[1:]):
+        events += stream.push(FENCED_CALL[start:end])
+    events += stream.finish()
+    [call] = [e.call for e in events if isinstance(e, CallEnd)]
+    assert (call.name, json.loads(call.arguments)) == ("write_file", {"path": "a.py", "content": 'x = {1: "}"}'})
+    assert isinstance(events[0], CallStart) and events[0].id == call.id and not any(isinstance(e, Content) for e in events)
+    assert "".join(e.delta for e in events if isinstance(e, CallArguments)) == call.arguments
+
+
+def test_json_streams_a_call_before_it_is_complete():
+    stream = JSON.stream()
+    events = stream.push('{"name": "get_weather", "arguments": {"ci')
+    assert [type(e) for e in events] == [CallStart, CallArguments] and events[0].name == "get_weather"
+    arguments, end = stream.push('ty": "Oslo"}}')
+    assert arguments == CallArguments(0, 'ty": "Oslo"}') and end.call.arguments == '{"city": "Oslo"}'
+    assert stream.finish() == []
+    # A list of calls is read whole at its end.
+    stream = JSON.stream()
+    assert stream.push('[{"name": "a", "arguments": {}}') == []
+    assert [e.call.name for e in stream.push("]") + stream.finish() if isinstance(e, CallEnd)] == ["a"]
+
+
+def test_json_reads_calls_a_line_each_and_drops_what_follows_them():
+    lines = '{"name": "a", "arguments": {"x": 1}}\n{"name": "b", "arguments": {}}\n{"temperature_c": 21}'
+    content, calls = JSON.parse(lines)
+    assert content == "" and [(c.name, c.arguments) for c in calls] == [("a", '{"x": 1}'), ("b", "{}")]
+    # An object that is not a call first: nothing streams, and the whole output is read at the end.
+    assert JSON.parse('{"temperature_c": 21}\n{"name": "a", "arguments": {}}')[1] == []
+
+
 def test_tool_choice_plan():
     assert tool_choice_plan(HERMES, None, None, None) == (None, None)
     assert tool_choice_plan(HERMES, [WEATHER], None, None) == (None, HERMES)  # auto
