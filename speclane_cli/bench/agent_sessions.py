@@ -6,7 +6,9 @@ service's JSON configuration). The script hands the model the file (a `read_file
 call and its result), asks for one change at a time, and answers every call the
 model makes: `write_file` (the file re-emitted with the edit) is saved, with test
 feedback, `read_file` returns the file, `run_tests` the feedback, anything else
-an error. After a reply without calls, the script asks for the next change.
+an error. After a reply without calls, the script asks for the next change. A call
+whose arguments are not JSON (cut short by max_tokens) could not be run by any
+agent: it is left out of the history, as is the whole reply's call list where none is.
 Everything the script says comes from the seed alone, so a session is the same
 whatever the model answers; the model's replies, tool calls included, go into a
 history that grows with every request.
@@ -65,8 +67,9 @@ class AgentSession:
                     {"role": "tool", "tool_call_id": "call_0", "content": self.content}]
         asked, writes = 1, 0
         for reply in replies:
-            messages.append(reply)
-            calls = reply.get("tool_calls") or ()
+            calls = [call for call in reply.get("tool_calls") or () if _readable(call["function"]["arguments"])]
+            messages.append({**reply, "tool_calls": calls} if calls
+                            else {"role": "assistant", "content": reply.get("content") or ""})
             for call in calls:
                 result, wrote = self._tool_result(call["function"]["name"], writes)
                 writes += wrote
@@ -90,6 +93,14 @@ class AgentSession:
         if name == "run_tests":
             return feedback, 0
         return f"error: there is no tool {name!r}; use read_file, write_file or run_tests", 0
+
+
+def _readable(arguments: str) -> bool:
+    try:
+        json.loads(arguments)
+    except ValueError:
+        return False
+    return True
 
 
 def _call(call_id: str, name: str, arguments: dict) -> dict:

@@ -53,6 +53,17 @@ def test_unknown_tools_get_an_error_and_reads_get_the_file():
     assert messages[-2]["content"] == session.content and messages[-1]["content"].startswith("error:")
 
 
+def test_a_call_cut_short_is_left_out_of_the_history():
+    session = agent_sessions(1, 2, seed=0)[0]
+    cut = {"id": "c1", "type": "function", "function": {"name": "write_file", "arguments": '{"path": "a.py", "con'}}
+    whole = {"id": "c0", "type": "function", "function": {"name": "run_tests", "arguments": "{}"}}
+    messages = session.request([{"role": "assistant", "content": None, "tool_calls": [whole, cut]}])["messages"]
+    assert messages[4]["tool_calls"] == [whole] and [m["tool_call_id"] for m in messages[5:]] == ["c0"]
+    # A reply whose every call is cut short reads as the model being done: the next change is asked.
+    messages = session.request([{"role": "assistant", "content": None, "tool_calls": [cut]}])["messages"]
+    assert messages[4] == {"role": "assistant", "content": ""} and messages[5]["role"] == "user"
+
+
 def test_a_session_log_is_grouped_into_sessions_by_prefix(tmp_path):
     def ask(*texts):
         return [{"role": "user" if i % 2 == 0 else "assistant", "content": t} for i, t in enumerate(texts)]
