@@ -101,7 +101,8 @@ def test_json_streaming_gives_the_same_call_however_the_text_is_cut(cuts):
     events += stream.finish()
     [call] = [e.call for e in events if isinstance(e, CallEnd)]
     assert (call.name, json.loads(call.arguments)) == ("write_file", {"path": "a.py", "content": 'x = {1: "}"}'})
-    assert isinstance(events[0], CallStart) and events[0].id == call.id and not any(isinstance(e, Content) for e in events)
+    assert isinstance(events[0], CallStart) and events[0].id == call.id
+    assert not any(isinstance(e, Content) for e in events)
     assert "".join(e.delta for e in events if isinstance(e, CallArguments)) == call.arguments
 
 
