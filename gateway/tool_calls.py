@@ -166,7 +166,7 @@ class HermesStream:
             if self._in_call:
                 end = self._buffer.find(HERMES_END)
                 usable = end if end >= 0 else len(self._buffer) - held_back(self._buffer, HERMES_END)
-                events += self._call_body(self._buffer[self._body_used:usable])
+                events += self._body.push(self._buffer[self._body_used:usable])
                 self._body_used = usable
                 if end < 0:
                     break
@@ -190,13 +190,10 @@ class HermesStream:
         rest, self._buffer = self._buffer, ""
         if not self._in_call:
             return self._content(rest)
-        events = self._call_body(rest[self._body_used:])
+        events = self._body.push(rest[self._body_used:])
         if self._body.started or _calls_from_json(self._body.text):
             return events + self._end_call()
         return [Content(HERMES_START + rest)]
-
-    def _call_body(self, text: str) -> list:
-        return self._body.push(text)
 
     def _end_call(self) -> list:
         if self._body.started:
