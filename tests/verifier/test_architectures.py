@@ -8,6 +8,7 @@ does. The features that made earlier engines wrong are shown to matter here
 import asyncio
 import dataclasses
 import functools
+import os
 import subprocess
 import sys
 
@@ -36,21 +37,24 @@ PROMPT = [(7 * i) % 90 + 3 for i in range(13)]
 TREE = (9, 11, 13, 17, 21)
 PARENTS = (-1, -1, 0, 2, 2)
 TOLERANCE = 1e-4
+# The same matrix on another device's backend: SPECLANE_TEST_DEVICE=cuda on a GPU host (docs/benchmarks/device).
+DEVICE = os.environ.get("SPECLANE_TEST_DEVICE", "cpu")
 
 
 @pytest.fixture(scope="module", params=sorted(SERVED))
 def model(request, tmp_path_factory):
     """(runner, transformers' model) of one architecture."""
     path = save_tiny(request.param, tmp_path_factory.mktemp(request.param))
-    runner = ModelRunner(path, "cpu", torch.float32)
+    runner = ModelRunner(path, DEVICE, torch.float32)
     runner.allocate_cache(64, BLOCK, num_state_slots=2)
-    reference = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
+    reference = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager")
+    reference = reference.to(DEVICE).eval()
     return runner, reference
 
 
 def last_logits(reference, tokens) -> torch.Tensor:
     with torch.no_grad():
-        return reference(torch.tensor([tokens])).logits[0, -1]
+        return reference(torch.tensor([tokens], device=reference.device)).logits[0, -1]
 
 
 def table_for(blocks: BlockManager, num_tokens: int) -> BlockTable:
@@ -101,7 +105,7 @@ FEATURES = {"sliding_window": "mistral", "softcap": "gemma2", "sinks": "gpt_oss"
 @pytest.mark.parametrize("feature", sorted(FEATURES))
 def test_dropping_a_feature_changes_the_logits(feature, tmp_path, monkeypatch):
     """The matrix would catch an engine that ignores the feature, as an earlier one did."""
-    runner = ModelRunner(save_tiny(FEATURES[feature], tmp_path), "cpu", torch.float32)
+    runner = ModelRunner(save_tiny(FEATURES[feature], tmp_path), DEVICE, torch.float32)
     runner.allocate_cache(16, BLOCK)
     table = table_for(BlockManager(16, BLOCK, False), len(PROMPT))
     plan = StepPlan((), tuple(PROMPT), (Segment(tuple(table.blocks), 0, len(PROMPT)),))
@@ -126,8 +130,8 @@ def test_mla_caches_its_latent_not_the_expanded_keys_and_values(tmp_path):
 
 def greedy_reference(reference, prompt, n) -> list[int]:
     with torch.no_grad():
-        out = reference.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, eos_token_id=None,
-                                 pad_token_id=0)
+        out = reference.generate(torch.tensor([prompt], device=reference.device), max_new_tokens=n,
+                                 do_sample=False, eos_token_id=None, pad_token_id=0)
     return out[0, len(prompt):].tolist()
 
 
@@ -153,7 +157,7 @@ def test_greedy_speculation_with_chains_and_trees_equals_plain_decoding(model):
 
 def test_keeping_a_rejected_drafts_linear_attention_state_changes_the_output(tmp_path, monkeypatch):
     """The rollback matters: a state that runs on through rejected draft tokens decodes something else."""
-    runner = ModelRunner(save_tiny("qwen3_next", tmp_path), "cpu", torch.float32)
+    runner = ModelRunner(save_tiny("qwen3_next", tmp_path), DEVICE, torch.float32)
     engine = Engine(runner, BlockManager(64, BLOCK, enable_prefix_caching=False))
     params = GenerationParams(SamplingParams(temperature=0.0), max_new_tokens=32, ignore_eos=True)
 
@@ -189,14 +193,14 @@ def test_unsupported_architectures_are_refused_by_name(model_type, tmp_path):
 
 @pytest.mark.parametrize("model_type", ["llama", "gemma2", "deepseek_v3", "qwen3_next"])
 def test_the_start_up_check_passes_where_the_engine_is_right(model_type, tmp_path):
-    runner = ModelRunner(save_tiny(model_type, tmp_path), "cpu", torch.float32)
+    runner = ModelRunner(save_tiny(model_type, tmp_path), DEVICE, torch.float32)
     runner.allocate_cache(16, BLOCK)
     check_against_reference(runner)
 
 
 def test_the_start_up_check_refuses_an_engine_that_is_wrong(tmp_path, monkeypatch):
     """As the last guard: an attention that drops the window (what an earlier engine did) is caught at start."""
-    runner = ModelRunner(save_tiny("mistral", tmp_path), "cpu", torch.float32)
+    runner = ModelRunner(save_tiny("mistral", tmp_path), DEVICE, torch.float32)
     runner.allocate_cache(16, BLOCK)
     original = attention_backend.LayerCall
     monkeypatch.setattr("verifier_service.attention.LayerCall",

@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# The verifier engine on a GPU host: the architecture matrix on its backend, then `speclane bench device`.
+# Run from the repository root. A host without our pure-Python dependencies (an offline GPU image with its
+# own torch) gets them from wheels in .whl/ (README.md beside this file says which).
+set -uo pipefail
+out=${OUT:-docs/benchmarks/device/latest}
+device=${DEVICE:-cuda}
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
+if [ -d .whl ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    || exit 1
+  export PYTHONPATH=/tmp/site:$PWD
+fi
+{ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>/dev/null
+  python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
+} | tee "$out/host.txt"
+SPECLANE_TEST_DEVICE=$device timeout 150 python3 -m pytest -q -p no:cacheprovider -m "not e2e" \
+  tests/verifier/test_architectures.py 2>&1 | tee "$out/architectures.log"
+timeout 420 python3 -m speclane_cli bench device --device "$device" --json "$out/device.json" \
+  --profile "$out/profile-" "$@" 2>&1 \
+  | grep -v "it/s\]" | tee "$out/bench.log"
