@@ -1,0 +1,34 @@
+"""`speclane bench device` on the CPU with a tiny shape: every section runs and its numbers hold together."""
+
+import json
+
+import pytest
+
+from speclane_cli.bench import device
+from speclane_cli.main import main
+
+TINY = dict(model_type="qwen3", hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=8, vocab_size=128, tie_word_embeddings=False,
+            max_position_embeddings=1024)
+
+
+@pytest.mark.parametrize("invariant", ["off", "on"])
+def test_the_device_bench_reports_rates_limits_and_draft_costs(invariant, tmp_path, monkeypatch):
+    monkeypatch.setitem(device.SHAPES, "tiny", TINY)
+    out = tmp_path / "device.json"
+    assert main(["bench", "device", "--models", "tiny", "--device", "cpu", "--dtype", "bfloat16", "--batches", "1,3",
+                 "--steps", "2", "--drafts", "2", "--batch-invariant", invariant, "--json", str(out),
+                 "--profile", str(tmp_path / "profile-")]) == 0
+    result = json.loads(out.read_text())
+    model = result["models"][0]
+    assert model["attention_backend"] == ("batch-invariant" if invariant == "on" else "torch-sdpa")
+    check = model["reference_check"]
+    assert check["max_logit_difference"] <= check["allowed"]
+    one, three = model["batches"]
+    assert [one["sequences"], three["sequences"]] == [1, 3]
+    for row in (one, three):
+        assert row["decode_tokens_per_s"] > 0 and row["transformers_static_tokens_per_s"] > 0
+        assert 0 < row["pass_host_ms"] <= row["pass_ms"] and row["verify_k2_vs_decode"] > 0
+    assert one["share_of_weight_read_limit"] == pytest.approx(
+        one["decode_tokens_per_s"] / model["weight_read_limit_tokens_per_s"], abs=1e-3)
+    assert "aten::" in (tmp_path / "profile-tiny.txt").read_text()
