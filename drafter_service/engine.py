@@ -12,6 +12,16 @@ from speclane.speculation import SpeculationSettings
 
 _SOURCES = {_core.SOURCE_REQUEST: SOURCE_REQUEST, _core.SOURCE_GLOBAL: SOURCE_GLOBAL, _core.SOURCE_NGRAM: SOURCE_NGRAM}
 _CORE_METHODS = {"suffix": _core.METHOD_SUFFIX, "ngram": _core.METHOD_NGRAM}
+# A step's suffix budget (max_spec_factor, min_token_prob) where it overrides the session's: a factor <= 0
+# or a probability < 0 keeps the session's (drafter.v1.Step).
+StepBudget = tuple[float, float]
+SESSION_BUDGET: StepBudget = (0.0, -1.0)
+
+
+def step_budget(max_spec_factor: float | None = None, min_token_prob: float | None = None) -> StepBudget:
+    """The engine's form of a step's budget; None: the session's."""
+    return (SESSION_BUDGET[0] if max_spec_factor is None else max_spec_factor,
+            SESSION_BUDGET[1] if min_token_prob is None else min_token_prob)
 
 
 def draft_from_core(result: tuple) -> Draft:
@@ -27,7 +37,7 @@ class DraftEngine:
         self.core = _core.Cache(max_tree_depth, max_cached_requests, max_cached_tokens)
         self._share_tenants = share_tenants
         self._ids = itertools.count()
-        self._pending: list[tuple[int, list[int], asyncio.Future]] = []
+        self._pending: list[tuple[int, list[int], StepBudget, asyncio.Future]] = []
 
     def restore(self, data: bytes) -> None:
         """Loads a snapshot into this (empty) engine; raises ValueError if it is malformed."""
@@ -47,10 +57,10 @@ class DraftEngine:
             lookahead=lookahead)
         return seq_id
 
-    async def step(self, seq_id: int, token_ids: Sequence[int]) -> Draft:
-        """Commits tokens and drafts, batched with every other step of this loop turn."""
+    async def step(self, seq_id: int, token_ids: Sequence[int], budget: StepBudget = SESSION_BUDGET) -> Draft:
+        """Commits tokens and drafts (under `budget`), batched with every other step of this loop turn."""
         future = asyncio.get_running_loop().create_future()
-        self._pending.append((seq_id, list(token_ids), future))
+        self._pending.append((seq_id, list(token_ids), budget, future))
         if len(self._pending) == 1:
             asyncio.get_running_loop().call_soon(self._flush)
         return await future
@@ -60,15 +70,17 @@ class DraftEngine:
 
     def _flush(self) -> None:
         # A cancelled session may already have ended its sequence: leave it out.
-        batch = [entry for entry in self._pending if not entry[2].cancelled()]
+        batch = [entry for entry in self._pending if not entry[3].cancelled()]
         self._pending = []
         if not batch:
             return
+        budgets = [budget for _, _, budget, _ in batch]
         try:
-            results = self.core.step([seq_id for seq_id, _, _ in batch], [tokens for _, tokens, _ in batch])
-        except (ValueError, IndexError) as exc:
-            for _, _, future in batch:
+            results = self.core.step([seq_id for seq_id, _, _, _ in batch], [tokens for _, tokens, _, _ in batch],
+                                     [] if all(b == SESSION_BUDGET for b in budgets) else budgets)
+        except Exception as exc:  # noqa: BLE001 - every step waiting on this batch must hear of it, or it hangs
+            for _, _, _, future in batch:
                 future.set_exception(exc)
             return
-        for (_, _, future), result in zip(batch, results):
+        for (_, _, _, future), result in zip(batch, results):
             future.set_result(draft_from_core(result))

@@ -5,6 +5,7 @@ the compiled engine."""
 from collections.abc import Sequence
 
 from drafter_service.draft import Draft
+from drafter_service.engine import SESSION_BUDGET, StepBudget
 from speclane.speculation import SpeculationSettings
 
 
@@ -36,10 +37,11 @@ class SequenceProposer:
         self.committed_len = committed_len
         self._uncommitted.extend(token_ids)
 
-    async def propose(self) -> Draft:
-        """Draft from prompt + everything committed (suffix decoding or n-gram lookup, per settings)."""
+    async def propose(self, budget: StepBudget = SESSION_BUDGET) -> Draft:
+        """Draft from prompt + everything committed (suffix decoding or n-gram lookup, per settings;
+        a suffix draft under this step's budget where it overrides the session's)."""
         token_ids, self._uncommitted = self._uncommitted, []
-        return await self._engine.step(self._seq_id, token_ids)
+        return await self._engine.step(self._seq_id, token_ids, budget)
 
     def end(self) -> None:
         """Ends the sequence: its own tree goes, its output stays in the global tree."""

@@ -2,6 +2,7 @@
 from SequenceProposer calls at the boundary."""
 
 import asyncio
+import math
 import time
 
 import grpc
@@ -9,7 +10,7 @@ import structlog
 
 from drafter_service.config import DrafterConfig
 from drafter_service.draft import Draft
-from drafter_service.engine import DraftEngine
+from drafter_service.engine import DraftEngine, StepBudget, step_budget
 from drafter_service.metrics import DrafterMetrics
 from drafter_service.proposer import CommittedLengthMismatch, SequenceProposer
 from protos.common.v1 import common_pb2
@@ -40,6 +41,16 @@ def draft_to_proto(draft: Draft, committed_len: int) -> common_pb2.Draft:
 
 def _has_negative(token_ids) -> bool:
     return any(token < 0 for token in token_ids)
+
+
+def _step_budget(step: drafter_pb2.Step) -> StepBudget | None:
+    """The step's suffix budget for the engine (the session's where a field is absent); None if out of range."""
+    factor = step.max_spec_factor if step.HasField("max_spec_factor") else None
+    min_prob = step.min_token_prob if step.HasField("min_token_prob") else None
+    if (factor is not None and not (math.isfinite(factor) and factor > 0)) or (
+            min_prob is not None and not 0 <= min_prob <= 1):
+        return None
+    return step_budget(factor, min_prob)
 
 
 class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
@@ -116,6 +127,10 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
                 if _has_negative(step.committed_token_ids):
                     await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                         "step.committed_token_ids must not be negative")
+                budget = _step_budget(step)
+                if budget is None:
+                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "step.max_spec_factor must be > 0 and "
+                                        "step.min_token_prob in [0, 1]")
                 try:
                     proposer.commit(step.committed_token_ids, step.committed_len)
                 except CommittedLengthMismatch as exc:
@@ -124,7 +139,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
                     await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"the session passed the drafter's "
                                         f"limit of {self._max_session_tokens} tokens (--max-session-tokens)")
                 started = time.perf_counter()
-                draft = await proposer.propose()
+                draft = await proposer.propose(budget)
                 self._metrics.observe_step(draft, time.perf_counter() - started)
                 steps += 1
                 drafted += len(draft)

@@ -38,12 +38,15 @@ class DrafterSession:
         )
         await self._guard(self._call.write(drafter_pb2.SessionRequest(start=start)))
 
-    async def propose(self, committed: Sequence[int], committed_len: int) -> common_pb2.Draft | None:
-        """Commits the new tokens and returns the next draft, or None if the drafter failed.
+    async def propose(self, committed: Sequence[int], committed_len: int, max_spec_factor: float | None = None,
+                      min_token_prob: float | None = None) -> common_pb2.Draft | None:
+        """Commits the new tokens and returns the next draft (a suffix draft under this
+        budget where given), or None if the drafter failed.
 
         Raises InvalidRequest if the drafter refused the request's settings.
         """
-        step = drafter_pb2.Step(committed_token_ids=committed, committed_len=committed_len)
+        step = drafter_pb2.Step(committed_token_ids=committed, committed_len=committed_len,
+                                max_spec_factor=max_spec_factor, min_token_prob=min_token_prob)
 
         async def exchange():
             await self._call.write(drafter_pb2.SessionRequest(step=step))

@@ -155,9 +155,10 @@ class _Sequence:
 
     def state(self, last) -> StepState:
         looked_up = last.lookup_draft if last.next_round_hit and last.HasField("lookup_draft") else None
-        return StepState(self._speculation.method, self._speculation.num_speculative_tokens, self._lookahead,
-                         last.next_round_hit, looked_up, last.committed_len, last.token_ids[-1], self._offered,
-                         self._loop._policy.next_round)
+        settings, policy = self._speculation, self._loop._policy
+        return StepState(settings.method, settings.num_speculative_tokens, self._lookahead, last.next_round_hit,
+                         looked_up, last.committed_len, last.token_ids[-1], self._offered, policy.next_round,
+                         settings.suffix_decoding_max_spec_factor, settings.suffix_decoding_min_token_prob)
 
     def measure(self, last) -> Measurements:
         """What the planner needs to know, at the verifier's load as it last reported it."""
@@ -180,7 +181,8 @@ class _Sequence:
         drafted = None
         if budget.ask_drafter:
             if self._proposer is not None and self._proposer.alive:
-                drafted = await self._proposer.propose(self._withheld, last.committed_len)
+                drafted = await self._proposer.propose(self._withheld, last.committed_len, budget.max_spec_factor,
+                                                       budget.min_token_prob)
             self._withheld = []
         return drafted or common_pb2.Draft(), time.perf_counter() - asked
 

@@ -13,6 +13,7 @@ A step is planned in two halves around the drafter's answer:
   may start the step after without a draft (run_ahead).
 docs/design/step-planner.md explains the rules and why."""
 
+import math
 from dataclasses import dataclass
 
 from gateway.next_round import continuations_after, cut, offered_draft, step_part
@@ -20,6 +21,7 @@ from protos.common.v1 import common_pb2
 from protos.verifier.v1 import verifier_pb2
 from speclane.speculation import HEAD_METHODS, draft_value
 
+SUFFIX_METHODS = ("suffix", "hybrid")  # the drafter drafts by suffix decoding
 # Where a step's draft came from; LOOKUP: the verifier's own prompt lookup (NextRound.lookup_tokens).
 PREDICTION, DRAFTER, HEAD, LOOKUP, NONE = "prediction", "drafter", "head", "lookup", "none"
 # A policy that has stopped something still tries it once every this many steps, or its
@@ -27,6 +29,11 @@ PREDICTION, DRAFTER, HEAD, LOOKUP, NONE = "prediction", "drafter", "head", "look
 # (a chat turn that starts quoting code, a method-wide prior learnt on other traffic), and
 # while lookups do not pay, a missed step looks up, so their loss is measured again.
 EXPLORE_EVERY = 4
+# A suffix draft's budget per matched token by what a draft token costs (in plain steps): (below this cost,
+# the session's max_spec_factor times this, min_token_prob at least this). In a big batch only a long match's
+# confident guess pays for its tokens; alone, a short match's does. The best of each on the four data sets'
+# recorded replies (`speclane bench policy`, docs/design/step-planner.md).
+SUFFIX_BUDGET_BY_COST = ((0.12, 2.0, 0.0), (0.3, 1.0, 0.5), (math.inf, 0.5, 0.5))
 
 
 @dataclass(frozen=True)
@@ -56,6 +63,9 @@ class StepState:
     last_token: int
     offered: tuple[verifier_pb2.Continuation, ...]  # the offers sent with the step before
     next_round: bool = True  # the policy lets the verifier start steps itself (PlannerPolicy.next_round)
+    # The session's suffix budget (suffix_decoding_max_spec_factor, suffix_decoding_min_token_prob).
+    max_spec_factor: float = 1.0
+    min_token_prob: float = 0.1
 
 
 @dataclass(frozen=True)
@@ -76,6 +86,9 @@ class Budget:
     drafter_limit: int  # of a drafter's draft: the part that pays
     ask_drafter: bool
     cut_steps: int
+    # The suffix tree's budget for this step's draft, in place of the session's (None: the session's).
+    max_spec_factor: float | None = None
+    min_token_prob: float | None = None
 
 
 @dataclass(frozen=True)
@@ -96,14 +109,25 @@ def draft_budget(policy: PlannerPolicy, state: StepState, measured: Measurements
     draft only the positions whose chance of being reached and accepted beats
     that cost. A step with no drafter draft to verify does not ask for one: its
     tokens go with the next ask, which spares the drafter's work where drafts
-    do not pay. A step the verifier runs ahead still asks: its offers need one."""
+    do not pay. A step the verifier runs ahead still asks: its offers need one.
+    A suffix draft is asked for under the budget per matched token that pays
+    at the load (suffix_budget)."""
     limit = min([state.k, *(tokens for fewest, most, tokens in policy.draft_tokens_by_load
                             if fewest <= measured.running <= most)])
     drafter_limit, cut_steps = limit, measured.cut_steps
+    factor = min_prob = None
     if measured.acceptance is not None:
         drafter_limit, cut_steps = break_even_length(measured.acceptance[:limit], measured.token_cost,
                                                      measured.cut_steps)
-    return Budget(limit, drafter_limit, drafter_limit > 0 or state.ran_ahead, cut_steps)
+        if state.method in SUFFIX_METHODS:
+            factor, min_prob = suffix_budget(measured.token_cost, state.max_spec_factor, state.min_token_prob)
+    return Budget(limit, drafter_limit, drafter_limit > 0 or state.ran_ahead, cut_steps, factor, min_prob)
+
+
+def suffix_budget(token_cost: float, max_spec_factor: float, min_token_prob: float) -> tuple[float, float]:
+    """(max_spec_factor, min_token_prob) of a suffix draft at a draft token's `token_cost`, from the session's."""
+    scale, floor = next((scale, floor) for below, scale, floor in SUFFIX_BUDGET_BY_COST if token_cost < below)
+    return max_spec_factor * scale, max(min_token_prob, floor)
 
 
 def break_even_length(acceptance: tuple[float, ...], token_cost: float, cut_steps: int) -> tuple[int, int]:

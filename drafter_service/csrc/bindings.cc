@@ -4,6 +4,8 @@
 // detour a tuple (position, token, token_ids, probs).
 #include <cstdint>
 #include <tuple>
+#include <utility>
+#include <vector>
 
 #include "cache.h"
 #include "ngram_index.h"
@@ -141,11 +143,15 @@ PYBIND11_MODULE(_core, m) {
            py::arg("max_spec_offset") = 0.0, py::arg("min_token_prob") = 0.1, py::arg("use_tree_spec") = false,
            py::arg("reanchor") = true, py::arg("lookahead") = 0, Released())
       .def("step",
-           [](Cache& cache, const std::vector<int64_t>& ids, const std::vector<Tokens>& tokens) {
+           [](Cache& cache, const std::vector<int64_t>& ids, const std::vector<Tokens>& tokens,
+              const std::vector<std::pair<double, double>>& budgets) {
+             std::vector<Cache::StepBudget> step_budgets;
+             step_budgets.reserve(budgets.size());
+             for (const auto& [factor, min_prob] : budgets) step_budgets.push_back({factor, min_prob});
              std::vector<Draft> drafts;
              {
                py::gil_scoped_release released;
-               drafts = cache.step(ids, tokens);
+               drafts = cache.step(ids, tokens, step_budgets);
              }
              // Built directly: pybind11's generic tuple and list casters cost about 1 us a draft.
              py::list out(drafts.size());
@@ -158,7 +164,8 @@ PYBIND11_MODULE(_core, m) {
                PyList_SET_ITEM(out.ptr(), static_cast<Py_ssize_t>(i), item);
              }
              return out;
-           })
+           },
+           py::arg("ids"), py::arg("tokens"), py::arg("budgets") = std::vector<std::pair<double, double>>())
       .def("active_requests", &Cache::active_requests, Released())
       .def("cached_requests", &Cache::cached_requests, Released())
       .def("cached_tokens", &Cache::cached_tokens)

@@ -176,8 +176,10 @@ Draft Cache::speculate(int64_t id, const int32_t* context, size_t n, const SpecP
   return propose(active(id), context, n, params);
 }
 
-std::vector<Draft> Cache::step(const std::vector<int64_t>& ids, const std::vector<std::vector<int32_t>>& tokens) {
+std::vector<Draft> Cache::step(const std::vector<int64_t>& ids, const std::vector<std::vector<int32_t>>& tokens,
+                               const std::vector<StepBudget>& budgets) {
   if (ids.size() != tokens.size()) throw std::invalid_argument("need one token list per request id");
+  if (!budgets.empty() && budgets.size() != ids.size()) throw std::invalid_argument("need one budget per request id");
   std::lock_guard<std::mutex> lock(mutex_);
   for (int64_t id : ids) active(id);  // all or nothing
   std::vector<Draft> drafts;
@@ -192,7 +194,12 @@ std::vector<Draft> Cache::step(const std::vector<int64_t>& ids, const std::vecto
       drafts.push_back(std::move(draft));
     } else {
       const std::vector<int32_t>& context = request.local->sequence_tokens(kLocalSequence);
-      drafts.push_back(propose(request, context.data(), context.size(), request.params.spec));
+      SpecParams spec = request.params.spec;
+      if (!budgets.empty()) {
+        if (budgets[i].max_spec_factor > 0) spec.max_spec_factor = budgets[i].max_spec_factor;
+        if (budgets[i].min_token_prob >= 0) spec.min_token_prob = budgets[i].min_token_prob;
+      }
+      drafts.push_back(propose(request, context.data(), context.size(), spec));
     }
   }
   return drafts;

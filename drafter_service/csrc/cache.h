@@ -44,9 +44,16 @@ class Cache {
   void stop_request(int64_t id);
   void evict_cached_response(int64_t id);
   Draft speculate(int64_t id, const int32_t* context, size_t n, const SpecParams& params);
-  // Appends each request's committed tokens, then drafts for it with its own
-  // session params from its whole context: one call per decode step of a batch.
-  std::vector<Draft> step(const std::vector<int64_t>& ids, const std::vector<std::vector<int32_t>>& tokens);
+  // A step's suffix budget where it overrides the session's (a field <= 0 keeps the session's).
+  struct StepBudget {
+    double max_spec_factor = 0;
+    double min_token_prob = -1;
+  };
+  // Appends each request's committed tokens, then drafts for it from its whole
+  // context with its session params, under its step budget where `budgets` has
+  // one per request (it may be empty): one call per decode step of a batch.
+  std::vector<Draft> step(const std::vector<int64_t>& ids, const std::vector<std::vector<int32_t>>& tokens,
+                          const std::vector<StepBudget>& budgets = {});
 
   std::vector<int64_t> active_requests() const;
   std::vector<int64_t> cached_requests() const;  // oldest first

@@ -17,7 +17,7 @@ import json
 import pathlib
 from dataclasses import dataclass
 
-from drafter_service.engine import DraftEngine, draft_from_core
+from drafter_service.engine import DraftEngine, draft_from_core, step_budget
 from drafter_service.service import draft_to_proto
 from gateway.estimates import MethodAcceptance, RequestAcceptance
 from gateway.planner import Measurements, PlannerPolicy, StepState, draft_budget, plan_step
@@ -72,13 +72,15 @@ def replay(traces: list[Trace], settings: SpeculationSettings, token_cost: float
             ran_ahead = any(c.draft.committed_len == committed_len and c.bonus_token_id == withheld[-1]
                             for c in offered)
             state = StepState(settings.method, k, next_round, ran_ahead, None, committed_len, withheld[-1], offered,
-                              next_round)
+                              next_round, settings.suffix_decoding_max_spec_factor,
+                              settings.suffix_decoding_min_token_prob)
             measured = Measurements(1, token_cost, token_cost, acceptance.rates(k) if acceptance else None,
                                     cut_steps, None, False)
             budget = draft_budget(policy, state, measured)
             drafted = common_pb2.Draft()
             if budget.ask_drafter:
-                core_draft = engine.core.step([seq_id], [withheld])[0]
+                core_draft = engine.core.step([seq_id], [withheld],
+                                              [step_budget(budget.max_spec_factor, budget.min_token_prob)])[0]
                 drafted, withheld = draft_to_proto(draft_from_core(core_draft), committed_len), []
             step = plan_step(state, measured, budget, drafted, None)
             offered, cut_steps = step.offers, budget.cut_steps

@@ -230,3 +230,17 @@ def test_server_saves_at_shutdown_and_restarts_warm(tmp_path):
     assert pathlib.Path(config.snapshot_path).stat().st_size > 4 * len(FILE)
     (draft,) = asyncio.run(serve_one_session([2], [FILE[:5]]))  # a new process would do the same
     assert list(draft.token_ids) == FILE[5:9]
+
+
+def test_a_batch_steps_budgets_apply_per_request_and_must_match_the_batch():
+    """core.step takes one (max_spec_factor, min_token_prob) per request or none; factor <= 0 and probability
+    < 0 keep the session's. An n-gram session ignores a budget."""
+    cache = _core.Cache(24, 100, 0)
+    prompt = [*range(20, 40), 1, *range(20, 30)]
+    cache.start_request(1, prompt, "", method=_core.METHOD_SUFFIX, max_spec_tokens=16)
+    cache.start_request(2, prompt, "", method=_core.METHOD_SUFFIX, max_spec_tokens=16)
+    cache.start_request(3, prompt, "", method=_core.METHOD_NGRAM, max_spec_tokens=4)
+    drafts = cache.step([1, 2, 3], [[], [], []], [(0.2, -1.0), (0.0, -1.0), (0.2, 1.0)])
+    assert [draft[0] for draft in drafts] == [[30, 31], list(range(30, 40)), [30, 31, 32, 33]]
+    with pytest.raises(ValueError, match="one budget per request"):
+        cache.step([1, 2], [[], []], [(1.0, 0.1)])

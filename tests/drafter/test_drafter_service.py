@@ -43,8 +43,9 @@ def start(prompt, method=drafter_pb2.METHOD_SUFFIX, k=8, tenant="", lookahead=0,
         params=drafter_pb2.ProposerParams(method=method, num_speculative_tokens=k, **params)))
 
 
-def step(tokens, committed_len):
-    return drafter_pb2.SessionRequest(step=drafter_pb2.Step(committed_token_ids=tokens, committed_len=committed_len))
+def step(tokens, committed_len, **budget):
+    return drafter_pb2.SessionRequest(step=drafter_pb2.Step(committed_token_ids=tokens, committed_len=committed_len,
+                                                            **budget))
 
 
 async def run_session(stub, first, commits, metadata=None):
@@ -151,6 +152,9 @@ def test_a_draft_offers_detours_for_the_branches_it_did_not_take():
     [start([1, 2], max_tree_depth=32)],  # the drafter's trees are 24 deep, for every session
     [start([1, -2])],
     [start([1, 2]), step([-1], 3)],
+    [start([1, 2]), step([3], 3, max_spec_factor=0)],
+    [start([1, 2]), step([3], 3, max_spec_factor=float("nan"))],
+    [start([1, 2]), step([3], 3, min_token_prob=-0.1)],
     [start([1, 2]), start([1, 2])],
     [start([1, 2]), drafter_pb2.SessionRequest()],
 ])
@@ -160,6 +164,28 @@ def test_bad_input_is_invalid_argument(messages):
             return await expect_error(stub, messages)
 
     assert asyncio.run(main()) == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_a_steps_budget_replaces_the_sessions_for_that_step_alone():
+    """The gateway's planner sets the suffix budget by the verifier's load: a step's factor bounds its draft by
+    the match's length, and its probability floor drops the unlikely tokens; the next step is the session's."""
+    prompt = [*range(20, 40), 1, *range(20, 30)]  # its last 10 tokens match, followed by 30 .. 39
+
+    async def drafts(*budgets):
+        async with drafter() as stub:
+            call = stub.Session()
+            await call.write(start(prompt, k=16, max_spec_factor=1.0))
+            out = []
+            for budget in budgets:
+                await call.write(step([], len(prompt), **budget))
+                out.append(list((await call.read()).draft.token_ids))
+            await call.done_writing()
+            return out
+
+    session, tight, after, floor = asyncio.run(drafts({}, {"max_spec_factor": 0.2}, {}, {"min_token_prob": 1.0}))
+    assert session == list(range(30, 40)) == after
+    assert tight == [30, 31]  # 0.2 x 10 matched tokens
+    assert floor == []
 
 
 def test_get_info_reports_the_server_wide_settings_and_bounds():

@@ -54,7 +54,8 @@ def test_steps_of_one_loop_turn_share_one_batch():
             proposer.start([offset, 1, 2, 3, 1, 2])
         calls = []
         step = engine.core.step
-        engine.core = type("Counting", (), {"step": lambda self, ids, tokens: calls.append(ids) or step(ids, tokens)})()
+        engine.core = type("Counting", (), {"step": lambda self, ids, tokens, budgets: calls.append(ids)
+                                            or step(ids, tokens, budgets)})()
         drafts = await asyncio.gather(*(proposer.propose() for proposer in proposers))
         return calls, drafts
 

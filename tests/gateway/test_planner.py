@@ -10,6 +10,7 @@ from gateway.planner import (
     StepState,
     draft_budget,
     plan_step,
+    suffix_budget,
 )
 from protos.common.v1 import common_pb2
 from protos.verifier.v1 import verifier_pb2
@@ -22,8 +23,9 @@ def state(method="suffix", ran_ahead=False, looked_up=None, offered=()) -> StepS
     return StepState(method, 3, True, ran_ahead, looked_up, 10, 9, offered)
 
 
-def measured(acceptance=None, lookup_pays=False, head_worth=None, running=1, score_scale=1.0) -> Measurements:
-    return Measurements(running, 0.2, 0.2, acceptance, 0, head_worth, lookup_pays, score_scale)
+def measured(acceptance=None, lookup_pays=False, head_worth=None, running=1, score_scale=1.0,
+             token_cost=0.2) -> Measurements:
+    return Measurements(running, token_cost, token_cost, acceptance, 0, head_worth, lookup_pays, score_scale)
 
 
 def plan(step_state, step_measured, drafted=DRAFTED, policy=PlannerPolicy()):
@@ -98,3 +100,19 @@ def test_hybrid_leaves_the_step_after_to_the_head_where_the_drafters_drafts_lose
     # Suffix decoding without a head offers and looks up as before.
     _, step = plan(state("suffix"), measured(lookup_pays=True, score_scale=0.5), drafted=confident)
     assert (len(step.offers), step.lookup_tokens) == (1, 3)
+
+
+def test_a_suffix_draft_is_asked_for_under_the_budget_that_pays_at_the_load():
+    """Alone a short match's guess pays, in a big batch only a long match's confident one: the budget per matched
+    token falls and the probability floor rises with a draft token's cost, from the session's settings."""
+    assert suffix_budget(0.05, 1.0, 0.1) == (2.0, 0.1)
+    assert suffix_budget(0.2, 1.0, 0.1) == (1.0, 0.5)
+    assert suffix_budget(0.4, 1.0, 0.1) == (0.5, 0.5)
+    assert suffix_budget(0.4, 2.0, 0.7) == (1.0, 0.7)  # a session's own stricter floor stays
+    rates = (0.9, 0.9, 0.9)
+    for method, expected in (("suffix", (0.5, 0.5)), ("hybrid", (0.5, 0.5)), ("ngram", (None, None))):
+        budget = draft_budget(PlannerPolicy(), state(method), measured(acceptance=rates, token_cost=0.4))
+        assert (budget.max_spec_factor, budget.min_token_prob) == expected, method
+    # With the break-even cut off (no acceptance to judge by), the session's budget stands.
+    budget = draft_budget(PlannerPolicy(break_even=False), state(), measured(token_cost=0.4))
+    assert (budget.max_spec_factor, budget.min_token_prob) == (None, None)

@@ -25,29 +25,29 @@ _sym_db = _symbol_database.Default()
 from protos.common.v1 import common_pb2 as protos_dot_common_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1fprotos/drafter/v1/drafter.proto\x12\x13speclane.drafter.v1\x1a\x1dprotos/common/v1/common.proto\"\x87\x03\n\x0eProposerParams\x12+\n\x06method\x18\x01 \x01(\x0e\x32\x1b.speclane.drafter.v1.Method\x12\x1e\n\x16num_speculative_tokens\x18\x02 \x01(\r\x12\x1e\n\x11prompt_lookup_min\x18\x03 \x01(\rH\x00\x88\x01\x01\x12\x1e\n\x11prompt_lookup_max\x18\x04 \x01(\rH\x01\x88\x01\x01\x12\x1c\n\x0fmax_spec_factor\x18\x05 \x01(\x02H\x02\x88\x01\x01\x12\x1b\n\x0emin_token_prob\x18\x07 \x01(\x02H\x03\x88\x01\x01\x12\x1b\n\x0emax_tree_depth\x18\x08 \x01(\rH\x04\x88\x01\x01\x42\x14\n\x12_prompt_lookup_minB\x14\n\x12_prompt_lookup_maxB\x12\n\x10_max_spec_factorB\x11\n\x0f_min_token_probB\x11\n\x0f_max_tree_depthJ\x04\x08\x06\x10\x07J\x04\x08\t\x10\nR\x0fmax_spec_offsetR\ruse_tree_spec\"\x99\x01\n\x05Start\x12\x13\n\x0bsequence_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x33\n\x06params\x18\x03 \x01(\x0b\x32#.speclane.drafter.v1.ProposerParams\x12\x0e\n\x06tenant\x18\x04 \x01(\t\x12\x1c\n\x14num_lookahead_tokens\x18\x05 \x01(\r\":\n\x04Step\x12\x1b\n\x13\x63ommitted_token_ids\x18\x01 \x03(\x05\x12\x15\n\rcommitted_len\x18\x02 \x01(\x04\"p\n\x0eSessionRequest\x12+\n\x05start\x18\x01 \x01(\x0b\x32\x1a.speclane.drafter.v1.StartH\x00\x12)\n\x04step\x18\x02 \x01(\x0b\x32\x19.speclane.drafter.v1.StepH\x00\x42\x06\n\x04kind\";\n\x0fSessionResponse\x12(\n\x05\x64raft\x18\x01 \x01(\x0b\x32\x19.speclane.common.v1.Draft\"\x10\n\x0eGetInfoRequest\"\xc2\x01\n\x0b\x44rafterInfo\x12,\n\x07methods\x18\x01 \x03(\x0e\x32\x1b.speclane.drafter.v1.Method\x12\x1e\n\x16max_speculative_tokens\x18\x02 \x01(\r\x12\x16\n\x0emax_tree_depth\x18\x03 \x01(\r\x12\x1b\n\x13max_cached_requests\x18\x04 \x01(\x04\x12\x19\n\x11max_cached_tokens\x18\x05 \x01(\x04\x12\x15\n\rshare_tenants\x18\x06 \x01(\x08*E\n\x06Method\x12\x16\n\x12METHOD_UNSPECIFIED\x10\x00\x12\x11\n\rMETHOD_SUFFIX\x10\x01\x12\x10\n\x0cMETHOD_NGRAM\x10\x02\x32\xb5\x01\n\x07\x44rafter\x12X\n\x07Session\x12#.speclane.drafter.v1.SessionRequest\x1a$.speclane.drafter.v1.SessionResponse(\x01\x30\x01\x12P\n\x07GetInfo\x12#.speclane.drafter.v1.GetInfoRequest\x1a .speclane.drafter.v1.DrafterInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1fprotos/drafter/v1/drafter.proto\x12\x13speclane.drafter.v1\x1a\x1dprotos/common/v1/common.proto\"\x87\x03\n\x0eProposerParams\x12+\n\x06method\x18\x01 \x01(\x0e\x32\x1b.speclane.drafter.v1.Method\x12\x1e\n\x16num_speculative_tokens\x18\x02 \x01(\r\x12\x1e\n\x11prompt_lookup_min\x18\x03 \x01(\rH\x00\x88\x01\x01\x12\x1e\n\x11prompt_lookup_max\x18\x04 \x01(\rH\x01\x88\x01\x01\x12\x1c\n\x0fmax_spec_factor\x18\x05 \x01(\x02H\x02\x88\x01\x01\x12\x1b\n\x0emin_token_prob\x18\x07 \x01(\x02H\x03\x88\x01\x01\x12\x1b\n\x0emax_tree_depth\x18\x08 \x01(\rH\x04\x88\x01\x01\x42\x14\n\x12_prompt_lookup_minB\x14\n\x12_prompt_lookup_maxB\x12\n\x10_max_spec_factorB\x11\n\x0f_min_token_probB\x11\n\x0f_max_tree_depthJ\x04\x08\x06\x10\x07J\x04\x08\t\x10\nR\x0fmax_spec_offsetR\ruse_tree_spec\"\x99\x01\n\x05Start\x12\x13\n\x0bsequence_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x33\n\x06params\x18\x03 \x01(\x0b\x32#.speclane.drafter.v1.ProposerParams\x12\x0e\n\x06tenant\x18\x04 \x01(\t\x12\x1c\n\x14num_lookahead_tokens\x18\x05 \x01(\r\"\x9c\x01\n\x04Step\x12\x1b\n\x13\x63ommitted_token_ids\x18\x01 \x03(\x05\x12\x15\n\rcommitted_len\x18\x02 \x01(\x04\x12\x1c\n\x0fmax_spec_factor\x18\x03 \x01(\x02H\x00\x88\x01\x01\x12\x1b\n\x0emin_token_prob\x18\x04 \x01(\x02H\x01\x88\x01\x01\x42\x12\n\x10_max_spec_factorB\x11\n\x0f_min_token_prob\"p\n\x0eSessionRequest\x12+\n\x05start\x18\x01 \x01(\x0b\x32\x1a.speclane.drafter.v1.StartH\x00\x12)\n\x04step\x18\x02 \x01(\x0b\x32\x19.speclane.drafter.v1.StepH\x00\x42\x06\n\x04kind\";\n\x0fSessionResponse\x12(\n\x05\x64raft\x18\x01 \x01(\x0b\x32\x19.speclane.common.v1.Draft\"\x10\n\x0eGetInfoRequest\"\xc2\x01\n\x0b\x44rafterInfo\x12,\n\x07methods\x18\x01 \x03(\x0e\x32\x1b.speclane.drafter.v1.Method\x12\x1e\n\x16max_speculative_tokens\x18\x02 \x01(\r\x12\x16\n\x0emax_tree_depth\x18\x03 \x01(\r\x12\x1b\n\x13max_cached_requests\x18\x04 \x01(\x04\x12\x19\n\x11max_cached_tokens\x18\x05 \x01(\x04\x12\x15\n\rshare_tenants\x18\x06 \x01(\x08*E\n\x06Method\x12\x16\n\x12METHOD_UNSPECIFIED\x10\x00\x12\x11\n\rMETHOD_SUFFIX\x10\x01\x12\x10\n\x0cMETHOD_NGRAM\x10\x02\x32\xb5\x01\n\x07\x44rafter\x12X\n\x07Session\x12#.speclane.drafter.v1.SessionRequest\x1a$.speclane.drafter.v1.SessionResponse(\x01\x30\x01\x12P\n\x07GetInfo\x12#.speclane.drafter.v1.GetInfoRequest\x1a .speclane.drafter.v1.DrafterInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'protos.drafter.v1.drafter_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_METHOD']._serialized_start=1087
-  _globals['_METHOD']._serialized_end=1156
+  _globals['_METHOD']._serialized_start=1186
+  _globals['_METHOD']._serialized_end=1255
   _globals['_PROPOSERPARAMS']._serialized_start=88
   _globals['_PROPOSERPARAMS']._serialized_end=479
   _globals['_START']._serialized_start=482
   _globals['_START']._serialized_end=635
-  _globals['_STEP']._serialized_start=637
-  _globals['_STEP']._serialized_end=695
-  _globals['_SESSIONREQUEST']._serialized_start=697
-  _globals['_SESSIONREQUEST']._serialized_end=809
-  _globals['_SESSIONRESPONSE']._serialized_start=811
-  _globals['_SESSIONRESPONSE']._serialized_end=870
-  _globals['_GETINFOREQUEST']._serialized_start=872
-  _globals['_GETINFOREQUEST']._serialized_end=888
-  _globals['_DRAFTERINFO']._serialized_start=891
-  _globals['_DRAFTERINFO']._serialized_end=1085
-  _globals['_DRAFTER']._serialized_start=1159
-  _globals['_DRAFTER']._serialized_end=1340
+  _globals['_STEP']._serialized_start=638
+  _globals['_STEP']._serialized_end=794
+  _globals['_SESSIONREQUEST']._serialized_start=796
+  _globals['_SESSIONREQUEST']._serialized_end=908
+  _globals['_SESSIONRESPONSE']._serialized_start=910
+  _globals['_SESSIONRESPONSE']._serialized_end=969
+  _globals['_GETINFOREQUEST']._serialized_start=971
+  _globals['_GETINFOREQUEST']._serialized_end=987
+  _globals['_DRAFTERINFO']._serialized_start=990
+  _globals['_DRAFTERINFO']._serialized_end=1184
+  _globals['_DRAFTER']._serialized_start=1258
+  _globals['_DRAFTER']._serialized_end=1439
 # @@protoc_insertion_point(module_scope)

@@ -50,12 +50,16 @@ class Start(_message.Message):
     def __init__(self, sequence_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[ProposerParams, _Mapping]] = ..., tenant: _Optional[str] = ..., num_lookahead_tokens: _Optional[int] = ...) -> None: ...
 
 class Step(_message.Message):
-    __slots__ = ("committed_token_ids", "committed_len")
+    __slots__ = ("committed_token_ids", "committed_len", "max_spec_factor", "min_token_prob")
     COMMITTED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     COMMITTED_LEN_FIELD_NUMBER: _ClassVar[int]
+    MAX_SPEC_FACTOR_FIELD_NUMBER: _ClassVar[int]
+    MIN_TOKEN_PROB_FIELD_NUMBER: _ClassVar[int]
     committed_token_ids: _containers.RepeatedScalarFieldContainer[int]
     committed_len: int
-    def __init__(self, committed_token_ids: _Optional[_Iterable[int]] = ..., committed_len: _Optional[int] = ...) -> None: ...
+    max_spec_factor: float
+    min_token_prob: float
+    def __init__(self, committed_token_ids: _Optional[_Iterable[int]] = ..., committed_len: _Optional[int] = ..., max_spec_factor: _Optional[float] = ..., min_token_prob: _Optional[float] = ...) -> None: ...
 
 class SessionRequest(_message.Message):
     __slots__ = ("start", "step")
