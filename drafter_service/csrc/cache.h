@@ -44,7 +44,8 @@ class Cache {
   void stop_request(int64_t id);
   void evict_cached_response(int64_t id);
   Draft speculate(int64_t id, const int32_t* context, size_t n, const SpecParams& params);
-  // A step's suffix budget where it overrides the session's (a field <= 0 keeps the session's).
+  // A step's suffix budget where it overrides the session's (a factor <= 0 or a probability < 0 keeps the
+  // session's).
   struct StepBudget {
     double max_spec_factor = 0;
     double min_token_prob = -1;
