@@ -5,7 +5,6 @@ keys tensor and one values tensor of [num_blocks * block_size, kv_heads, dim]
 once, where it was computed, and moves only to compact an accepted tree path
 (block_manager.MoveSlots)."""
 
-import mmap
 from dataclasses import dataclass
 
 import torch
@@ -35,12 +34,12 @@ class PagedKVCache:
         self.block_size = block_size
         slots = num_blocks * block_size
         g = geometry
-        # Zeros: attention reads whole blocks, so a slot never written is read (and masked); it must be finite.
+        # Empty, not zeros: pages are only committed as blocks fill, and no slot is read before it is written.
         # Indexed by layer; a layer that keeps no KV has none.
-        self.keys = [_zeros(0 if i in g.stateless else slots, g.kv_heads, g.key_dim, dtype=dtype, device=device)
+        self.keys = [torch.empty(0 if i in g.stateless else slots, g.kv_heads, g.key_dim, dtype=dtype, device=device)
                      for i in range(g.num_layers)]
-        self.values = [_zeros(0 if i in g.stateless else slots, g.kv_heads, g.value_dim, dtype=dtype, device=device)
-                       for i in range(g.num_layers)]
+        self.values = [torch.empty(0 if i in g.stateless else slots, g.kv_heads, g.value_dim, dtype=dtype,
+                                   device=device) for i in range(g.num_layers)]
 
     def write(self, layer: int, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
         """keys/values [n, kv_heads, dim] of the pass's new tokens, into their slots."""
@@ -53,12 +52,3 @@ class PagedKVCache:
         for tensor in (*self.keys, *self.values):
             if len(tensor):
                 tensor.index_copy_(0, dst, tensor.index_select(0, src))
-
-
-def _zeros(*shape: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """Zeros; on a CPU in an anonymous mapping, whose pages the kernel commits (zeroed) only as blocks fill, so
-    a large --kv-cache-space costs memory as it is used, as torch.empty's would."""
-    if device.type != "cpu" or 0 in shape:
-        return torch.zeros(shape, dtype=dtype, device=device)
-    count = shape[0] * shape[1] * shape[2]
-    return torch.frombuffer(mmap.mmap(-1, count * dtype.itemsize), dtype=dtype, count=count).view(shape)
