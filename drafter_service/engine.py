@@ -74,10 +74,9 @@ class DraftEngine:
         self._pending = []
         if not batch:
             return
-        budgets = [budget for _, _, budget, _ in batch]
         try:
             results = self.core.step([seq_id for seq_id, _, _, _ in batch], [tokens for _, tokens, _, _ in batch],
-                                     [] if all(b == SESSION_BUDGET for b in budgets) else budgets)
+                                     [budget for _, _, budget, _ in batch])
         except Exception as exc:  # noqa: BLE001 - every step waiting on this batch must hear of it, or it hangs
             for _, _, _, future in batch:
                 future.set_exception(exc)
