@@ -38,6 +38,7 @@ _CLEAR_WIN = 0.9
 _WEIGHT_FIRST_MAX_ROWS = 6
 
 
+# Each way multiplies x [..., in] by W^T, giving [..., out] (contiguous).
 def by_linear(x: torch.Tensor, linear: "MeasuredLinear") -> torch.Tensor:
     return F.linear(x, linear.weight)
 
@@ -48,11 +49,14 @@ def by_transposed(x: torch.Tensor, linear: "MeasuredLinear") -> torch.Tensor:
 
 def by_weight_first(x: torch.Tensor, linear: "MeasuredLinear") -> torch.Tensor:
     # Contiguous: a strided output sends attention's inputs down a slower path (no flash kernel).
-    return (linear.weight @ x.t()).t().contiguous()
+    out = (linear.weight @ x.reshape(-1, linear.in_features).t()).t().contiguous()
+    return out.view(*x.shape[:-1], linear.out_features)
 
 
 def by_reordered(x: torch.Tensor, linear: "MeasuredLinear") -> torch.Tensor:
-    return torch.ops.mkldnn._linear_pointwise(x, linear.weight_reordered, None, "none", [], "")
+    out = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, linear.in_features), linear.weight_reordered, None,
+                                             "none", [], "")
+    return out.view(*x.shape[:-1], linear.out_features)
 
 
 # The ways, by the index MeasuredLinear.ways holds; by_linear first: the default.
@@ -88,6 +92,10 @@ class MeasuredLinear(nn.Module):
         """Multiplies by `ways` from now on, holding the layouts they read."""
         self.ways = ways
         self.hold_layouts(ways)
+        # The way of every row count up to the largest measured: a lookup per call (a layer's Python overhead
+        # is a pass's cost with small layers, as on an accelerator).
+        self.way_by_rows = tuple(WAYS[ways[max(bisect.bisect_right(MEASURED_ROWS, rows) - 1, 0)]]
+                                 for rows in range(MEASURED_ROWS[-1] + 1))
 
     def hold_layouts(self, ways) -> None:
         """Adds the layouts the `ways` (indices into WAYS) read; drops the others."""
@@ -107,9 +115,7 @@ class MeasuredLinear(nn.Module):
         return self.weight.nbytes * ((self.weight_t is not None) + (self.weight_reordered is not None))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.numel() // self.in_features
-        way = WAYS[self.ways[max(bisect.bisect_right(MEASURED_ROWS, rows) - 1, 0)]]
-        out = way(x.reshape(rows, self.in_features), self).reshape(*x.shape[:-1], self.out_features)
+        out = self.way_by_rows[min(x.numel() // self.in_features, MEASURED_ROWS[-1])](x, self)
         return out if self.bias is None else out + self.bias
 
 

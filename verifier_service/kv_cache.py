@@ -1,10 +1,12 @@
 """The KV cache's memory on one rank: per attention layer, one preallocated
-keys tensor and one values tensor of [num_blocks * block_size, kv_heads, dim]
-(vLLM's block layout, flattened to slots). A sequence's token i lives in slot
+tensor of [num_blocks * block_size, kv_heads, key_dim + value_dim] (vLLM's
+block layout, flattened to slots, a slot's key and value side by side). A
+sequence's token i lives in slot
 `block_table[i // block_size] * block_size + i % block_size`; its KV is written
 once, where it was computed, and moves only to compact an accepted tree path
 (block_manager.MoveSlots)."""
 
+import mmap
 from dataclasses import dataclass
 
 import torch
@@ -34,21 +36,32 @@ class PagedKVCache:
         self.block_size = block_size
         slots = num_blocks * block_size
         g = geometry
-        # Empty, not zeros: pages are only committed as blocks fill, and no slot is read before it is written.
-        # Indexed by layer; a layer that keeps no KV has none.
-        self.keys = [torch.empty(0 if i in g.stateless else slots, g.kv_heads, g.key_dim, dtype=dtype, device=device)
-                     for i in range(g.num_layers)]
-        self.values = [torch.empty(0 if i in g.stateless else slots, g.kv_heads, g.value_dim, dtype=dtype,
-                                   device=device) for i in range(g.num_layers)]
+        self.key_dim = g.key_dim
+        # Per layer one tensor [slots, kv_heads, key_dim + value_dim]: a slot's key beside its value, so one copy
+        # gathers both (a block's rows twice as long: gathers were the largest cost a decode pass adds to the
+        # model's own). Zeros: attention reads whole blocks, so a slot never written is read (and masked); it
+        # must be finite. Indexed by layer; a layer that keeps no KV has none.
+        self.kv = [_zeros(0 if i in g.stateless else slots, g.kv_heads, g.key_dim + g.value_dim, dtype=dtype,
+                          device=device) for i in range(g.num_layers)]
+        self.keys = [tensor[..., :g.key_dim] for tensor in self.kv]
+        self.values = [tensor[..., g.key_dim:] for tensor in self.kv]
 
     def write(self, layer: int, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
         """keys/values [n, kv_heads, dim] of the pass's new tokens, into their slots."""
-        self.keys[layer].index_copy_(0, slots, keys)
-        self.values[layer].index_copy_(0, slots, values)
+        self.kv[layer].index_copy_(0, slots, torch.cat((keys, values), dim=-1))
 
     def move(self, move: MoveSlots) -> None:
-        src = torch.tensor(move.src, dtype=torch.long, device=self.keys[0].device)
-        dst = torch.tensor(move.dst, dtype=torch.long, device=self.keys[0].device)
-        for tensor in (*self.keys, *self.values):
+        src = torch.tensor(move.src, dtype=torch.long, device=self.kv[0].device)
+        dst = torch.tensor(move.dst, dtype=torch.long, device=self.kv[0].device)
+        for tensor in self.kv:
             if len(tensor):
                 tensor.index_copy_(0, dst, tensor.index_select(0, src))
+
+
+def _zeros(*shape: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Zeros; on a CPU in an anonymous mapping, whose pages the kernel commits (zeroed) only as blocks fill, so
+    a large --kv-cache-space costs memory as it is used, as torch.empty's would."""
+    if device.type != "cpu" or 0 in shape:
+        return torch.zeros(shape, dtype=dtype, device=device)
+    count = shape[0] * shape[1] * shape[2]
+    return torch.frombuffer(mmap.mmap(-1, count * dtype.itemsize), dtype=dtype, count=count).view(shape)

@@ -42,8 +42,11 @@ def test_each_row_count_takes_the_way_measured_for_it_or_the_largest_count_below
             return WAYS[index](x, linear)
         return way
 
+    recorders = tuple(recorder(i) for i in range(len(WAYS)))
+    monkeypatch.setattr(cpu_linear, "WAYS", recorders)
+    for name, way in zip(("by_linear", "by_transposed", "by_weight_first", "by_reordered"), recorders):
+        monkeypatch.setattr(cpu_linear, name, way)  # so the layouts each way reads are held
     linear = MeasuredLinear(nn.Linear(8, 5, bias=False), CYCLING)
-    monkeypatch.setattr(cpu_linear, "WAYS", tuple(recorder(i) for i in range(len(WAYS))))
 
     def way_for(rows):
         used.clear()

@@ -174,3 +174,27 @@ def test_a_system_prompt_shared_by_concurrent_requests_is_computed_once(long_run
     assert engine.blocks.prefix_cache_hits >= 15 * (len(system) // BLOCK * BLOCK)
     for seq, p in list(zip(seqs, prompts))[:2]:  # and what they computed is right
         assert seq.tokens[len(p):] == reference_start(long_runner, seq, len(p))[:1]
+
+
+def test_the_cache_starts_as_zeros_and_commits_its_memory_only_as_it_fills():
+    """Attention reads whole blocks, so slots no token wrote are read (masked): they must be finite, even where
+    freed memory held NaNs; and on a CPU a large cache still costs memory only as blocks fill."""
+    import psutil
+
+    from verifier_service.kv_cache import KVGeometry, PagedKVCache
+
+    geometry = KVGeometry(num_layers=2, kv_heads=2, key_dim=64, value_dim=32)
+    for _ in range(3):  # a cache the size of one just freed, whose memory held NaNs
+        cache = PagedKVCache(geometry, 64, BLOCK, torch.float32, torch.device("cpu"))
+        assert not any(tensor.any() for tensor in cache.kv)
+        for tensor in cache.kv:
+            tensor.fill_(float("nan"))
+        del cache
+    process = psutil.Process()
+    before = process.memory_info().rss
+    cache = PagedKVCache(geometry, 2**20 // BLOCK, BLOCK, torch.float32, torch.device("cpu"))  # 1.5 GiB
+    assert process.memory_info().rss - before < 2**27
+    cache.write(1, torch.tensor([5]), torch.ones(1, 2, 64), torch.full((1, 2, 32), 2.0))
+    assert cache.keys[1][5].sum() == 128 and cache.values[1][5].sum() == 128
+    assert cache.keys[1].shape == (2**20, 2, 64) and cache.values[1].shape == (2**20, 2, 32)
+    assert not cache.kv[0][5].any() and not cache.kv[1][4].any()

@@ -41,7 +41,8 @@ class Group:
     first_row: int  # with query_index None: the group's queries are rows first .. first + B * Q, in order
     pass_rows: torch.Tensor  # [n] the pass rows the group's real queries answer
     padded_rows: torch.Tensor  # [n] where those are in the flattened [B * Q] output
-    key_slots: torch.Tensor  # [B * K] flat
+    key_blocks: torch.Tensor  # [B * K / block_size] the blocks holding each segment's keys, in order
+    block_size: int
     visible: torch.Tensor  # [B, Q, K] bool, before any window
     query_positions: torch.Tensor  # [B, Q]
     key_positions: torch.Tensor  # [B, K]
@@ -115,30 +116,28 @@ class TorchAttention:
         return Metadata(slot_mapping(segments, block_size, device), positions.shape[0], groups)
 
     def attend(self, metadata: Metadata, call: LayerCall, query: torch.Tensor, cache: PagedKVCache) -> torch.Tensor:
-        keys, values = cache.keys[call.layer], cache.values[call.layer]
+        kv = cache.kv[call.layer]
         if metadata.whole:
-            return self._attend(metadata.groups[0], call, query, keys, values)
+            return self._attend(metadata.groups[0], call, query, kv, cache.key_dim)
         padded_query = torch.cat([query, query.new_zeros(1, *query.shape[1:])])
         out = None
         for group in metadata.groups:
             q = (padded_query.index_select(0, group.query_index) if group.query_index is not None
                  else query[group.first_row:group.first_row + group.visible.shape[0] * group.visible.shape[1]])
-            attended = self._attend(group, call, q, keys, values)
+            attended = self._attend(group, call, q, kv, cache.key_dim)
             if out is None:
                 out = query.new_empty(metadata.num_tokens, *attended.shape[1:])
             out[group.pass_rows] = attended[group.padded_rows]
         return out
 
     @staticmethod
-    def _attend(group: Group, call: LayerCall, query: torch.Tensor, keys: torch.Tensor,
-                values: torch.Tensor) -> torch.Tensor:
+    def _attend(group: Group, call: LayerCall, query: torch.Tensor, kv: torch.Tensor, key_dim: int) -> torch.Tensor:
         """query [B * Q, heads, d] in the group's padded order; returns [B * Q, heads, d_v]."""
         batch, num_queries, context = group.visible.shape
         heads = query.shape[1]
         q = query.view(batch, num_queries, heads, -1).transpose(1, 2)  # [B, heads, Q, d]
-        k, v = call.keys_values(
-            keys.index_select(0, group.key_slots).view(batch, context, *keys.shape[1:]).transpose(1, 2),
-            values.index_select(0, group.key_slots).view(batch, context, *values.shape[1:]).transpose(1, 2))
+        kv = _gather(kv, group, batch, context)
+        k, v = call.keys_values(kv[..., :key_dim], kv[..., key_dim:])
         if call.softcap or call.sinks is not None:
             o = _explicit_attention(q, k, v, group.mask(call.sliding_window), call)
         else:
@@ -166,12 +165,24 @@ def _explicit_attention(q, k, v, mask, call: LayerCall) -> torch.Tensor:
     return (probs @ v).view(batch, heads, num_queries, v.shape[-1])
 
 
+def _gather(cache: torch.Tensor, group: Group, batch: int, context: int) -> torch.Tensor:
+    """[B, kv_heads, K, dim] a layer's keys and values of the group's segments, copied a whole block at a time
+    (one copy of block_size rows costs about what one row's does), then viewed up to the longest context, so
+    SDPA attends no padding blocks."""
+    blocks = cache.view(cache.shape[0] // group.block_size, group.block_size, *cache.shape[1:])
+    blocks = blocks.index_select(0, group.key_blocks)
+    padded = len(group.key_blocks) // batch * group.block_size
+    return blocks.view(batch, padded, *cache.shape[1:])[:, :context].transpose(1, 2)
+
+
 def _group(segments: list[Segment], offsets: list[int], positions: torch.Tensor, block_size: int,
            device: torch.device) -> Group:
     num_tokens = positions.shape[0]
     batch = len(segments)
     longest = max(seg.num_tokens for seg in segments)
     context = max(seg.start + seg.num_tokens for seg in segments)
+    # Keys come in whole blocks: the ones past a segment's end are masked (the cache holds finite values there).
+    num_blocks = -(-context // block_size)
 
     def column(values) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=device)[:, None]
@@ -186,15 +197,11 @@ def _group(segments: list[Segment], offsets: list[int], positions: torch.Tensor,
     flat = real_query.flatten().nonzero()[:, 0]
     pass_rows = query_index.flatten()[flat]
 
-    widest = max(len(s.block_table) for s in segments)
-    tables = torch.tensor([list(s.block_table) + [0] * (widest - len(s.block_table)) for s in segments],
-                          dtype=torch.long, device=device)
+    # A shorter segment's missing blocks read block 0: masked, like every key past a segment's end.
+    key_blocks = torch.tensor([(list(s.block_table) + [0] * num_blocks)[:num_blocks] for s in segments],
+                              dtype=torch.long, device=device)
     local = k_index - starts  # [B, K] a key's index among the segment's new tokens (< 0: cached before)
     real_key = local < lengths
-    block_of = (k_index // block_size).clamp(max=widest - 1).expand(batch, -1)
-    slots = tables.gather(1, block_of) * block_size + k_index % block_size
-    # Padding keys read the segment's first new slot, written this pass: masked, but finite (0 * NaN is NaN).
-    key_slots = torch.where(real_key, slots, slots.gather(1, starts))
 
     padded_positions = torch.cat([positions, positions.new_zeros(1)])
     query_positions = padded_positions[query_index]
@@ -209,8 +216,8 @@ def _group(segments: list[Segment], offsets: list[int], positions: torch.Tensor,
         visible &= _tree_visibility(segments, trees, pending, q_index, local, device)
     visible |= ~real_query[:, :, None]  # padding queries see everything: no empty softmax
     dense = bool(real_query.all()) and offsets == list(range(offsets[0], offsets[0] + batch * longest, longest))
-    return Group(None if dense else query_index.flatten(), offsets[0], pass_rows, flat, key_slots.flatten(), visible,
-                 query_positions, key_positions)
+    return Group(None if dense else query_index.flatten(), offsets[0], pass_rows, flat, key_blocks.flatten(),
+                 block_size, visible, query_positions, key_positions)
 
 
 def _tree_visibility(segments: list[Segment], trees: list[int], pending: torch.Tensor, q_index: torch.Tensor,
