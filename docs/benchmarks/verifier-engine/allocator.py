@@ -17,7 +17,9 @@ ROUNDS = 4
 SIZES = {1: 200, 32: 60}  # sequences -> decode steps timed
 
 
-def child(size: int, steps: int) -> None:
+def decode_step_ms(size: int, steps: int, cache_bytes: int = 0, context_spread: int = 0) -> float:
+    """The mean decode step of `size` sequences of 300 + context_spread x i tokens (the engine in process), with
+    a cache of `cache_bytes` (0: 64 blocks a sequence). decode_ab.py times its trees with this too."""
     import time
 
     import torch
@@ -31,17 +33,18 @@ def child(size: int, steps: int) -> None:
 
     set_threads(0)
     runner = ModelRunner(MODEL, "cpu", torch.float32)
-    engine = Engine(runner, BlockManager(size * 64, 16, False),
+    num_blocks = cache_bytes // (runner.kv_bytes_per_token * 16) if cache_bytes else size * 64
+    engine = Engine(runner, BlockManager(num_blocks, 16, False),
                     BatchLimits(max_tokens=4096, max_sequences=size, max_queue_wait=3600))
     params = GenerationParams(max_new_tokens=steps + 8, ignore_eos=True)
-    seqs = [engine.open(f"s{i}", [(i * 97 + j * 13) % 40000 + 100 for j in range(300)], params)
+    seqs = [engine.open(f"s{i}", [(i * 97 + j * 13) % 40000 + 100 for j in range(300 + context_spread * i)], params)
             for i in range(size)]
     for _ in range(3):
         engine.run_together([(seq, Draft()) for seq in seqs])
     started = time.perf_counter()
     for _ in range(steps):
         engine.run_together([(seq, Draft()) for seq in seqs])
-    print(f"step_ms {(time.perf_counter() - started) / steps * 1e3:.2f}")
+    return (time.perf_counter() - started) / steps * 1e3
 
 
 def main() -> None:
@@ -63,6 +66,6 @@ def main() -> None:
 
 if __name__ == "__main__":
     if sys.argv[1:2] == ["--child"]:
-        child(int(sys.argv[2]), int(sys.argv[3]))
+        print(f"step_ms {decode_step_ms(int(sys.argv[2]), int(sys.argv[3])):.2f}")
     else:
         main()

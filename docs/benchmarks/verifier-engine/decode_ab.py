@@ -20,33 +20,6 @@ SIZES = {1: 150, 32: 40, 64: 25}  # sequences -> decode steps timed
 CACHE_BYTES = 4 << 30
 
 
-def child(size: int, steps: int) -> None:
-    import time
-
-    import torch
-
-    from verifier_service.block_manager import BlockManager
-    from verifier_service.device import set_threads
-    from verifier_service.engine import Engine
-    from verifier_service.model_runner import ModelRunner
-    from verifier_service.scheduler import BatchLimits
-    from verifier_service.sequence import Draft, GenerationParams
-
-    set_threads(0)
-    runner = ModelRunner(MODEL, "cpu", torch.float32)
-    blocks = BlockManager(CACHE_BYTES // (runner.kv_bytes_per_token * 16), 16, False)
-    engine = Engine(runner, blocks, BatchLimits(max_tokens=4096, max_sequences=size, max_queue_wait=3600))
-    params = GenerationParams(max_new_tokens=steps + 8, ignore_eos=True)
-    seqs = [engine.open(f"s{i}", [(i * 97 + j * 13) % 40000 + 100 for j in range(300 + 7 * i)], params)
-            for i in range(size)]
-    for _ in range(3):
-        engine.run_together([(seq, Draft()) for seq in seqs])
-    started = time.perf_counter()
-    for _ in range(steps):
-        engine.run_together([(seq, Draft()) for seq in seqs])
-    print(f"step_ms {(time.perf_counter() - started) / steps * 1e3:.2f}")
-
-
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("before")
@@ -75,6 +48,8 @@ def main() -> None:
 
 if __name__ == "__main__":
     if sys.argv[1:2] == ["--child"]:
-        child(int(sys.argv[2]), int(sys.argv[3]))
+        from allocator import decode_step_ms  # beside this file; the tree measured comes from PYTHONPATH
+
+        print(f"step_ms {decode_step_ms(int(sys.argv[2]), int(sys.argv[3]), CACHE_BYTES, 7):.2f}")
     else:
         main()
