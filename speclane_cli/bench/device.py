@@ -81,12 +81,14 @@ def build_model(shape: dict, path: str, device: torch.device, dtype: torch.dtype
     """Saves a random-weight model of `shape` to `path` (made on the device: fast); returns its weight bytes."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    from verifier_service.device import weights_bytes
+
     fields = dict(shape)
     config = AutoConfig.for_model(fields.pop("model_type"), **fields)
     torch.manual_seed(0)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    weight_bytes = weights_bytes(model)
     model.save_pretrained(path)
     del model
     return weight_bytes
