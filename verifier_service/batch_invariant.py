@@ -51,7 +51,9 @@ def _at_least_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
     """A product of few rows can take another kernel path than one of many;
     padded with copies of its first row, it takes the many-row path."""
     missing = rows - x.shape[-2]
-    return torch.cat([x, x[..., :1, :].expand(*x.shape[:-2], missing, x.shape[-1])], dim=-2) if missing > 0 else x
+    if missing <= 0 or x.shape[-2] == 0:  # no rows: a prompt chunk before the last keeps no logits
+        return x
+    return torch.cat([x, x[..., :1, :].expand(*x.shape[:-2], missing, x.shape[-1])], dim=-2)
 
 
 # A prompt chunk's queries go this many at a time, so that their fp32 scores stay in the caches (a 500-token

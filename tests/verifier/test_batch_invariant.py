@@ -20,6 +20,7 @@ from verifier_service.batch_invariant import (
 from verifier_service.block_manager import BlockManager
 from verifier_service.engine import Engine
 from verifier_service.model_runner import ModelRunner
+from verifier_service.scheduler import BatchLimits
 from verifier_service.sequence import Draft, GenerationParams
 
 CPU = torch.device("cpu")
@@ -88,6 +89,16 @@ def test_a_bf16_model_verifies_trees_with_the_bits_of_plain_decoding(tiny_model_
     tokens, logprobs = greedy(engine, prompt, 24, tree_from=plain_tokens, companion=[8, 1, 30, 12])
     assert tokens == plain_tokens
     assert logprobs == plain_logprobs  # the logits' bits, not only their argmax
+
+
+@needs_invariant_bf16
+def test_a_prompt_prefilled_in_chunks_decodes_as_one_prefilled_at_once(tiny_model_dir):
+    runner = ModelRunner(tiny_model_dir, "cpu", torch.bfloat16, batch_invariant="on")
+    prompt = [5, 9, 14, 3, 22, 40, 7, 19, 33]
+    whole = greedy(Engine(runner, BlockManager(4096 // BLOCK, BLOCK, False)), prompt, 6)
+    # Chunks of 4 tokens: the first two keep no logits, so the output layer gets no rows.
+    chunked = Engine(runner, BlockManager(4096 // BLOCK, BLOCK, False), BatchLimits(max_tokens=4))
+    assert greedy(chunked, prompt, 6) == whole
 
 
 def test_the_mode_follows_the_flag_the_dtype_and_the_start_up_check(monkeypatch):
