@@ -75,8 +75,10 @@ async def stream_chat(client: httpx.AsyncClient, url: str, body: dict, headers: 
                 deltas = [choice.get("delta", {}) for choice in chunk.get("choices", ())]
                 text = "".join(delta.get("content") or "" for delta in deltas)
                 call_deltas = [call for delta in deltas for call in delta.get("tool_calls") or ()]
-                # The first token may be reasoning or a tool call as well as text.
-                if text or call_deltas or any(delta.get("reasoning") for delta in deltas):
+                # As vLLM's benchmark counts it: the first chunk with choices, which servers send
+                # once the first token exists (the role), even when the first visible text is a tool
+                # call's name some tokens later.
+                if deltas:
                     first_token_at = first_token_at or time.perf_counter()
                 pieces.append(text)
                 _add_call_deltas(calls, call_deltas)

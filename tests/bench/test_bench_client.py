@@ -90,3 +90,13 @@ def test_a_server_without_speculation_counters_still_measures():
 
 def test_api_base_accepts_either_form():
     assert api_base("http://h:1") == api_base("http://h:1/") == api_base("http://h:1/v1") == "http://h:1/v1"
+
+
+def test_time_to_first_token_is_the_first_chunk_not_the_first_visible_text():
+    async def stream():
+        yield sse({"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}], "usage": None})
+        await asyncio.sleep(0.3)  # a tool call's name takes some tokens to appear
+        yield sse(delta("x"), USAGE, "[DONE]")
+
+    result, _, _ = send(lambda request: httpx.Response(200, content=stream()))
+    assert result.ok and result.ttft < 0.2 <= result.e2e
