@@ -215,9 +215,10 @@ class MessageWriter:
                 "usage": self._usage()}
 
     def _usage(self) -> dict:
-        tally = self.usage.as_dict()
-        return {"input_tokens": tally["prompt_tokens"], "output_tokens": tally["completion_tokens"],
-                "speculation": tally["speculation"]}
+        # Anthropic counts cache reads apart from input_tokens (vLLM's /v1/messages does the same).
+        tally, cached = self.usage.as_dict(), self.usage.cached_tokens
+        return {"input_tokens": tally["prompt_tokens"] - cached, "cache_read_input_tokens": cached,
+                "output_tokens": tally["completion_tokens"], "speculation": tally["speculation"]}
 
     def start(self) -> list[dict]:
         return [{"type": "message_start", "message": self.message([])}]

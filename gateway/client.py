@@ -52,6 +52,7 @@ class Usage:
     drafter_steps: int = 0  # steps verifying the drafter service's draft
     head_steps: int = 0  # steps verifying the verifier head's draft
     next_round_steps: int = 0  # steps the verifier started on its own, with a next-round draft
+    cached_prompt_tokens: int = 0  # prompt tokens the verifier's prefix cache held
 
 
 @dataclasses.dataclass(frozen=True)
@@ -169,7 +170,7 @@ def chunk_from(response: gateway_pb2.GenerateResponse) -> Chunk:
                        usage.speculation.accepted_tokens, usage.speculation.verify_steps,
                        usage.accepted_prediction_tokens, usage.rejected_prediction_tokens,
                        usage.speculation.drafter_steps, usage.speculation.head_steps,
-                       usage.speculation.next_round_steps),
+                       usage.speculation.next_round_steps, usage.cached_prompt_tokens),
                  logprobs, calls, response.reasoning)
 
 

@@ -121,5 +121,6 @@ def response(delta: TextDelta, split: AssistantMessage, finish_reason: str | Non
                                                      next_round_steps=usage.next_round_steps),
             accepted_prediction_tokens=usage.prediction_accepted_tokens,
             rejected_prediction_tokens=usage.prediction_draft_tokens - usage.prediction_accepted_tokens,
+            cached_prompt_tokens=delta.cached_tokens,
         ))
     return message

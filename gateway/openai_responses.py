@@ -40,10 +40,12 @@ class UsageTally:
     def __init__(self, prompt_tokens: int):
         self.prompt_tokens = prompt_tokens
         self.completion_tokens = 0
+        self.cached_tokens = 0  # the prompt is counted once, so the most any choice found cached
         self.speculation = SpeculationUsage()
 
     def add(self, delta: TextDelta) -> None:
         self.completion_tokens += len(delta.token_ids)
+        self.cached_tokens = max(self.cached_tokens, delta.cached_tokens)
         if delta.speculation is not None:
             self.speculation += delta.speculation
 
@@ -51,6 +53,7 @@ class UsageTally:
         speculation = self.speculation
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
                 "total_tokens": self.prompt_tokens + self.completion_tokens,
+                "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
                 # Prediction tokens the verifier checked: accepted ones are in the output, rejected ones not.
                 "completion_tokens_details": {
                     "accepted_prediction_tokens": speculation.prediction_accepted_tokens,

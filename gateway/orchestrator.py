@@ -85,7 +85,7 @@ class Orchestrator:
                 result = await _checked(verifier.answer())
                 sequence.observe(step, result, drafter_seconds, time.perf_counter() - sent)
             sequence.finish(result)
-            yield _delta(result, FINISH_REASON_NAMES[result.finish_reason], sequence.usage)
+            yield _delta(result, FINISH_REASON_NAMES[result.finish_reason], sequence.usage, sequence.cached_tokens)
         except Unavailable:
             if index is not None:
                 self._verifiers.mark_down(index)
@@ -148,10 +148,12 @@ class _Sequence:
         self._withheld: list[int] = []  # committed tokens not yet sent to the drafter
         self._output: list[int] = []
         self.usage = SpeculationUsage()  # immutable: each delta carries its own snapshot
+        self.cached_tokens = 0  # of the prompt, from the prefill's answer
 
     def started(self, index: int, prefilled) -> None:
         self._round_trip = self._loop._round_trips[index]
         self._output += prefilled.token_ids
+        self.cached_tokens = prefilled.num_cached_tokens
 
     def state(self, last) -> StepState:
         looked_up = last.lookup_draft if last.next_round_hit and last.HasField("lookup_draft") else None
@@ -237,10 +239,11 @@ class _Sequence:
             self._drafter.close()
 
 
-def _delta(result, finish_reason: str | None = None, speculation: SpeculationUsage | None = None) -> TokenDelta:
+def _delta(result, finish_reason: str | None = None, speculation: SpeculationUsage | None = None,
+           cached_tokens: int = 0) -> TokenDelta:
     logprobs = tuple(TokenLogprob(entry.logprob, tuple(zip(entry.top_token_ids, entry.top_logprobs)))
                      for entry in result.logprobs)
-    return TokenDelta(list(result.token_ids), finish_reason, speculation, logprobs)
+    return TokenDelta(list(result.token_ids), finish_reason, speculation, logprobs, cached_tokens)
 
 
 def _send_step(verifier, last, step: Step):

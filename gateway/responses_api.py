@@ -147,7 +147,7 @@ def response_format(text: dict | None) -> dict | None:
 
 def _usage(tally: UsageTally) -> dict:
     usage = tally.as_dict()
-    return {"input_tokens": usage["prompt_tokens"], "input_tokens_details": {"cached_tokens": 0},
+    return {"input_tokens": usage["prompt_tokens"], "input_tokens_details": usage["prompt_tokens_details"],
             "output_tokens": usage["completion_tokens"], "output_tokens_details": {"reasoning_tokens": 0},
             "total_tokens": usage["total_tokens"], "speculation": usage["speculation"]}
 

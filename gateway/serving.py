@@ -254,6 +254,7 @@ class TextDelta:
     speculation: SpeculationUsage | None = None  # cumulative, on the last delta
     logprobs: tuple[TokenLogprob, ...] = ()  # one per token id when asked for
     stop_string: str | None = None  # on the last delta, the stop string that ended the output
+    cached_tokens: int = 0  # on the last delta, prompt tokens the prefix cache held
 
 
 class _TextStream:
@@ -293,7 +294,7 @@ async def generate_text(ctx: ServingContext, request: GenerationRequest,
     stream = _TextStream(ctx, request, stop_strings)
     started = time.perf_counter()
     generated = 0
-    usage = None
+    usage, cached_tokens = None, 0
     outcome = "abort"  # unless we get to the end
     with ctx.metrics.in_flight():
         try:
@@ -301,6 +302,7 @@ async def generate_text(ctx: ServingContext, request: GenerationRequest,
                 async for delta in deltas:
                     if delta.speculation is not None:
                         usage = delta.speculation
+                    cached_tokens = max(cached_tokens, delta.cached_tokens)
                     if generated == 0 and delta.token_ids:
                         ctx.metrics.record_first_token(time.perf_counter() - started)
                     token_ids, text, stopped = stream.advance(delta.token_ids)
@@ -315,7 +317,7 @@ async def generate_text(ctx: ServingContext, request: GenerationRequest,
                     if finish_reason:
                         outcome = finish_reason
                         yield TextDelta(token_ids, text, finish_reason, usage or SpeculationUsage(), logprobs,
-                                        stream.stops.matched)
+                                        stream.stops.matched, cached_tokens)
                         return
                     if token_ids or text:
                         yield TextDelta(token_ids, text, logprobs=logprobs)

@@ -191,6 +191,8 @@ class Scheduler:
         cached = self.blocks.allocate(table, seq.tokens, len(seq.tokens), headroom_blocks=len(self.admitted))
         if cached is None:
             return False
+        if seq not in self.first_scheduled:  # a preempted sequence's second admission reuses its own blocks
+            seq.num_cached_prompt_tokens = cached
         seq.blocks, seq.num_cached = table, cached
         if self.keeps_states:
             seq.state_slot = self.free_state_slots.pop()

@@ -168,6 +168,8 @@ class Sequence:
         self.head_draft_seconds = 0.0  # the time the head took for it, until reported with a step
         self.blocks: BlockTable | None = None  # its KV blocks while admitted
         self.num_cached = 0
+        # Prompt tokens the prefix cache held at its first admission (vLLM's num_cached_tokens).
+        self.num_cached_prompt_tokens = 0
         self.state_slot: int | None = None  # models with linear attention: its state's slot while admitted
         self.finish_reason = FinishReason.NONE
         self.num_steps = 0

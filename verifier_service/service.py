@@ -265,10 +265,12 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         answered = time.monotonic()
         # Written on the model thread before the result was handed over; reading one key is atomic.
         scheduled = self.engine.engine.scheduler.first_scheduled[seq]
-        timing = verifier_pb2.SessionResponse(queue_seconds=scheduled - arrived, prefill_seconds=answered - scheduled)
+        timing = verifier_pb2.SessionResponse(queue_seconds=scheduled - arrived, prefill_seconds=answered - scheduled,
+                                              num_cached_tokens=seq.num_cached_prompt_tokens)
         log.info("sequence_prefilled", sequence_id=seq.sequence_id, prompt_tokens=seq.prompt_len,
                  max_new_tokens=seq.params.max_new_tokens, greedy=seq.params.sampling.greedy,
-                 seconds=round(answered - arrived, 4), queue_seconds=round(timing.queue_seconds, 4))
+                 seconds=round(answered - arrived, 4), queue_seconds=round(timing.queue_seconds, 4),
+                 cached_tokens=seq.num_cached_prompt_tokens)
         return result, timing
 
 

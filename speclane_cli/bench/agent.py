@@ -104,11 +104,19 @@ def _ttft_ms(results: list[RequestResult], later: bool) -> float | None:
     return statistics.fmean(values) if values else None
 
 
+def _later_cached_share(results: list[RequestResult]) -> float | None:
+    """Of the later requests' prompt tokens, the share the server found in its prefix cache."""
+    later = [r for r in results if r.ok and r.turn > 0 and r.cached_tokens is not None]
+    prompt_tokens = sum(r.input_tokens for r in later)
+    return sum(r.cached_tokens for r in later) / prompt_tokens if prompt_tokens else None
+
+
 def row(run: RunStats, results: list[RequestResult], baseline: RunStats | None) -> dict:
     """A run's line of the table: RunStats plus what agent sessions add."""
     first, later = _ttft_ms(results, later=False), _ttft_ms(results, later=True)
     return {**run.as_dict(), "ttft_first_ms": first, "ttft_later_ms": later,
             "ttft_later_over_first": later / first if first and later is not None else None,
+            "later_cached_share": _later_cached_share(results),
             "tool_calls": sum(r.tool_calls for r in results if r.ok),
             "speedup_vs_none": run.throughput_tps / baseline.throughput_tps
             if baseline is not None and baseline.throughput_tps else None}
@@ -133,6 +141,7 @@ COLUMNS = (
     ("TTFT first ms", lambda r: _number(r["ttft_first_ms"], 0)),
     ("TTFT later ms", lambda r: _number(r["ttft_later_ms"], 0)),
     ("Later/first", lambda r: _number(r["ttft_later_over_first"], 2)),
+    ("Later cached", lambda r: "-" if r["later_cached_share"] is None else f"{r['later_cached_share'] * 100:.0f}%"),
 )
 
 
@@ -185,9 +194,11 @@ def write_results(settings: dict, rows: list[dict], absent: dict[str, str]) -> l
     lines = ["# speclane bench agent", "", "```", command, "```", "", markdown_table(rows, COLUMNS, left_aligned=2), "",
              "Tok/s = output tokens per second of wall time; x none = Tok/s over none's at the same concurrency; "
              "Tok/step = tokens per verify step; Accept = accepted / drafted tokens; TTFT first = mean time to "
-             "first token of the sessions' first requests, later = of the others (their prompts extend the "
-             "previous request's; each session salts the prefix cache, so only its own earlier requests "
-             "are reused); Tool calls = calls in the replies.", ""]
+             "first token (the first streamed chunk, as vLLM's benchmark times it) of the sessions' first requests, "
+             "later = of the others (their prompts extend the previous request's; each session salts the prefix "
+             "cache, so only its own earlier requests are reused); Later cached = the later requests' prompt tokens "
+             "the server reports found in its prefix cache (usage.prompt_tokens_details.cached_tokens); "
+             "Tool calls = calls in the replies.", ""]
     lines += [f"- `{method}` absent: {reason}" for method, reason in absent.items()]
     md_path.write_text("\n".join(lines) + "\n")
     return [json_path, md_path]

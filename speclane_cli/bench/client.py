@@ -96,7 +96,7 @@ async def stream_chat(client: httpx.AsyncClient, url: str, body: dict, headers: 
         ttft=(first_token_at or end) - start, e2e=end - start,
         draft_tokens=speculation.get("draft_tokens"), accepted_tokens=speculation.get("accepted_tokens"),
         verify_steps=speculation.get("verify_steps"), next_round_steps=speculation.get("next_round_steps"),
-        tool_calls=len(calls),
+        tool_calls=len(calls), cached_tokens=(usage.get("prompt_tokens_details") or {}).get("cached_tokens"),
     ), _assistant_message(pieces, calls)
 
 

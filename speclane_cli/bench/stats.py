@@ -15,7 +15,7 @@ class RequestResult:
     error: str = ""
     input_tokens: int = 0
     output_tokens: int = 0
-    ttft: float = 0.0  # seconds to the first content token
+    ttft: float = 0.0  # seconds to the first chunk, which servers send once the first token exists
     e2e: float = 0.0  # seconds to the end of the response
     # usage.speculation; None when the server does not report it
     draft_tokens: int | None = None
@@ -24,6 +24,7 @@ class RequestResult:
     next_round_steps: int | None = None  # steps the verifier started on a next-round draft
     turn: int = 0  # the request's place in its conversation (0: the first, with nothing to reuse)
     tool_calls: int = 0  # calls in the reply
+    cached_tokens: int | None = None  # usage.prompt_tokens_details.cached_tokens, where the server reports it
 
     @property
     def tpot(self) -> float | None:

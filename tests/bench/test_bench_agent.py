@@ -9,7 +9,8 @@ from speclane_cli.bench.stats import RequestResult, summarize
 
 def results(ttfts: list[float], tokens: int) -> list[RequestResult]:
     return [RequestResult(ok=True, input_tokens=100, output_tokens=tokens, ttft=ttft, e2e=ttft + 1.0,
-                          draft_tokens=8, accepted_tokens=4, verify_steps=2, turn=turn, tool_calls=turn % 2)
+                          draft_tokens=8, accepted_tokens=4, verify_steps=2, turn=turn, tool_calls=turn % 2,
+                          cached_tokens=[0, 64, 96][turn])
             for turn, ttft in enumerate(ttfts)]
 
 
@@ -19,6 +20,7 @@ def test_rows_compare_first_and_later_requests_and_methods(tmp_path):
     rows = [row(none, plain, none), row(summarize("agent", 1, "suffix", speculated, 1.0), speculated, none)]
     assert rows[0]["ttft_first_ms"] == 800 and rows[0]["ttft_later_ms"] == 200
     assert rows[0]["ttft_later_over_first"] == 0.25 and rows[0]["tool_calls"] == 1
+    assert rows[0]["later_cached_share"] == 0.8  # (64 + 96) of 200 later prompt tokens
     assert rows[1]["speedup_vs_none"] == 3.0 and rows[1]["tokens_per_step"] == 3.0
     settings = {"url": "http://h:1", "model": "m", "sessions": 2, "requests_per_session": 3, "replay": None,
                 "concurrency": [1], "methods": ["none", "suffix", "hybrid"], "num_speculative_tokens": None,
@@ -27,7 +29,8 @@ def test_rows_compare_first_and_later_requests_and_methods(tmp_path):
     saved = json.loads(written[0].read_text())
     assert saved["command"] == command_line(settings) and saved["absent_methods"] == {"hybrid": "needs a draft head"}
     markdown = written[1].read_text()
-    assert "| 1 | suffix |" in markdown and "3.00" in markdown and "`hybrid` absent: needs a draft head" in markdown
+    assert "| 1 | suffix |" in markdown and "3.00" in markdown and "| 80% |" in markdown
+    assert "`hybrid` absent: needs a draft head" in markdown
 
 
 def test_a_replayed_run_names_its_log_not_the_script():

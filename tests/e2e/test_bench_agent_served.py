@@ -29,6 +29,7 @@ def test_bench_agent_runs_sessions_and_reports_each_method(tools_gateway, tmp_pa
     for run in runs.values():
         assert (run["requests"], run["failed"], run["concurrency"]) == (4, 0, 2)
         assert run["ttft_first_ms"] > 0 and run["ttft_later_ms"] > 0 and run["throughput_tps"] > 0
+        assert 0.5 < run["later_cached_share"] < 1  # a later prompt extends the session's earlier one
     assert runs["suffix"]["verify_steps"] > 0 and runs["suffix"]["speedup_vs_none"] is not None
     assert "| Conc. | Method |" in (tmp_path / "results.md").read_text()
 

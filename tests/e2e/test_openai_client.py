@@ -33,6 +33,18 @@ def test_chat_completion(client):
                                 "next_round_steps"}
 
 
+def test_a_repeated_prompt_reports_the_tokens_the_prefix_cache_held(client):
+    # A salt of its own: no other test's prompt is in the cache under it.
+    messages = [{"role": "system", "content": "You answer questions about colors, briefly. " * 6}, *HELLO]
+    first, second = (client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, temperature=0,
+                                                    extra_body={"cache_salt": "cached-tokens-test"})
+                     for _ in range(2))
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    # Whole blocks of 16, short of the prompt's last token, which the first step computes.
+    assert cached % 16 == 0 and second.usage.prompt_tokens - 16 <= cached < second.usage.prompt_tokens
+
+
 def test_streaming_matches_non_streaming_and_reports_usage(client):
     whole = client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=24, temperature=0)
     chunks = list(client.chat.completions.create(

@@ -85,10 +85,14 @@ class ScriptedEngine:
                 finished = number == len(steps)
                 usage = self.usage(number) if finished or self.usage_every_step else None
                 yield TokenDelta(step, finish_reason if finished else None, usage,
-                                 logprobs=() if request.logprobs is None else fake_logprobs(step, request.logprobs))
+                                 logprobs=() if request.logprobs is None else fake_logprobs(step, request.logprobs),
+                                 cached_tokens=FAKE_CACHED_TOKENS if finished else 0)
         finally:
             if not finished:
                 self.aborted.append(request.request_id)
+
+
+FAKE_CACHED_TOKENS = 2  # the prompt tokens every fake generation reports found in the prefix cache
 
 
 def fake_logprobs(token_ids, top: int) -> tuple[TokenLogprob, ...]:

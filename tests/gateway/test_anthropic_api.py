@@ -14,7 +14,7 @@ import pytest
 from gateway.auth import Keyring
 from gateway.openai_api import create_app
 from gateway.reasoning import REASONING_PARSERS
-from tests.gateway.fakes import MODEL_NAME, ScriptedEngine, make_context
+from tests.gateway.fakes import FAKE_CACHED_TOKENS, MODEL_NAME, ScriptedEngine, make_context
 
 pytestmark = pytest.mark.anyio
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
@@ -49,7 +49,9 @@ async def test_text_reply_with_usage_and_end_turn(tiny_tokenizer):
     assert reply.type == "message" and reply.role == "assistant" and reply.id.startswith("msg_")
     assert [block.type for block in reply.content] == ["text"] and reply.content[0].text == "Hello world!"
     assert reply.stop_reason == "end_turn" and reply.stop_sequence is None
-    assert reply.usage.input_tokens == len(engine.requests[0].prompt_token_ids)
+    # Anthropic's input_tokens leave out the prompt tokens read from the cache.
+    assert reply.usage.cache_read_input_tokens == FAKE_CACHED_TOKENS
+    assert reply.usage.input_tokens == len(engine.requests[0].prompt_token_ids) - FAKE_CACHED_TOKENS
     assert reply.usage.output_tokens == len(engine.token_ids)
     prompt = tiny_tokenizer.decode(engine.requests[0].prompt_token_ids)
     assert "<|im_start|>system\nBe brief." in prompt and "Weather in Paris?" in prompt

@@ -12,7 +12,7 @@ from gateway.grpc_api import GenerationServicer, add_generation_servicer
 from gateway.reasoning import REASONING_PARSERS
 from protos.gateway.v1 import gateway_pb2_grpc
 from tests.gateway.fake_services import serve
-from tests.gateway.fakes import COMPLETION, ScriptedEngine, make_context
+from tests.gateway.fakes import COMPLETION, FAKE_CACHED_TOKENS, ScriptedEngine, make_context
 
 pytestmark = pytest.mark.anyio
 HELLO = [{"role": "user", "content": "Say hello"}]
@@ -51,7 +51,7 @@ async def test_async_stream_and_generate(ctx, engine):
     assert result.token_ids == engine.token_ids
     steps = -(-len(engine.token_ids) // engine.step_size)
     assert result.usage == Usage(len(engine.requests[0].prompt_token_ids), len(engine.token_ids),
-                                 4 * steps, 2 * steps, steps)
+                                 4 * steps, 2 * steps, steps, cached_prompt_tokens=FAKE_CACHED_TOKENS)
 
 
 async def test_reasoning_comes_apart_from_the_text(tiny_tokenizer):

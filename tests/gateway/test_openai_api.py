@@ -8,7 +8,7 @@ import pytest
 from gateway.errors import Overloaded
 from gateway.openai_api import create_app
 from gateway.types import TokenDelta
-from tests.gateway.fakes import COMPLETION, MODEL_NAME, ScriptedEngine, call_asgi, make_context
+from tests.gateway.fakes import COMPLETION, FAKE_CACHED_TOKENS, MODEL_NAME, ScriptedEngine, call_asgi, make_context
 
 pytestmark = pytest.mark.anyio
 CHAT = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "Say hello"}]}
@@ -48,6 +48,7 @@ async def test_chat_completion(ctx, engine):
     assert body["usage"] == {
         "prompt_tokens": prompt_tokens, "completion_tokens": len(engine.token_ids),
         "total_tokens": prompt_tokens + len(engine.token_ids),
+        "prompt_tokens_details": {"cached_tokens": FAKE_CACHED_TOKENS},
         "completion_tokens_details": {"accepted_prediction_tokens": 0, "rejected_prediction_tokens": 0},
         "speculation": {"draft_tokens": usage.draft_tokens, "accepted_tokens": usage.accepted_tokens,
                         "verify_steps": usage.verify_steps, "drafter_steps": usage.drafter_steps,

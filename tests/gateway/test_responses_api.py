@@ -13,7 +13,7 @@ import pytest
 from gateway.openai_api import create_app
 from gateway.reasoning import REASONING_PARSERS
 from gateway.response_store import ResponseStore
-from tests.gateway.fakes import MODEL_NAME, ScriptedEngine, make_context
+from tests.gateway.fakes import FAKE_CACHED_TOKENS, MODEL_NAME, ScriptedEngine, make_context
 
 pytestmark = pytest.mark.anyio
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
@@ -40,6 +40,7 @@ async def test_a_string_input_gets_a_message_item_and_usage(tiny_tokenizer):
     [item] = reply.output
     assert item.type == "message" and item.role == "assistant" and item.content[0].type == "output_text"
     assert reply.usage.input_tokens == len(engine.requests[0].prompt_token_ids)
+    assert reply.usage.input_tokens_details.cached_tokens == FAKE_CACHED_TOKENS
     assert reply.usage.output_tokens == len(engine.token_ids)
     prompt = tiny_tokenizer.decode(engine.requests[0].prompt_token_ids)
     assert "<|im_start|>system\nBe brief." in prompt and "Say hello" in prompt

@@ -151,6 +151,9 @@ def test_a_follow_up_turn_reuses_the_conversation_kv(runner, hf_model):
     # Only the tokens after the cached conversation's full blocks ran through the model.
     assert passes[0].num_tokens == len(second_prompt) - (len(turn1.tokens) - 1) // BLOCK * BLOCK
     assert first.token_ids == reference(hf_model, second_prompt, 1)
+    # What the prefill's answer reports as cached (usage's cached_tokens).
+    assert (turn1.num_cached_prompt_tokens, turn2.num_cached_prompt_tokens) == (
+        0, len(second_prompt) - passes[0].num_tokens)
 
 
 def test_a_system_prompt_shared_by_concurrent_requests_is_computed_once(long_runner):

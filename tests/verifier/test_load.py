@@ -56,11 +56,9 @@ def test_without_prefix_caching_nothing_is_looked_up(runner):
     assert engine.blocks.prefix_cache_queries == engine.blocks.prefix_cache_hits == 0
 
 
-def test_preemptions_are_counted(runner):
+def grow_two_until_one_is_preempted(engine) -> list:
     """Two sequences admitted together (one block each, in a six-block pool) that
     each grow to four blocks: the later one is preempted so the other can grow."""
-    metrics = VerifierMetrics("tiny")
-    engine = make_engine(runner, max_kv_tokens=96, on_step=metrics.observe)
     params = GenerationParams(GREEDY, max_new_tokens=40, ignore_eos=True)
     seqs = [engine.open(f"s{i}", [(i * 7 + j) % 60 + 4 for j in range(16)], params) for i in range(2)]
     boxes = [[], []]
@@ -73,7 +71,22 @@ def test_preemptions_are_counted(runner):
                 box.clear()
                 engine.submit(seq, Draft(), box.append)
     assert engine.scheduler.num_preemptions >= 1
+    return seqs
+
+
+def test_preemptions_are_counted(runner):
+    metrics = VerifierMetrics("tiny")
+    engine = make_engine(runner, max_kv_tokens=96, on_step=metrics.observe)
+    grow_two_until_one_is_preempted(engine)
     assert metric(metrics, "vllm:num_preemptions_total") == engine.scheduler.num_preemptions
+
+
+def test_a_preempted_sequence_reports_the_cache_hits_of_its_first_admission(runner):
+    """Prefilled again from its own blocks, still in the prefix cache: that is no hit of its prompt's."""
+    engine = make_engine(runner, max_kv_tokens=96, prefix_caching=True)
+    seqs = grow_two_until_one_is_preempted(engine)
+    assert engine.blocks.prefix_cache_hits > 0
+    assert [seq.num_cached_prompt_tokens for seq in seqs] == [0, 0]
 
 
 def test_get_load_and_the_prefill_timings_over_grpc(tiny_model_dir):

@@ -103,7 +103,7 @@ class SessionRequest(_message.Message):
     def __init__(self, prefill: _Optional[_Union[Prefill, _Mapping]] = ..., verify: _Optional[_Union[Verify, _Mapping]] = ..., next_round: _Optional[_Union[NextRound, _Mapping]] = ...) -> None: ...
 
 class SessionResponse(_message.Message):
-    __slots__ = ("token_ids", "num_accepted_draft_tokens", "committed_len", "finish_reason", "num_draft_tokens", "logprobs", "queue_seconds", "prefill_seconds", "head_draft", "forward_seconds", "step_seconds", "next_round_hit", "head_draft_seconds", "lookup_draft", "num_running")
+    __slots__ = ("token_ids", "num_accepted_draft_tokens", "committed_len", "finish_reason", "num_draft_tokens", "logprobs", "queue_seconds", "prefill_seconds", "head_draft", "forward_seconds", "step_seconds", "next_round_hit", "head_draft_seconds", "lookup_draft", "num_running", "num_cached_tokens")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_ACCEPTED_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COMMITTED_LEN_FIELD_NUMBER: _ClassVar[int]
@@ -119,6 +119,7 @@ class SessionResponse(_message.Message):
     HEAD_DRAFT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     LOOKUP_DRAFT_FIELD_NUMBER: _ClassVar[int]
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
+    NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     num_accepted_draft_tokens: int
     committed_len: int
@@ -134,7 +135,8 @@ class SessionResponse(_message.Message):
     head_draft_seconds: float
     lookup_draft: _common_pb2.Draft
     num_running: int
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., num_accepted_draft_tokens: _Optional[int] = ..., committed_len: _Optional[int] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., num_draft_tokens: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., queue_seconds: _Optional[float] = ..., prefill_seconds: _Optional[float] = ..., head_draft: _Optional[_Union[_common_pb2.Draft, _Mapping]] = ..., forward_seconds: _Optional[float] = ..., step_seconds: _Optional[float] = ..., next_round_hit: _Optional[bool] = ..., head_draft_seconds: _Optional[float] = ..., lookup_draft: _Optional[_Union[_common_pb2.Draft, _Mapping]] = ..., num_running: _Optional[int] = ...) -> None: ...
+    num_cached_tokens: int
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., num_accepted_draft_tokens: _Optional[int] = ..., committed_len: _Optional[int] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., num_draft_tokens: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., queue_seconds: _Optional[float] = ..., prefill_seconds: _Optional[float] = ..., head_draft: _Optional[_Union[_common_pb2.Draft, _Mapping]] = ..., forward_seconds: _Optional[float] = ..., step_seconds: _Optional[float] = ..., next_round_hit: _Optional[bool] = ..., head_draft_seconds: _Optional[float] = ..., lookup_draft: _Optional[_Union[_common_pb2.Draft, _Mapping]] = ..., num_running: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ...) -> None: ...
 
 class TokenLogprob(_message.Message):
     __slots__ = ("logprob", "top_token_ids", "top_logprobs")
