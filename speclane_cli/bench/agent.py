@@ -25,7 +25,7 @@ import httpx
 from tqdm import tqdm
 
 from speclane_cli.bench.report import markdown_table, terminal_table
-from speclane_cli.bench.serve import csv_list, request_fields
+from speclane_cli.bench.serve import alternated, csv_list, request_fields
 from speclane_cli.bench.stats import RequestResult, RunStats, summarize
 
 DEFAULT_METHODS = "none,suffix,hybrid"
@@ -48,6 +48,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--max-tokens", type=int, default=256, help="max_tokens of every request")
     parser.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0: greedy)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the scripted sessions")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="run every method this many times, in reverse order every other round, each round with "
+                             "fresh tenants; a row sums its rounds (as bench serve's --rounds)")
     parser.add_argument("--output-dir", default="bench-results/agent", help="where results.json/.md go")
 
 
@@ -57,12 +60,14 @@ def _settings(args) -> dict:
         "requests_per_session": args.requests_per_session, "replay": args.replay,
         "concurrency": csv_list(int)(args.concurrency), "methods": csv_list(str)(args.methods),
         "num_speculative_tokens": args.num_speculative_tokens, "max_tokens": args.max_tokens,
-        "temperature": args.temperature, "seed": args.seed, "output_dir": args.output_dir,
+        "temperature": args.temperature, "seed": args.seed, "rounds": args.rounds, "output_dir": args.output_dir,
     }
     if min(settings["concurrency"]) < 1:
         raise ValueError("concurrency levels must be >= 1")
-    if min(args.sessions, args.requests_per_session, args.max_tokens, args.num_speculative_tokens or 1) < 1:
-        raise ValueError("--sessions, --requests-per-session, --max-tokens and --num-speculative-tokens must be >= 1")
+    counts = (args.sessions, args.requests_per_session, args.max_tokens, args.rounds, args.num_speculative_tokens or 1)
+    if min(counts) < 1:
+        raise ValueError("--sessions, --requests-per-session, --max-tokens, --rounds and --num-speculative-tokens "
+                         "must be >= 1")
     if args.temperature < 0:
         raise ValueError("--temperature must be >= 0")
     return settings
@@ -74,8 +79,10 @@ def command_line(settings: dict) -> str:
              "--requests-per-session": settings["requests_per_session"], "--replay": settings["replay"],
              "--concurrency": ",".join(map(str, settings["concurrency"])), "--methods": ",".join(settings["methods"]),
              "--num-speculative-tokens": settings["num_speculative_tokens"], "--max-tokens": settings["max_tokens"],
-             "--temperature": settings["temperature"], "--seed": settings["seed"],
+             "--temperature": settings["temperature"], "--seed": settings["seed"], "--rounds": settings["rounds"],
              "--output-dir": settings["output_dir"]}
+    if settings["rounds"] == 1:
+        del flags["--rounds"]
     if settings["replay"] is None:
         del flags["--replay"]
     else:
@@ -167,20 +174,23 @@ def _run_all(settings: dict, sessions: list, methods: list[str]) -> list[dict]:
 
     run_id = uuid.uuid4().hex[:8]
     sessions = [Salted(session, f"session-{index}") for index, session in enumerate(sessions)]
-    total = len(settings["concurrency"]) * len(methods) * sum(len(s.turns) for s in sessions)
+    plan = [(number, concurrency, method) for number in range(settings["rounds"])
+            for concurrency in settings["concurrency"] for method in alternated(methods, number)]
+    measured: dict[tuple, tuple[list, float]] = {}  # (concurrency, method) -> results, seconds
+    with tqdm(total=len(plan) * sum(len(s.turns) for s in sessions), unit="req", desc="bench agent") as bar:
+        for number, concurrency, method in plan:
+            bar.set_postfix_str(f"c={concurrency} {method}")
+            # A tenant per run: its own suffix tree (learning from all its sessions) and prefix cache.
+            results, seconds = asyncio.run(closed_loop(
+                settings["url"], sessions, concurrency, request_fields(settings, method),
+                tenant=f"bench-agent-{run_id}-r{number}-c{concurrency}-{method}", on_request=bar.update))
+            earlier, before = measured.get((concurrency, method), ([], 0.0))
+            measured[(concurrency, method)] = (earlier + results, before + seconds)
     rows = []
-    with tqdm(total=total, unit="req", desc="bench agent") as bar:
-        for concurrency in settings["concurrency"]:
-            measured = {}
-            for method in methods:
-                bar.set_postfix_str(f"c={concurrency} {method}")
-                # A tenant per run: its own suffix tree (learning from all its sessions) and prefix cache.
-                results, seconds = asyncio.run(closed_loop(
-                    settings["url"], sessions, concurrency, request_fields(settings, method),
-                    tenant=f"bench-agent-{run_id}-c{concurrency}-{method}", on_request=bar.update))
-                measured[method] = (summarize("agent", concurrency, method, results, seconds), results)
-            baseline = measured["none"][0] if "none" in measured else None
-            rows += [row(run, results, baseline) for run, results in measured.values()]
+    for concurrency in settings["concurrency"]:
+        runs = {method: summarize("agent", concurrency, method, *measured[(concurrency, method)])
+                for method in methods}
+        rows += [row(runs[method], measured[(concurrency, method)][0], runs.get("none")) for method in methods]
     return rows
 
 

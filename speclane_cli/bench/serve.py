@@ -116,6 +116,11 @@ def request_fields(settings: dict, method: str) -> dict:
     return fields
 
 
+def alternated(methods: list[str], round_number: int) -> list[str]:
+    """Every other round runs the methods in reverse, so drift on a noisy machine favours none of them."""
+    return methods if round_number % 2 == 0 else methods[::-1]
+
+
 def _run_all(settings: dict, workloads: dict[str, list[Conversation]]) -> list[RunStats]:
     from speclane_cli.bench.client import closed_loop
 
@@ -126,10 +131,9 @@ def _run_all(settings: dict, workloads: dict[str, list[Conversation]]) -> list[R
         peer_methods = list(PEER_METHODS)
     plan = []
     for number in range(settings["rounds"]):
-        order = 1 if number % 2 == 0 else -1
         plan += [(number, dataset, concurrency, method) for dataset in workloads
-                 for concurrency in settings["concurrency"] for method in settings["methods"][::order]]
-        plan += [(number, dataset, 1, method) for dataset in workloads for method in peer_methods[::order]]
+                 for concurrency in settings["concurrency"] for method in alternated(settings["methods"], number)]
+        plan += [(number, dataset, 1, method) for dataset in workloads for method in alternated(peer_methods, number)]
     total = sum(len(c.turns) for _, dataset, _, _ in plan for c in workloads[dataset])
     run_id = uuid.uuid4().hex[:8]
     measured: dict[tuple, tuple[list, float]] = {}  # (dataset, concurrency, method) -> results, seconds

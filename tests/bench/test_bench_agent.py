@@ -24,7 +24,7 @@ def test_rows_compare_first_and_later_requests_and_methods(tmp_path):
     assert rows[1]["speedup_vs_none"] == 3.0 and rows[1]["tokens_per_step"] == 3.0
     settings = {"url": "http://h:1", "model": "m", "sessions": 2, "requests_per_session": 3, "replay": None,
                 "concurrency": [1], "methods": ["none", "suffix", "hybrid"], "num_speculative_tokens": None,
-                "max_tokens": 8, "temperature": 0.0, "seed": 0, "output_dir": str(tmp_path)}
+                "max_tokens": 8, "temperature": 0.0, "seed": 0, "rounds": 2, "output_dir": str(tmp_path)}
     written = write_results(settings, rows, {"hybrid": "needs a draft head"})
     saved = json.loads(written[0].read_text())
     assert saved["command"] == command_line(settings) and saved["absent_methods"] == {"hybrid": "needs a draft head"}
@@ -37,8 +37,9 @@ def test_a_replayed_run_names_its_log_not_the_script():
     command = command_line({"url": "u", "model": "m", "sessions": 16, "requests_per_session": 4,
                             "replay": "log.jsonl", "concurrency": [1, 16], "methods": ["none"],
                             "num_speculative_tokens": None, "max_tokens": 8, "temperature": 0.0, "seed": 0,
-                            "output_dir": "out"})
+                            "rounds": 1, "output_dir": "out"})
     assert "--replay log.jsonl" in command and "--sessions" not in command and "--seed" not in command
+    assert "--rounds" not in command  # one round, the default
 
 
 def test_each_session_salts_the_prefix_cache_with_its_own_name(monkeypatch):
@@ -55,6 +56,25 @@ def test_each_session_salts_the_prefix_cache_with_its_own_name(monkeypatch):
     monkeypatch.setattr(client, "closed_loop", closed_loop)
     sessions = agent_sessions(3, 2, seed=0)
     _run_all({"url": "u", "concurrency": [1], "model": "m", "max_tokens": 8, "temperature": 0.0,
-              "num_speculative_tokens": None}, sessions, ["none"])
+              "num_speculative_tokens": None, "rounds": 1}, sessions, ["none"])
     assert [request["cache_salt"] for request in sent] == ["session-0", "session-1", "session-2"]
     assert [request["messages"] for request in sent] == [session.request([])["messages"] for session in sessions]
+
+
+def test_rounds_alternate_the_methods_under_fresh_tenants_and_rows_sum_them(monkeypatch):
+    import speclane_cli.bench.client as client
+    from speclane_cli.bench.agent import _run_all
+    from speclane_cli.bench.agent_sessions import agent_sessions
+
+    tenants = []
+
+    async def closed_loop(url, sessions, concurrency, fields, tenant, on_request):
+        tenants.append(tenant)
+        return results([0.5, 0.1], 4), 1.0
+
+    monkeypatch.setattr(client, "closed_loop", closed_loop)
+    rows = _run_all({"url": "u", "concurrency": [1], "model": "m", "max_tokens": 8, "temperature": 0.0,
+                     "num_speculative_tokens": None, "rounds": 3}, agent_sessions(1, 2, seed=0), ["none", "suffix"])
+    assert [tenant.split("-", 3)[3] for tenant in tenants] == [
+        "r0-c1-none", "r0-c1-suffix", "r1-c1-suffix", "r1-c1-none", "r2-c1-none", "r2-c1-suffix"]
+    assert [(row["method"], row["requests"]) for row in rows] == [("none", 6), ("suffix", 6)]

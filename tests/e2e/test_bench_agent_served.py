@@ -21,13 +21,13 @@ def bench_agent(stack, out_dir, *args: str) -> dict:
 
 def test_bench_agent_runs_sessions_and_reports_each_method(tools_gateway, tmp_path):
     results = bench_agent(tools_gateway, tmp_path, "--sessions", "2", "--requests-per-session", "2",
-                          "--concurrency", "2", "--methods", "none,suffix,hybrid")
+                          "--concurrency", "2", "--methods", "none,suffix,hybrid", "--rounds", "2")
     assert results["command"].startswith("speclane bench agent ")
     assert "draft head" in results["absent_methods"]["hybrid"]
     runs = {run["method"]: run for run in results["runs"]}
     assert set(runs) == {"none", "suffix"}
     for run in runs.values():
-        assert (run["requests"], run["failed"], run["concurrency"]) == (4, 0, 2)
+        assert (run["requests"], run["failed"], run["concurrency"]) == (8, 0, 2)  # two rounds of 2 x 2
         assert run["ttft_first_ms"] > 0 and run["ttft_later_ms"] > 0 and run["throughput_tps"] > 0
         assert 0.5 < run["later_cached_share"] < 1  # a later prompt extends the session's earlier one
     assert runs["suffix"]["verify_steps"] > 0 and runs["suffix"]["speedup_vs_none"] is not None
