@@ -5,6 +5,8 @@ Messages API (`anthropic`) and the Responses API (`openai`'s
 trips use Qwen2.5's chat template (tools_gateway), and greedy output is the
 same with and without speculation in every API."""
 
+import asyncio
+
 import agents
 import anthropic
 import httpx2
@@ -122,14 +124,21 @@ def test_the_agents_sdks_default_responses_model_drives_a_tool_call(tools_gatewa
         calls.append(city)
         return "sunny, 21 C"
 
-    client = openai.AsyncOpenAI(base_url=tools_gateway.base_url, api_key="unused", max_retries=0, timeout=120)
-    agent = agents.Agent(name="weather", instructions="Answer with the weather tool.", tools=[get_weather],
-                         model=agents.OpenAIResponsesModel(model=MODEL, openai_client=client),
-                         model_settings=agents.ModelSettings(temperature=0, max_tokens=200,
-                                                             tool_choice="required", parallel_tool_calls=False),
-                         tool_use_behavior="stop_on_first_tool")
-    result = agents.Runner.run_sync(agent, "What is the weather in Paris?",
-                                    run_config=agents.RunConfig(tracing_disabled=True))
+    async def run():
+        # Closed in the loop that opened it: left to the garbage collector, its connections would be
+        # closed later from another test's event loop, which fails that test.
+        async with openai.AsyncOpenAI(base_url=tools_gateway.base_url, api_key="unused", max_retries=0,
+                                      timeout=120) as client:
+            agent = agents.Agent(name="weather", instructions="Answer with the weather tool.", tools=[get_weather],
+                                 model=agents.OpenAIResponsesModel(model=MODEL, openai_client=client),
+                                 model_settings=agents.ModelSettings(temperature=0, max_tokens=200,
+                                                                     tool_choice="required",
+                                                                     parallel_tool_calls=False),
+                                 tool_use_behavior="stop_on_first_tool")
+            return await agents.Runner.run(agent, "What is the weather in Paris?",
+                                           run_config=agents.RunConfig(tracing_disabled=True))
+
+    result = asyncio.run(run())
     assert len(calls) == 1 and isinstance(calls[0], str)
     assert result.final_output == "sunny, 21 C"
     assert any(item.type == "tool_call_item" for item in result.new_items)
