@@ -64,6 +64,7 @@ _QUERY_CHUNK = 64
 # keys would sum otherwise than the plain decode that holds the path's keys side by side.
 _KEY_BLOCK = 64
 _MIN_ROWS = 2  # attention's products of fewer rows are padded
+_LOOP_ROWS = 64  # query rows (heads x tokens) from which the blocks' sum is a loop rather than a cumsum
 
 
 def segment_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int, order: KeyOrder,
@@ -76,7 +77,10 @@ def segment_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Ten
     softmaxed in fp32, and weight the values laid out the same way."""
     heads, n, dim = query.shape
     if n > _QUERY_CHUNK and not order.is_tree:
-        return torch.cat([segment_attention(query[:, a:a + _QUERY_CHUNK], keys, values, start + a,
+        # A chunk attends the keys up to its last query, as a plain step there would: the keys after it
+        # would only add -inf scores and zero-weighted values, at the cost of the whole context.
+        return torch.cat([segment_attention(query[:, a:a + _QUERY_CHUNK],
+                                            *_first(start + a + _QUERY_CHUNK, keys, values), start + a,
                                             KeyOrder(order.columns[a:a + _QUERY_CHUNK, a:a + _QUERY_CHUNK],
                                                      order.attends[a:a + _QUERY_CHUNK, a:a + _QUERY_CHUNK], False),
                                             scaling)
@@ -94,6 +98,11 @@ def segment_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Ten
     scores[..., start + n:] = float("-inf")
     out = _weighted_values(torch.softmax(scores, dim=-1).to(values.dtype), values, start, order)
     return out.to(query.dtype).reshape(heads, n, dim)
+
+
+def _first(rows: int, *tensors: torch.Tensor) -> list[torch.Tensor]:
+    """Each [kv_heads, capacity, d] tensor's first rows, contiguous (the products would copy a view)."""
+    return [t if rows >= t.shape[1] else t[:, :rows].contiguous() for t in tensors]
 
 
 def _weighted_values(probs: torch.Tensor, values: torch.Tensor, start: int, order: KeyOrder) -> torch.Tensor:
@@ -119,8 +128,21 @@ def _weighted_values(probs: torch.Tensor, values: torch.Tensor, start: int, orde
         weights = probs[..., shared:].transpose(1, 2).reshape(kv_heads, n, group, -1, _KEY_BLOCK).transpose(2, 3)
         products = (_at_least_rows(weights, _MIN_ROWS) @ own)[..., :group, :]
         blocks.append(products.permute(0, 2, 3, 1, 4))
-    # cumsum adds the blocks in sequence order; a plain step's store, longer or shorter, only adds zeros.
-    return (torch.cat(blocks, dim=1) if len(blocks) > 1 else blocks[0]).float().cumsum(dim=1)[:, -1]
+    # Summed in sequence order; a plain step's store, longer or shorter, only adds zeros.
+    return in_order_sum(torch.cat(blocks, dim=1) if len(blocks) > 1 else blocks[0], group * n)
+
+
+def in_order_sum(products: torch.Tensor, rows: int) -> torch.Tensor:
+    """products [kv_heads, blocks, ...] summed over the blocks in order, accumulated in fp64 and rounded
+    once to fp32. CPU cumsum computes exactly that (and every prefix sum, which costs most of a prompt
+    chunk's attention); a loop of adds gives the same bits, and is faster once a block holds `rows` of a
+    few dozen queries."""
+    if rows < _LOOP_ROWS:
+        return products.float().cumsum(dim=1)[:, -1]
+    total = products[:, 0].double()
+    for block in range(1, products.shape[1]):
+        total += products[:, block]
+    return total.float()
 
 
 class PaddedLinear(nn.Module):

@@ -12,6 +12,7 @@ from verifier_service.batch_invariant import (
     PaddedLinear,
     differing_from_plain_decode,
     holds_on,
+    in_order_sum,
     key_order,
     make_invariant,
     make_linears_invariant,
@@ -99,6 +100,16 @@ def test_a_prompt_prefilled_in_chunks_decodes_as_one_prefilled_at_once(tiny_mode
     # Chunks of 4 tokens: the first two keep no logits, so the output layer gets no rows.
     chunked = Engine(runner, BlockManager(4096 // BLOCK, BLOCK, False), BatchLimits(max_tokens=4))
     assert greedy(chunked, prompt, 6) == whole
+
+
+def test_blocks_are_summed_with_the_same_bits_by_a_loop_as_by_cumsum():
+    generator = torch.Generator().manual_seed(2)
+    # Magnitudes 2^-40 to 2^40: no fp32 or fp64 sum of these is exact, so any other order or precision shows.
+    products = (torch.randn(2, 17, 7, 64, 64, generator=generator)
+                * 2.0 ** torch.randint(-40, 41, (2, 17, 7, 64, 64), generator=generator)).bfloat16()
+    by_cumsum, by_loop = in_order_sum(products, 1), in_order_sum(products, 7 * 64)
+    assert torch.equal(by_cumsum, by_loop)
+    assert not torch.equal(by_loop, products.float().sum(dim=1))  # the data tells summation orders apart
 
 
 def test_the_mode_follows_the_flag_the_dtype_and_the_start_up_check(monkeypatch):

@@ -14,8 +14,8 @@ from transformers import AutoTokenizer
 
 from speclane.models import DEFAULT_MODEL, resolve_model
 from speclane_cli.bench.workloads import code_edit, humaneval, sharegpt
+from verifier_service.block_manager import BlockManager
 from verifier_service.engine import Engine
-from verifier_service.kv_pool import KVPool
 from verifier_service.model_runner import ModelRunner
 from verifier_service.sequence import Draft, FinishReason, GenerationParams
 
@@ -49,7 +49,7 @@ def main() -> None:
     torch.set_num_threads(1)
     model_dir = str(resolve_model(DEFAULT_MODEL))
     engine = Engine(ModelRunner(model_dir, "cpu", getattr(torch, args.dtype),
-                         batch_invariant=args.batch_invariant), KVPool(200_000, 64, False))
+                         batch_invariant=args.batch_invariant), BlockManager(200_000 // 16, 16, False))
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     conversations = humaneval(12, 0, 1) + sharegpt(12, 0, 1) + code_edit(6, 0, 1)
     prompts = [tokenizer.apply_chat_template([{"role": "user", "content": c.turns[0]}], add_generation_prompt=True,

@@ -10,8 +10,8 @@ import time
 import torch
 
 from speclane.models import DEFAULT_MODEL, resolve_model
+from verifier_service.block_manager import BlockManager
 from verifier_service.engine import Engine
-from verifier_service.kv_pool import KVPool
 from verifier_service.model_runner import ModelRunner
 from verifier_service.sequence import Draft, GenerationParams
 
@@ -24,10 +24,10 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=500)
     parser.add_argument("--k", default="0,1,3,8,24", help="draft lengths")
     args = parser.parse_args()
-    torch.set_num_threads(1)  # as the verifier runs by default
+    torch.set_num_threads(1)  # the README's tables are one-thread numbers
     runner = ModelRunner(str(resolve_model(DEFAULT_MODEL)), "cpu", getattr(torch, args.dtype),
                          batch_invariant=args.batch_invariant)
-    engine = Engine(runner, KVPool(200_000, 64, False))
+    engine = Engine(runner, BlockManager(200_000 // 16, 16, False))
     params = GenerationParams(max_new_tokens=100_000, ignore_eos=True)
     seqs = [engine.open(f"s{i}", [(j * 7919 + i * 31) % runner.vocab_size for j in range(args.context)], params)
             for i in range(args.sequences)]

@@ -12,9 +12,9 @@ import time
 import torch
 
 from speclane.models import resolve_model
+from verifier_service.block_manager import BlockManager
 from verifier_service.cpu_linear import MEASURED_ROWS, WAYS, MeasuredLinear, by_reordered, competes, fastest_ways
 from verifier_service.engine import Engine
-from verifier_service.kv_pool import KVPool
 from verifier_service.model_runner import ModelRunner
 from verifier_service.sequence import Draft, GenerationParams
 
@@ -25,7 +25,7 @@ ROUNDS, REPEATS = 3, 7
 
 def step_ms(runner: ModelRunner, k: int, sequences: int, context: int) -> float:
     """Median time of a verify step of `sequences` sequences with k draft tokens each."""
-    engine = Engine(runner, KVPool(16384, 64, False))
+    engine = Engine(runner, BlockManager(16384 // 16, 16, False))
     seqs = []
     for s in range(sequences):
         prompt = [(i * 7919 + s) % 49000 + 100 for i in range(context)]
