@@ -42,7 +42,6 @@ class Group:
     pass_rows: torch.Tensor  # [n] the pass rows the group's real queries answer
     padded_rows: torch.Tensor  # [n] where those are in the flattened [B * Q] output
     key_blocks: torch.Tensor  # [B * K / block_size] the blocks holding each segment's keys, in order
-    block_size: int
     visible: torch.Tensor  # [B, Q, K] bool, before any window
     query_positions: torch.Tensor  # [B, Q]
     key_positions: torch.Tensor  # [B, K]
@@ -118,26 +117,27 @@ class TorchAttention:
     def attend(self, metadata: Metadata, call: LayerCall, query: torch.Tensor, cache: PagedKVCache) -> torch.Tensor:
         kv = cache.kv[call.layer]
         if metadata.whole:
-            return self._attend(metadata.groups[0], call, query, kv, cache.key_dim)
+            return self._attend(metadata.groups[0], call, query, kv, cache)
         padded_query = torch.cat([query, query.new_zeros(1, *query.shape[1:])])
         out = None
         for group in metadata.groups:
             q = (padded_query.index_select(0, group.query_index) if group.query_index is not None
                  else query[group.first_row:group.first_row + group.visible.shape[0] * group.visible.shape[1]])
-            attended = self._attend(group, call, q, kv, cache.key_dim)
+            attended = self._attend(group, call, q, kv, cache)
             if out is None:
                 out = query.new_empty(metadata.num_tokens, *attended.shape[1:])
             out[group.pass_rows] = attended[group.padded_rows]
         return out
 
     @staticmethod
-    def _attend(group: Group, call: LayerCall, query: torch.Tensor, kv: torch.Tensor, key_dim: int) -> torch.Tensor:
+    def _attend(group: Group, call: LayerCall, query: torch.Tensor, kv: torch.Tensor,
+                cache: PagedKVCache) -> torch.Tensor:
         """query [B * Q, heads, d] in the group's padded order; returns [B * Q, heads, d_v]."""
         batch, num_queries, context = group.visible.shape
         heads = query.shape[1]
         q = query.view(batch, num_queries, heads, -1).transpose(1, 2)  # [B, heads, Q, d]
-        kv = _gather(kv, group, batch, context)
-        k, v = call.keys_values(kv[..., :key_dim], kv[..., key_dim:])
+        kv = _gather(kv, group.key_blocks, cache.block_size, batch, context)
+        k, v = call.keys_values(kv[..., :cache.key_dim], kv[..., cache.key_dim:])
         if call.softcap or call.sinks is not None:
             o = _explicit_attention(q, k, v, group.mask(call.sliding_window), call)
         else:
@@ -165,13 +165,12 @@ def _explicit_attention(q, k, v, mask, call: LayerCall) -> torch.Tensor:
     return (probs @ v).view(batch, heads, num_queries, v.shape[-1])
 
 
-def _gather(cache: torch.Tensor, group: Group, batch: int, context: int) -> torch.Tensor:
+def _gather(cache: torch.Tensor, key_blocks: torch.Tensor, block_size: int, batch: int, context: int) -> torch.Tensor:
     """[B, kv_heads, K, dim] a layer's keys and values of the group's segments, copied a whole block at a time
     (one copy of block_size rows costs about what one row's does), then viewed up to the longest context, so
     SDPA attends no padding blocks."""
-    blocks = cache.view(cache.shape[0] // group.block_size, group.block_size, *cache.shape[1:])
-    blocks = blocks.index_select(0, group.key_blocks)
-    padded = len(group.key_blocks) // batch * group.block_size
+    blocks = cache.view(cache.shape[0] // block_size, block_size, *cache.shape[1:]).index_select(0, key_blocks)
+    padded = len(key_blocks) // batch * block_size
     return blocks.view(batch, padded, *cache.shape[1:])[:, :context].transpose(1, 2)
 
 
@@ -217,7 +216,7 @@ def _group(segments: list[Segment], offsets: list[int], positions: torch.Tensor,
     visible |= ~real_query[:, :, None]  # padding queries see everything: no empty softmax
     dense = bool(real_query.all()) and offsets == list(range(offsets[0], offsets[0] + batch * longest, longest))
     return Group(None if dense else query_index.flatten(), offsets[0], pass_rows, flat, key_blocks.flatten(),
-                 block_size, visible, query_positions, key_positions)
+                 visible, query_positions, key_positions)
 
 
 def _tree_visibility(segments: list[Segment], trees: list[int], pending: torch.Tensor, q_index: torch.Tensor,
