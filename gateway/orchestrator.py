@@ -81,11 +81,11 @@ class Orchestrator:
                 step = plan_step(state, measured, budget, drafted, sequence.predicted(result, budget.limit))
                 sent = time.perf_counter()
                 await _checked(_send_step(verifier, result, step))
-                yield _delta(result, speculation=sequence.usage)  # streamed while the verifier runs the step
+                yield _delta(result, sequence)  # streamed while the verifier runs the step
                 result = await _checked(verifier.answer())
                 sequence.observe(step, result, drafter_seconds, time.perf_counter() - sent)
             sequence.finish(result)
-            yield _delta(result, FINISH_REASON_NAMES[result.finish_reason], sequence.usage, sequence.cached_tokens)
+            yield _delta(result, sequence, FINISH_REASON_NAMES[result.finish_reason])
         except Unavailable:
             if index is not None:
                 self._verifiers.mark_down(index)
@@ -239,11 +239,11 @@ class _Sequence:
             self._drafter.close()
 
 
-def _delta(result, finish_reason: str | None = None, speculation: SpeculationUsage | None = None,
-           cached_tokens: int = 0) -> TokenDelta:
+def _delta(result, sequence: "_Sequence", finish_reason: str | None = None) -> TokenDelta:
+    """A step's tokens, with the request's usage so far (a stop string may end it at any step)."""
     logprobs = tuple(TokenLogprob(entry.logprob, tuple(zip(entry.top_token_ids, entry.top_logprobs)))
                      for entry in result.logprobs)
-    return TokenDelta(list(result.token_ids), finish_reason, speculation, logprobs, cached_tokens)
+    return TokenDelta(list(result.token_ids), finish_reason, sequence.usage, logprobs, sequence.cached_tokens)
 
 
 def _send_step(verifier, last, step: Step):

@@ -301,8 +301,7 @@ async def generate_text(ctx: ServingContext, request: GenerationRequest,
             async with contextlib.aclosing(ctx.generate(request)) as deltas:
                 async for delta in deltas:
                     if delta.speculation is not None:
-                        usage = delta.speculation
-                    cached_tokens = max(cached_tokens, delta.cached_tokens)
+                        usage, cached_tokens = delta.speculation, delta.cached_tokens
                     if generated == 0 and delta.token_ids:
                         ctx.metrics.record_first_token(time.perf_counter() - started)
                     token_ids, text, stopped = stream.advance(delta.token_ids)

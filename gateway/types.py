@@ -79,4 +79,4 @@ class TokenDelta:
     # set on any (then a generation cut short by a stop string still reports its usage).
     speculation: SpeculationUsage | None = None
     logprobs: tuple[TokenLogprob, ...] = ()  # one per token id when the request asked for them
-    cached_tokens: int = 0  # on the final delta: prompt tokens the verifier's prefix cache held
+    cached_tokens: int = 0  # prompt tokens the verifier's prefix cache held; set with speculation

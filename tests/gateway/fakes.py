@@ -86,7 +86,7 @@ class ScriptedEngine:
                 usage = self.usage(number) if finished or self.usage_every_step else None
                 yield TokenDelta(step, finish_reason if finished else None, usage,
                                  logprobs=() if request.logprobs is None else fake_logprobs(step, request.logprobs),
-                                 cached_tokens=FAKE_CACHED_TOKENS if finished else 0)
+                                 cached_tokens=FAKE_CACHED_TOKENS if usage is not None else 0)
         finally:
             if not finished:
                 self.aborted.append(request.request_id)

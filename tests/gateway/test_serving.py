@@ -8,7 +8,7 @@ from gateway.sampling_defaults import SamplingDefaults, read_sampling_defaults
 from gateway.serving import GenerationParams, build_generation_request, generate_text
 from gateway.types import SpeculationUsage
 from speclane.speculation import DEFAULT_SPECULATIVE_TOKENS, DrafterLimits, SpeculationSettings
-from tests.gateway.fakes import COMPLETION, MODEL_NAME, ScriptedEngine, make_context
+from tests.gateway.fakes import COMPLETION, FAKE_CACHED_TOKENS, MODEL_NAME, ScriptedEngine, make_context
 
 USER = [{"role": "user", "content": "Say hello"}]
 
@@ -152,6 +152,12 @@ async def test_stop_string_ends_output_and_aborts_the_generation(ctx, engine, ti
     assert tiny_tokenizer.decode(token_ids).endswith("héllo")
     assert not tiny_tokenizer.decode(token_ids[:-1]).endswith("héllo")
     assert deltas[-1].speculation.verify_steps > 0  # usage reported so far
+
+
+@pytest.mark.anyio
+async def test_a_generation_cut_by_a_stop_string_still_reports_its_cached_prompt_tokens(ctx):
+    deltas = await collect(ctx, build(ctx), stops=["héllo"])
+    assert deltas[-1].finish_reason == "stop" and deltas[-1].cached_tokens == FAKE_CACHED_TOKENS
 
 
 @pytest.mark.anyio
