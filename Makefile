@@ -9,8 +9,8 @@ ARGS ?=
 
 .PHONY: install serve test test-fast lint fuzz test-containers protos docs clean
 
-# Editing the C++ drafter core re-runs the install, which rebuilds it.
-$(INSTALLED): pyproject.toml setup.py $(wildcard drafter_service/csrc/*)
+# Editing the C++ sources re-runs the install, which rebuilds them.
+$(INSTALLED): pyproject.toml setup.py $(wildcard drafter_service/csrc/*) $(wildcard verifier_service/csrc/*)
 	@test -n "$(PYTHON)" || { echo "speclane needs Python 3.11, 3.12 or 3.13 (python3.11 ... on PATH, or make PYTHON=...)"; exit 1; }
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e '.[all,test]'

@@ -7,9 +7,11 @@ registered for this implementation, so transformers builds no mask; which
 keys each query sees comes from the pass's metadata, built once per pass by
 the device's backend (backend.py). Each device's backend:
 
-- CPU: torch_sdpa.TorchAttention, padded SDPA calls per layer (segments of
-  similar lengths in one).
-- CUDA and Ascend: the same backend until they get kernels of their own.
+- CPU, fp32: cpu_paged.CpuPagedAttention, a kernel reading the blocks in place
+  for decodes and short chains, torch_sdpa's padded calls for the rest.
+- Other dtypes on a CPU, CUDA and Ascend: torch_sdpa.TorchAttention, padded
+  SDPA calls per layer (segments of similar lengths in one), until they get
+  kernels of their own.
 - --batch-invariant: invariant.InvariantAttention on any device.
 """
 
@@ -19,6 +21,7 @@ import torch
 from transformers import AttentionInterface
 
 from verifier_service.attention.backend import AttentionBackend, LayerCall
+from verifier_service.attention.cpu_paged import CpuPagedAttention
 from verifier_service.attention.invariant import InvariantAttention
 from verifier_service.attention.torch_sdpa import TorchAttention
 from verifier_service.kv_cache import PagedKVCache
@@ -39,9 +42,14 @@ class PassContext:
     linear: LinearLayout | None = None
 
 
-def select_backend(device: torch.device, batch_invariant: bool, query_width: int) -> AttentionBackend:
+def select_backend(device: torch.device, dtype: torch.dtype, batch_invariant: bool,
+                   query_width: int) -> AttentionBackend:
     """query_width: a layer's query heads x head dimension (on this rank)."""
-    return InvariantAttention() if batch_invariant else TorchAttention(query_width)
+    if batch_invariant:
+        return InvariantAttention()
+    if device.type == "cpu" and dtype == torch.float32:
+        return CpuPagedAttention(query_width)
+    return TorchAttention(query_width)
 
 
 def paged_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, sliding_window=None,

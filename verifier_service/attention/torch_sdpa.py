@@ -108,24 +108,34 @@ class TorchAttention:
 
     def prepare(self, segments: tuple[Segment, ...], inputs: PassInputs, block_size: int,
                 device: torch.device) -> Metadata:
-        shapes = [(seg.num_tokens, seg.start + seg.num_tokens) for seg in segments]
+        return Metadata(slot_mapping(segments, block_size, device), inputs.positions.shape[1],
+                        self.groups(segments, range(len(segments)), inputs, block_size, device))
+
+    def groups(self, segments: tuple[Segment, ...], which, inputs: PassInputs, block_size: int,
+               device: torch.device) -> list[Group]:
+        """The padded calls that attend the segments `which` (indices into `segments`)."""
+        which = list(which)
+        shapes = [(segments[i].num_tokens, segments[i].start + segments[i].num_tokens) for i in which]
         positions = inputs.positions[0]
-        groups = [_group([segments[i] for i in members], [inputs.offsets[i] for i in members], positions,
-                         block_size, device) for members in group_segments(shapes, self.call_pairs)]
-        return Metadata(slot_mapping(segments, block_size, device), positions.shape[0], groups)
+        return [_group([segments[which[m]] for m in members], [inputs.offsets[which[m]] for m in members], positions,
+                       block_size, device) for members in group_segments(shapes, self.call_pairs)]
 
     def attend(self, metadata: Metadata, call: LayerCall, query: torch.Tensor, cache: PagedKVCache) -> torch.Tensor:
-        kv = cache.kv[call.layer]
         if metadata.whole:
-            return self._attend(metadata.groups[0], call, query, kv, cache)
+            return self._attend(metadata.groups[0], call, query, cache.kv[call.layer], cache)
+        return self.attend_groups(metadata.groups, call, query, cache, None)
+
+    def attend_groups(self, groups: list[Group], call: LayerCall, query: torch.Tensor, cache: PagedKVCache,
+                      out: torch.Tensor | None) -> torch.Tensor:
+        """Attends the rows of `groups` into `out` [T, heads, value_dim] (None: a new tensor, other rows unset)."""
+        kv = cache.kv[call.layer]
         padded_query = torch.cat([query, query.new_zeros(1, *query.shape[1:])])
-        out = None
-        for group in metadata.groups:
+        for group in groups:
             q = (padded_query.index_select(0, group.query_index) if group.query_index is not None
                  else query[group.first_row:group.first_row + group.visible.shape[0] * group.visible.shape[1]])
             attended = self._attend(group, call, q, kv, cache)
             if out is None:
-                out = query.new_empty(metadata.num_tokens, *attended.shape[1:])
+                out = query.new_empty(query.shape[0], *attended.shape[1:])
             out[group.pass_rows] = attended[group.padded_rows]
         return out
 
