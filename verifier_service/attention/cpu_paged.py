@@ -4,12 +4,12 @@ kernel that reads the keys and values in place through the block tables
 trees) through torch_sdpa's padded calls.
 
 Why the split: a decode step of 32 SmolLM2 sequences spent 58% of its time
-in the padded path's block gather and SDPA call, a pure memory cost that the
-in-place kernel halves (0.85 against 1.79 ms a layer, 32 sequences of
-300-517 tokens). For a segment of many queries SDPA's blocked products win: at
-16 sequences with 8 tokens each the kernel took 1.8 ms against SDPA's 1.4 ms,
-at 5 tokens 2.7 against 4.1 at 32 sequences; so segments of up to
-MAX_KERNEL_QUERIES take the kernel.
+in the padded path's block gather and SDPA call, a memory cost the in-place
+kernel cuts to 0.40x (32 sequences of 300-517 tokens, one token each; 0.56x
+with three). With more queries a segment, SDPA's blocked products win: one
+sequence verifying 6 tokens took the kernel 2.0x the padded path's time, 16
+sequences of 6 tokens 1.23x (docs/benchmarks/verifier-engine). So segments
+of up to MAX_KERNEL_QUERIES take the kernel.
 
 The kernel computes each query's attention in a fixed order over its own
 keys, whatever else the pass holds. It does fp32 only, causal chains with an
@@ -28,8 +28,9 @@ from verifier_service.batch import PassInputs, Segment
 from verifier_service.kv_cache import PagedKVCache
 from verifier_service.tree import is_chain
 
-# Segments of at most this many new tokens take the kernel (measured crossover: between 5 and 8).
-MAX_KERNEL_QUERIES = 6
+# Segments of at most this many new tokens take the kernel: at 3 it is 0.79-1.07x the padded path from 1 to 16
+# sequences, at 6 0.86-2.0x.
+MAX_KERNEL_QUERIES = 3
 
 
 def takes(segment: Segment) -> bool:
