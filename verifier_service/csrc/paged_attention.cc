@@ -73,17 +73,22 @@ SPECLANE_CLONES void attend_item(const Call& c, int64_t segment, int64_t kv_head
   float* inverse_sums = acc + rows * vd;
 
   keys.resize(num_keys);
-  for (int64_t k = 0; k < num_keys; ++k) {
-    const int64_t position = first_key + k;
-    keys[k] = c.cache + (table[position / c.block_size] * c.block_size + position % c.block_size) * slot_width +
-              kv_head * (kd + vd);
+  // Block by block: a division per key costs as much as a small head's product.
+  for (int64_t k = 0, block = first_key / c.block_size, offset = first_key % c.block_size; k < num_keys; ++block) {
+    const float* row = c.cache + (table[block] * c.block_size + offset) * slot_width + kv_head * (kd + vd);
+    for (; offset < c.block_size && k < num_keys; ++offset, ++k, row += slot_width) keys[k] = row;
+    offset = 0;
   }
   for (int64_t row = 0; row < rows; ++row)
     std::copy_n(c.query + ((first_row + row / group) * c.heads + kv_head * group + row % group) * kd, kd,
                 q + row * kd);
 
+  // Keys come from blocks anywhere in memory: prefetched a few ahead, or each read waits for memory in turn.
+  constexpr int64_t ahead = 8;
   for (int64_t k = 0; k < num_keys; ++k) {
     const float* key = keys[k];
+    if (k + ahead < num_keys)
+      for (int64_t d = 0; d < kd; d += 16) __builtin_prefetch(keys[k + ahead] + d);
     for (int64_t row = 0; row < rows; ++row) {
       const float* qr = q + row * kd;
       float dot = 0.0f;
@@ -113,6 +118,8 @@ SPECLANE_CLONES void attend_item(const Call& c, int64_t segment, int64_t kv_head
   std::fill(acc, acc + rows * vd, 0.0f);
   for (int64_t k = 0; k < num_keys; ++k) {
     const float* value = keys[k] + kd;
+    if (k + ahead < num_keys)
+      for (int64_t d = 0; d < vd; d += 16) __builtin_prefetch(keys[k + ahead] + kd + d);
     for (int64_t row = 0; row < rows; ++row) {
       const float p = scores[row * num_keys + k];
       float* a = acc + row * vd;
@@ -129,10 +136,16 @@ SPECLANE_CLONES void attend_item(const Call& c, int64_t segment, int64_t kv_head
 
 using ItemFn = void (*)(const Call&, int64_t, int64_t, std::vector<float>&, std::vector<const float*>&);
 
+// The head dimensions of the models served (and the tiny test models'), compiled; any other runs the general form.
+template <int... Dims>
+ItemFn compiled_for(int64_t key_dim, int64_t value_dim) {
+  ItemFn found = attend_item<0, 0>;
+  ((key_dim == Dims && value_dim == Dims ? (found = attend_item<Dims, Dims>, true) : false) || ...);
+  return found;
+}
+
 ItemFn item_function(int64_t key_dim, int64_t value_dim) {
-  if (key_dim == 64 && value_dim == 64) return attend_item<64, 64>;
-  if (key_dim == 128 && value_dim == 128) return attend_item<128, 128>;
-  return attend_item<0, 0>;
+  return compiled_for<16, 32, 64, 96, 128, 256>(key_dim, value_dim);
 }
 
 // Below this many query-key products a call runs on one thread: waking another costs more than it saves.
