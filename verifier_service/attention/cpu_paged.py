@@ -5,10 +5,10 @@ trees) through torch_sdpa's padded calls.
 
 Why the split: a decode step of 32 SmolLM2 sequences spent 58% of its time
 in the padded path's block gather and SDPA call, a memory cost the in-place
-kernel cuts to 0.40x (32 sequences of 300-517 tokens, one token each; 0.56x
+kernel cuts to 0.36x (32 sequences of 300-517 tokens, one token each; 0.50x
 with three). With more queries a segment, SDPA's blocked products win: one
-sequence verifying 6 tokens took the kernel 2.0x the padded path's time, 16
-sequences of 6 tokens 1.23x (docs/benchmarks/verifier-engine). So segments
+sequence verifying 6 tokens took the kernel 1.9x the padded path's time, 16
+sequences of 6 tokens 1.15x (docs/benchmarks/verifier-engine). So segments
 of up to MAX_KERNEL_QUERIES take the kernel.
 
 The kernel computes each query's attention in a fixed order over its own
@@ -28,8 +28,8 @@ from verifier_service.batch import PassInputs, Segment
 from verifier_service.kv_cache import PagedKVCache
 from verifier_service.tree import is_chain
 
-# Segments of at most this many new tokens take the kernel: at 3 it is 0.79-1.07x the padded path from 1 to 16
-# sequences, at 6 0.86-2.0x.
+# Segments of at most this many new tokens take the kernel: at 3 it takes 0.50-1.06x the padded path's time from 1 to
+# 32 sequences, at 6 0.81-1.93x.
 MAX_KERNEL_QUERIES = 3
 
 

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from verifier_service import _paged_attention
 
-HEADS, KV_HEADS, DIM, BLOCK = 9, 3, 64, 16
+HEADS, KV_HEADS, DIM, BLOCK, CONTEXT = 9, 3, 64, 16, 300
 # (sequences, new tokens each)
 SHAPES = [(1, 1), (32, 1), (64, 1), (1, 3), (8, 3), (32, 3), (1, 6), (16, 6), (32, 6), (1, 16), (16, 16)]
 
@@ -33,7 +33,7 @@ def median_us(fn, repeats: int = 200) -> float:
 
 def row(sequences: int, queries: int) -> str:
     rng = random.Random(0)
-    contexts = [300 + 7 * i for i in range(sequences)]
+    contexts = [CONTEXT + 7 * i for i in range(sequences)]
     needed = [-(-(c + queries) // BLOCK) for c in contexts]
     order = list(range(sum(needed)))
     rng.shuffle(order)
