@@ -17,7 +17,9 @@ optional sliding window; a layer with softcapping, sinks or MLA's latent
 cache, or another dtype, takes the padded path for every segment.
 """
 
-from dataclasses import dataclass, field
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -44,9 +46,8 @@ class Metadata:
     segments: torch.Tensor  # [n, 3] the kernel's segments: first row, new tokens, cached tokens
     tables: torch.Tensor  # [n, max blocks] their block tables
     groups: list[Group]  # the padded calls of the other segments
-    # What the padded path needs to take every segment, for a layer the kernel cannot attend (built at first need).
-    everything: tuple = ()
-    all_groups: list[Group] | None = field(default=None)
+    # The padded calls of every segment, for a layer the kernel cannot attend: made at the first such layer.
+    every_group: Callable[[], list[Group]]
 
 
 class CpuPagedAttention:
@@ -65,16 +66,15 @@ class CpuPagedAttention:
         rows = torch.tensor([(inputs.offsets[i], segments[i].num_tokens, segments[i].start) for i in mine],
                             dtype=torch.int64).view(len(mine), 3)
         groups = self.padded.groups(segments, rest, inputs, block_size, device) if rest else []
+        every_group = functools.cache(functools.partial(self.padded.groups, segments, range(len(segments)), inputs,
+                                                        block_size, device))
         return Metadata(slot_mapping(segments, block_size, device), inputs.positions.shape[1], rows, tables, groups,
-                        (segments, inputs, block_size, device))
+                        every_group)
 
     def attend(self, metadata: Metadata, call: LayerCall, query: torch.Tensor, cache: PagedKVCache) -> torch.Tensor:
         kv = cache.kv[call.layer]
         if call.softcap or call.sinks is not None or call.expand is not None or kv.dtype != torch.float32:
-            if metadata.all_groups is None:
-                segments, inputs, block_size, device = metadata.everything
-                metadata.all_groups = self.padded.groups(segments, range(len(segments)), inputs, block_size, device)
-            return self.padded.attend_groups(metadata.all_groups, call, query, cache, None)
+            return self.padded.attend_groups(metadata.every_group(), call, query, cache, None)
         query = query.contiguous()
         heads, kv_heads = query.shape[1], kv.shape[1]
         value_dim = kv.shape[2] - cache.key_dim

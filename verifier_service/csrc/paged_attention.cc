@@ -37,8 +37,8 @@ struct Call {
 #define SPECLANE_CLONES
 #endif
 
-// e^x for x <= 0 (scores minus their maximum), a form the compiler vectorizes: 2^n times a degree-6
-// polynomial of the remainder (Cephes' expf) (relative error about 2e-7, SDPA's own vectorized exp is of this order).
+// e^x for x <= 0 (scores minus their maximum), in a form the compiler vectorizes: 2^n times Cephes' degree-6
+// polynomial of the remainder (relative error about 2e-7; SDPA's own vectorized exp is of this order).
 inline float exp_nonpositive(float x) {
   x = std::max(x, -87.0f);
   const float n = __builtin_floorf(x * 1.44269504f + 0.5f);
@@ -149,9 +149,6 @@ ItemFn item_function(int64_t key_dim, int64_t value_dim) {
 }
 
 // Below this many query-key products a call runs on one thread: waking another costs more than it saves.
-// The threads are PyTorch's own: the module links libgomp.so.1 by that name, which the dynamic loader resolves to
-// the copy torch has loaded, so the kernel's parallel region reuses torch's team. (A pool of its own measured
-// a 32-sequence decode step 1.4x slower: torch's workers spin between its operators, on the cores it needed.)
 constexpr int64_t kPairsPerThread = 4096;
 
 void attend(uintptr_t query, uintptr_t out, uintptr_t cache, uintptr_t tables, uintptr_t segments,
@@ -171,6 +168,9 @@ void attend(uintptr_t query, uintptr_t out, uintptr_t cache, uintptr_t tables, u
   const int n = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(threads, total / kPairsPerThread)));
   const ItemFn item_fn = item_function(key_dim, value_dim);
   pybind11::gil_scoped_release release;
+  // The threads are PyTorch's own: the module links libgomp.so.1 by that name, which the dynamic loader resolves to
+  // the copy torch has loaded, so this region reuses torch's team. (A pool of its own measured a 32-sequence decode
+  // step 1.4x slower: torch's workers spin between its operators, on the cores the pool needed.)
 #pragma omp parallel num_threads(n)
   {
     const int t = omp_get_thread_num(), team = omp_get_num_threads();
