@@ -1,5 +1,5 @@
-"""Builds the compiled parts (C++17, pybind11): the drafter core and the verifier's CPU attention kernel; the rest
-of the metadata is in pyproject.toml."""
+"""Builds the compiled parts (C++17, pybind11): the drafter core and the verifier's CPU kernels; the rest of the
+metadata is in pyproject.toml."""
 
 from glob import glob
 
@@ -15,11 +15,12 @@ setup(
             cxx_std=17,
             extra_compile_args=["-O2"],
         ),
-        # No torch headers: it takes raw pointers (the verifier checks the tensors), so it builds in seconds
-        # without torch installed. OpenMP: its threads are torch's (libgomp.so.1, see the source).
+        # No torch headers: they take raw pointers (the verifier checks the tensors), so they build in seconds
+        # without torch installed. OpenMP: their threads are torch's (libgomp.so.1, see csrc/kernels.h).
         Pybind11Extension(
-            "verifier_service._paged_attention",
-            ["verifier_service/csrc/paged_attention.cc"],
+            "verifier_service._cpu_kernels",
+            sorted(glob("verifier_service/csrc/*.cc")),
+            depends=sorted(glob("verifier_service/csrc/*.h")),
             cxx_std=17,
             extra_compile_args=["-O3", "-fopenmp", "-fno-math-errno"],
             extra_link_args=["-fopenmp"],

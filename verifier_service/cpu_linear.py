@@ -2,15 +2,20 @@
 measured fastest for that many rows.
 
 A verify pass feeds a few to a few dozen tokens (one sequence's draft, or a
-batch of decodes). There are four ways to compute x W^T, and which is fastest
+batch of decodes). There are five ways to compute x W^T, and which is fastest
 depends on the CPU, its libraries and the rows, by up to 4x:
 - `F.linear(x, W)`, PyTorch's own (MKL's GEMM, which repacks W on every call);
 - `x @ W_t`, with a second copy of the weight laid out [in, out];
 - `(W @ x^T)^T`, the weight as the left operand;
-- oneDNN's product with W reordered once, at load, into its blocked layout.
+- oneDNN's product with W reordered once, at load, into its blocked layout;
+- our kernel (csrc/linear.cc), which reads W in place once per pass, for up
+  to a few rows.
 On an AMD EPYC with one thread the vocabulary projection took, at 1 / 2 / 4 / 8
 rows, 11.2 / 24.6 / 18.6 / 20.2 ms with F.linear, 5.5 / 13.4 / 25.9 / 28.4 with
-x @ W_t and 11.4 / 5.9 / 8.3 / 13.8 with the weight on the left.
+x @ W_t and 11.4 / 5.9 / 8.3 / 13.8 with the weight on the left. With two
+threads, a sweep over all of SmolLM2's products took the kernel 0.75-0.8x the
+time of the fastest other way at one to three rows; at eight, oneDNN's
+reordered weight keeps up with it.
 
 So the ways are measured when the model loads, per weight shape and row count,
 in sweeps over all the model's linear layers in a pass's order: each weight then
@@ -29,6 +34,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from verifier_service import _cpu_kernels
+
 # The row counts measured; a pass of other counts takes the choice of the largest one below it.
 MEASURED_ROWS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 # Another way replaces F.linear where it took at most this share of F.linear's time.
@@ -36,6 +43,8 @@ _CLEAR_WIN = 0.9
 # The weight-first way competes only up to this many rows: from 8 rows, whole passes ran slower
 # with it (one sequence and 8 draft tokens: 138-143 against 129 ms) though its single products timed faster.
 _WEIGHT_FIRST_MAX_ROWS = 6
+# The kernel's tiles hold at most 4 rows (it reuses a tile's weight for more); measured to 8, where GEMMs win.
+_KERNEL_MAX_ROWS = 8
 
 
 # Each way multiplies x [..., in] by W^T, giving [..., out] (contiguous).
@@ -59,8 +68,17 @@ def by_reordered(x: torch.Tensor, linear: "MeasuredLinear") -> torch.Tensor:
     return out.view(*x.shape[:-1], linear.out_features)
 
 
+def by_kernel(x: torch.Tensor, linear: "MeasuredLinear") -> torch.Tensor:
+    rows = x.numel() // linear.in_features
+    x_rows = x.reshape(rows, linear.in_features).contiguous()
+    out = x.new_empty(rows, linear.out_features)
+    _cpu_kernels.linear(x_rows.data_ptr(), linear.weight.data_ptr(), out.data_ptr(), rows, linear.in_features,
+                        linear.out_features, torch.get_num_threads())
+    return out.view(*x.shape[:-1], linear.out_features)
+
+
 # The ways, by the index MeasuredLinear.ways holds; by_linear first: the default.
-WAYS = (by_linear, by_transposed, by_weight_first, by_reordered)
+WAYS = (by_linear, by_transposed, by_weight_first, by_reordered, by_kernel)
 
 
 def reorders() -> bool:
@@ -71,6 +89,7 @@ def reorders() -> bool:
 def competes(way, rows: int) -> bool:
     """Whether `way` is timed, and may be chosen, for passes of `rows` rows."""
     return ((way is not by_weight_first or rows <= _WEIGHT_FIRST_MAX_ROWS)
+            and (way is not by_kernel or rows <= _KERNEL_MAX_ROWS)
             and (way is not by_reordered or reorders()))
 
 

@@ -1,20 +1,21 @@
-"""The CPU's attention backend: decodes and short chain verifies through a
-kernel that reads the keys and values in place through the block tables
-(csrc/paged_attention.cc), everything else (prompt chunks, longer drafts,
-trees) through torch_sdpa's padded calls.
+"""The CPU's attention backend: decodes and chain verifies of up to
+MAX_KERNEL_QUERIES tokens through a kernel that reads the keys and values in
+place through the block tables (csrc/paged_attention.cc), everything else
+(prompt chunks, longer drafts, trees) through torch_sdpa's padded calls.
 
 Why the split: a decode step of 32 SmolLM2 sequences spent 58% of its time
 in the padded path's block gather and SDPA call, a memory cost the in-place
-kernel cuts to 0.36x (32 sequences of 300-517 tokens, one token each; 0.50x
-with three). With more queries a segment, SDPA's blocked products win: one
-sequence verifying 6 tokens took the kernel 1.9x the padded path's time, 16
-sequences of 6 tokens 1.15x (docs/benchmarks/verifier-engine). So segments
-of up to MAX_KERNEL_QUERIES take the kernel.
+kernel cuts to 0.29x (32 sequences of 300-517 tokens, one token each; 0.40x
+with three, 0.76x with eight). One sequence verifying 3 to 12 tokens takes it
+0.4-0.8x the padded path's time; from 16 tokens a segment, SDPA's blocked
+products catch up (docs/benchmarks/verifier-engine).
 
 The kernel computes each query's attention in a fixed order over its own
 keys, whatever else the pass holds. It does fp32 only, causal chains with an
-optional sliding window; a layer with softcapping, sinks or MLA's latent
-cache, or another dtype, takes the padded path for every segment.
+optional sliding window, for the head dimensions it was compiled for
+(`_cpu_kernels.attends`); a layer with softcapping, sinks or MLA's latent
+cache, another dtype or head dimension, takes the padded path for every
+segment.
 """
 
 import functools
@@ -23,16 +24,16 @@ from dataclasses import dataclass
 
 import torch
 
-from verifier_service import _paged_attention
+from verifier_service import _cpu_kernels
 from verifier_service.attention.backend import LayerCall, slot_mapping
 from verifier_service.attention.torch_sdpa import Group, TorchAttention
 from verifier_service.batch import PassInputs, Segment
 from verifier_service.kv_cache import PagedKVCache
 from verifier_service.tree import is_chain
 
-# Segments of at most this many new tokens take the kernel: at 3 it takes 0.50-1.06x the padded path's time from 1 to
-# 32 sequences, at 6 0.81-1.93x.
-MAX_KERNEL_QUERIES = 3
+# Segments of at most this many new tokens take the kernel: at 12 it took 0.79-0.84x the padded path's time from 1 to
+# 4 sequences, at 16 1.01-1.22x.
+MAX_KERNEL_QUERIES = 12
 
 
 def takes(segment: Segment) -> bool:
@@ -73,14 +74,15 @@ class CpuPagedAttention:
 
     def attend(self, metadata: Metadata, call: LayerCall, query: torch.Tensor, cache: PagedKVCache) -> torch.Tensor:
         kv = cache.kv[call.layer]
-        if call.softcap or call.sinks is not None or call.expand is not None or kv.dtype != torch.float32:
+        value_dim = kv.shape[2] - cache.key_dim
+        if (call.softcap or call.sinks is not None or call.expand is not None or kv.dtype != torch.float32
+                or not _cpu_kernels.attends(cache.key_dim, value_dim)):
             return self.padded.attend_groups(metadata.every_group(), call, query, cache, None)
         query = query.contiguous()
         heads, kv_heads = query.shape[1], kv.shape[1]
-        value_dim = kv.shape[2] - cache.key_dim
         out = query.new_empty(metadata.num_tokens, heads, value_dim)
         if len(metadata.segments):
-            _paged_attention.attend(query.data_ptr(), out.data_ptr(), kv.data_ptr(), metadata.tables.data_ptr(),
+            _cpu_kernels.attend(query.data_ptr(), out.data_ptr(), kv.data_ptr(), metadata.tables.data_ptr(),
                                     metadata.segments.data_ptr(), len(metadata.segments), heads, kv_heads,
                                     cache.key_dim, value_dim, cache.block_size, metadata.tables.shape[1],
                                     call.sliding_window or 0, call.scaling, torch.get_num_threads())

@@ -13,12 +13,16 @@
 // position cached + i and sees keys [max(0, position + 1 - window), position + 1) (window 0: no window).
 
 #include <omp.h>
-#include <pybind11/pybind11.h>
 
 #include <algorithm>
 #include <cstdint>
+#include <stdexcept>
 #include <vector>
 
+#include "kernels.h"
+#include "vec.h"
+
+namespace speclane {
 namespace {
 
 struct Call {
@@ -31,115 +35,162 @@ struct Call {
   float scale;
 };
 
-#if defined(__x86_64__)
-#define SPECLANE_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
-#else
-#define SPECLANE_CLONES
-#endif
-
-// e^x for x <= 0 (scores minus their maximum), in a form the compiler vectorizes: 2^n times Cephes' degree-6
-// polynomial of the remainder (relative error about 2e-7; SDPA's own vectorized exp is of this order).
-inline float exp_nonpositive(float x) {
-  x = std::max(x, -87.0f);
-  const float n = __builtin_floorf(x * 1.44269504f + 0.5f);
-  const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
-  float p = 1.9875691e-4f;
+// e^x for x <= 0 (scores minus their maximum): 2^n times Cephes' degree-6 polynomial of the remainder (relative
+// error about 2e-7; SDPA's own vectorized exp is of this order).
+SPECLANE_INLINE v16 exp_nonpositive(v16 x) {
+  x = x < splat(-87.0f) ? splat(-87.0f) : x;
+  const v16 t = x * 1.44269504f;
+  const v16 n = (t + 12582912.0f) - 12582912.0f;  // t rounded to the nearest integer (1.5 x 2^23)
+  const v16 r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  v16 p = splat(1.9875691e-4f);
   p = p * r + 1.3981999e-3f;
   p = p * r + 8.3334519e-3f;
   p = p * r + 4.1665795e-2f;
   p = p * r + 1.6666665e-1f;
   p = p * r + 5.0000001e-1f;
   p = p * r * r + r + 1.0f;
-  return p * __builtin_bit_cast(float, (static_cast<int32_t>(n) + 127) << 23);
+  const v16i power = (__builtin_convertvector(n, v16i) + 127) << 23;
+  v16 two_n;
+  __builtin_memcpy(&two_n, &power, sizeof two_n);
+  return p * two_n;
 }
 
-// One (segment, KV head): scores [rows, keys] where row = query * group + head in group. KD and VD are the head
-// dimensions where known at compile time (0: the call's), so the products unroll into whole vector registers.
+constexpr int64_t kTile = 16;  // keys scored together, lanes of one vector
+
+// Scores of 16 keys (rows: the keys' first KD values, transposed into kt [KD][16]) for QR query rows.
+template <int KD, int QR>
+SPECLANE_INLINE void score_rows(const float* q, const float* kt, float* scores, int64_t stride, float scale) {
+  // Two partial sums a row: enough independent products in flight to keep the multipliers busy.
+  v16 acc[QR][2] = {};
+  for (int d = 0; d < KD; d += 2)
+    for (int r = 0; r < QR; ++r) {
+      acc[r][0] += q[r * KD + d] * load(kt + d * kTile);
+      acc[r][1] += q[r * KD + d + 1] * load(kt + (d + 1) * kTile);
+    }
+  for (int r = 0; r < QR; ++r) store(scores + r * stride, (acc[r][0] + acc[r][1]) * scale);
+}
+
+// Accumulates p [rows, keys] times the keys' values, VR rows and VC vectors of VD at a time, in registers.
+template <int VD, int VR, int VC>
+SPECLANE_INLINE void weigh_values(const float* p, const float* const* keys, int64_t num_keys, int64_t stride,
+                                  int64_t value_offset, int64_t column, float* out, const float* inverse_sums,
+                                  int64_t out_stride) {
+  v16 acc[VR][VC] = {};
+  constexpr int64_t ahead = 8;
+  for (int64_t k = 0; k < num_keys; ++k) {
+    const float* value = keys[k] + value_offset + column;
+    if (k + ahead < num_keys)
+      for (int c = 0; c < VC; ++c) __builtin_prefetch(keys[k + ahead] + value_offset + column + 16 * c);
+    v16 v[VC];
+    for (int c = 0; c < VC; ++c) v[c] = load(value + 16 * c);
+    for (int r = 0; r < VR; ++r) {
+      const float weight = p[r * stride + k];
+      for (int c = 0; c < VC; ++c) acc[r][c] += weight * v[c];
+    }
+  }
+  for (int r = 0; r < VR; ++r)
+    for (int c = 0; c < VC; ++c) store(out + r * out_stride + column + 16 * c, acc[r][c] * inverse_sums[r]);
+}
+
+// One (segment, KV head); row = query * group + head in group. KD and VD (multiples of 16) are the head dimensions.
+//  1. Scores: 16 keys at a time, transposed in registers so that each query's products with them are one vector.
+//  2. Each row's softmax over the keys its query sees; the others weigh 0.
+//  3. The values, each read once per few rows, weighed into accumulators held in registers.
 template <int KD, int VD>
 SPECLANE_CLONES void attend_item(const Call& c, int64_t segment, int64_t kv_head, std::vector<float>& scratch,
                                  std::vector<const float*>& keys) {
   const int64_t* seg = c.segments + 3 * segment;
   const int64_t first_row = seg[0], queries = seg[1], cached = seg[2];
-  const int64_t group = c.heads / c.kv_heads, rows = queries * group;
-  const int64_t kd = KD ? KD : c.key_dim, vd = VD ? VD : c.value_dim, slot_width = c.kv_heads * (kd + vd);
+  const int64_t group = c.heads / c.kv_heads, rows = queries * group, slot_width = c.kv_heads * (KD + VD);
   const int64_t* table = c.tables + segment * c.max_blocks;
   // Query i sees keys [lo(i), cached + i + 1); lo grows with i, so keys before lo(0) are seen by none.
   auto lo = [&](int64_t i) { return c.window > 0 ? std::max<int64_t>(0, cached + i + 1 - c.window) : 0; };
   const int64_t first_key = lo(0), num_keys = cached + queries - first_key;
-  scratch.resize(rows * (num_keys + kd + vd + 1));
+  const int64_t stride = (num_keys + kTile - 1) / kTile * kTile;  // a row of scores, whole tiles
+  scratch.resize(rows * (stride + KD + VD + 1) + KD * kTile);
   float* scores = scratch.data();
-  float* q = scores + rows * num_keys;  // [rows, kd] the group's queries, contiguous
-  float* acc = q + rows * kd;           // [rows, vd]
-  float* inverse_sums = acc + rows * vd;
+  float* q = scores + rows * stride;  // [rows, KD] the group's queries, contiguous
+  float* out = q + rows * KD;         // [rows, VD]
+  float* inverse_sums = out + rows * VD;
+  float* kt = inverse_sums + rows;    // [KD, 16] a tile's keys, transposed
 
-  keys.resize(num_keys);
+  keys.resize(stride);
   // Block by block: a division per key costs as much as a small head's product.
   for (int64_t k = 0, block = first_key / c.block_size, offset = first_key % c.block_size; k < num_keys; ++block) {
-    const float* row = c.cache + (table[block] * c.block_size + offset) * slot_width + kv_head * (kd + vd);
+    const float* row = c.cache + (table[block] * c.block_size + offset) * slot_width + kv_head * (KD + VD);
     for (; offset < c.block_size && k < num_keys; ++offset, ++k, row += slot_width) keys[k] = row;
     offset = 0;
   }
+  for (int64_t k = num_keys; k < stride; ++k) keys[k] = keys[num_keys - 1];  // a last tile's padding, weighed 0
   for (int64_t row = 0; row < rows; ++row)
-    std::copy_n(c.query + ((first_row + row / group) * c.heads + kv_head * group + row % group) * kd, kd,
-                q + row * kd);
+    std::copy_n(c.query + ((first_row + row / group) * c.heads + kv_head * group + row % group) * KD, KD,
+                q + row * KD);
 
-  // Keys come from blocks anywhere in memory: prefetched a few ahead, or each read waits for memory in turn.
-  constexpr int64_t ahead = 8;
-  for (int64_t k = 0; k < num_keys; ++k) {
-    const float* key = keys[k];
-    if (k + ahead < num_keys)
-      for (int64_t d = 0; d < kd; d += 16) __builtin_prefetch(keys[k + ahead] + d);
-    for (int64_t row = 0; row < rows; ++row) {
-      const float* qr = q + row * kd;
-      float dot = 0.0f;
-#pragma omp simd reduction(+ : dot)
-      for (int64_t d = 0; d < (KD ? KD : kd); ++d) dot += qr[d] * key[d];
-      scores[row * num_keys + k] = dot * c.scale;
+  for (int64_t k0 = 0; k0 < stride; k0 += kTile) {
+    // Keys come from blocks anywhere in memory: the next tile's are fetched while this one is scored.
+    if (k0 + kTile < stride)
+      for (int64_t k = k0 + kTile; k < k0 + 2 * kTile; ++k)
+        for (int64_t d = 0; d < KD; d += 16) __builtin_prefetch(keys[k] + d);
+    for (int64_t d0 = 0; d0 < KD; d0 += 16) {
+      v16 tile[16];
+      for (int k = 0; k < 16; ++k) tile[k] = load(keys[k0 + k] + d0);
+      transpose16(tile);
+      for (int d = 0; d < 16; ++d) store(kt + (d0 + d) * kTile, tile[d]);
     }
+    int64_t row = 0;
+    for (; row + 4 <= rows; row += 4) score_rows<KD, 4>(q + row * KD, kt, scores + row * stride + k0, stride, c.scale);
+    for (; row < rows; ++row) score_rows<KD, 1>(q + row * KD, kt, scores + row * stride + k0, stride, c.scale);
   }
+
   for (int64_t row = 0; row < rows; ++row) {
     const int64_t i = row / group;
-    float* s = scores + row * num_keys;
+    float* s = scores + row * stride;
     const int64_t begin = lo(i) - first_key, end = cached + i + 1 - first_key;
-    float most = s[begin];
-#pragma omp simd reduction(max : most)
-    for (int64_t k = begin + 1; k < end; ++k) most = std::max(most, s[k]);
-    float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-    for (int64_t k = begin; k < end; ++k) {
-      s[k] = exp_nonpositive(s[k] - most);
-      sum += s[k];
+    v16 lane;
+    for (int64_t k = 0; k < 16; ++k) lane[k] = static_cast<float>(k);
+    auto seen = [&](int64_t k0) { return (lane + static_cast<float>(k0) >= static_cast<float>(begin)) &
+                                         (lane + static_cast<float>(k0) < static_cast<float>(end)); };
+    const v16 none = splat(-__builtin_huge_valf());
+    // The tiles holding keys it sees; the others weigh 0.
+    const int64_t first_tile = begin / kTile * kTile, past_tiles = (end + kTile - 1) / kTile * kTile;
+    v16 most = none;
+    for (int64_t k0 = first_tile; k0 < past_tiles; k0 += kTile) {
+      const v16 x = load(s + k0);
+      most = seen(k0) ? (x > most ? x : most) : most;
     }
-    // Keys a query does not see weigh nothing in the products below.
-    std::fill(s, s + begin, 0.0f);
-    std::fill(s + end, s + num_keys, 0.0f);
-    inverse_sums[row] = 1.0f / sum;
-  }
-  std::fill(acc, acc + rows * vd, 0.0f);
-  for (int64_t k = 0; k < num_keys; ++k) {
-    const float* value = keys[k] + kd;
-    if (k + ahead < num_keys)
-      for (int64_t d = 0; d < vd; d += 16) __builtin_prefetch(keys[k + ahead] + kd + d);
-    for (int64_t row = 0; row < rows; ++row) {
-      const float p = scores[row * num_keys + k];
-      float* a = acc + row * vd;
-#pragma omp simd
-      for (int64_t d = 0; d < (VD ? VD : vd); ++d) a[d] += p * value[d];
+    const float largest = lanes_max(most);
+    v16 sums{};
+    for (int64_t k0 = first_tile; k0 < past_tiles; k0 += kTile) {
+      const v16 p = seen(k0) ? exp_nonpositive(load(s + k0) - largest) : v16{};
+      sums += p;
+      store(s + k0, p);
     }
+    std::fill(s, s + first_tile, 0.0f);
+    std::fill(s + past_tiles, s + stride, 0.0f);
+    inverse_sums[row] = 1.0f / lanes_sum(sums);
   }
-  for (int64_t row = 0; row < rows; ++row) {
-    float* o = c.out + ((first_row + row / group) * c.heads + kv_head * group + row % group) * vd;
-    const float* a = acc + row * vd;
-    for (int64_t d = 0; d < vd; ++d) o[d] = a[d] * inverse_sums[row];
+
+  // Registers for 16 accumulators: 4 rows of a 64-wide head, 2 of 128, one row's half of 256.
+  constexpr int VC = VD / 16 < 8 ? VD / 16 : 8, VR = 16 / VC < 4 ? 16 / VC : 4;
+  for (int64_t column = 0; column < VD; column += 16 * VC) {
+    int64_t row = 0;
+    for (; row + VR <= rows; row += VR)
+      weigh_values<VD, VR, VC>(scores + row * stride, keys.data(), num_keys, stride, KD, column, out + row * VD,
+                               inverse_sums + row, VD);
+    for (; row < rows; ++row)
+      weigh_values<VD, 1, VC>(scores + row * stride, keys.data(), num_keys, stride, KD, column, out + row * VD,
+                              inverse_sums + row, VD);
   }
+  for (int64_t row = 0; row < rows; ++row)
+    std::copy_n(out + row * VD, VD, c.out + ((first_row + row / group) * c.heads + kv_head * group + row % group) * VD);
 }
 
 using ItemFn = void (*)(const Call&, int64_t, int64_t, std::vector<float>&, std::vector<const float*>&);
 
-// The head dimensions of the models served (and the tiny test models'), compiled; any other runs the general form.
+// The head dimensions of the models served (and the tiny test models'), compiled; others take the padded path.
 template <int... Dims>
 ItemFn compiled_for(int64_t key_dim, int64_t value_dim) {
-  ItemFn found = attend_item<0, 0>;
+  ItemFn found = nullptr;
   ((key_dim == Dims && value_dim == Dims ? (found = attend_item<Dims, Dims>, true) : false) || ...);
   return found;
 }
@@ -149,7 +200,11 @@ ItemFn item_function(int64_t key_dim, int64_t value_dim) {
 }
 
 // Below this many query-key products a call runs on one thread: waking another costs more than it saves.
-constexpr int64_t kPairsPerThread = 4096;
+constexpr int64_t kPairsPerThread = 1024;
+
+}  // namespace
+
+bool attends(int64_t key_dim, int64_t value_dim) { return item_function(key_dim, value_dim) != nullptr; }
 
 void attend(uintptr_t query, uintptr_t out, uintptr_t cache, uintptr_t tables, uintptr_t segments,
             int64_t num_segments, int64_t heads, int64_t kv_heads, int64_t key_dim, int64_t value_dim,
@@ -167,10 +222,8 @@ void attend(uintptr_t query, uintptr_t out, uintptr_t cache, uintptr_t tables, u
   const int64_t total = cost_before.back();
   const int n = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(threads, total / kPairsPerThread)));
   const ItemFn item_fn = item_function(key_dim, value_dim);
-  pybind11::gil_scoped_release release;
-  // The threads are PyTorch's own: the module links libgomp.so.1 by that name, which the dynamic loader resolves to
-  // the copy torch has loaded, so this region reuses torch's team. (A pool of its own measured a 32-sequence decode
-  // step 1.4x slower: torch's workers spin between its operators, on the cores the pool needed.)
+  if (item_fn == nullptr) throw std::invalid_argument("no attention kernel for these head dimensions");
+  // PyTorch's own threads (kernels.h).
 #pragma omp parallel num_threads(n)
   {
     const int t = omp_get_thread_num(), team = omp_get_num_threads();
@@ -185,9 +238,4 @@ void attend(uintptr_t query, uintptr_t out, uintptr_t cache, uintptr_t tables, u
   }
 }
 
-}  // namespace
-
-PYBIND11_MODULE(_paged_attention, m) {
-  m.doc() = "Attention of decodes and chain verifies over the paged KV cache, on a CPU (fp32)";
-  m.def("attend", &attend);
-}
+}  // namespace speclane

@@ -13,7 +13,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from verifier_service import _paged_attention
+from verifier_service import _cpu_kernels
 
 HEADS, KV_HEADS, DIM, BLOCK, CONTEXT = 9, 3, 64, 16, 300
 # (sequences, new tokens each)
@@ -49,7 +49,7 @@ def row(sequences: int, queries: int) -> str:
     out = torch.empty_like(query)
 
     def kernel():
-        _paged_attention.attend(query.data_ptr(), out.data_ptr(), cache.data_ptr(), table.data_ptr(),
+        _cpu_kernels.attend(query.data_ptr(), out.data_ptr(), cache.data_ptr(), table.data_ptr(),
                                 segments.data_ptr(), sequences, HEADS, KV_HEADS, DIM, DIM, BLOCK, width, 0,
                                 DIM ** -0.5, torch.get_num_threads())
 

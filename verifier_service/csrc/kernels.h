@@ -1,0 +1,30 @@
+// The verifier's CPU kernels (fp32), bound to Python in module.cc. They take raw pointers to contiguous tensors,
+// which the Python side checks, so they build without torch's headers. Their threads are PyTorch's own OpenMP team:
+// the module links libgomp.so.1 by that name, which the dynamic loader resolves to the copy torch has loaded (a pool
+// of their own measured a 32-sequence decode step 1.4x slower: torch's workers spin between its operators, on the
+// cores such a pool needs).
+#pragma once
+
+#include <cstdint>
+
+#if defined(__x86_64__)
+// Wheels built here run on older x86 CPUs too: each kernel is compiled per level and picked at load.
+#define SPECLANE_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+#else
+#define SPECLANE_CLONES
+#endif
+
+namespace speclane {
+
+// Attention of short query segments over the paged KV cache (paged_attention.cc documents the layouts), for the
+// head dimensions where `attends` holds.
+bool attends(int64_t key_dim, int64_t value_dim);
+void attend(uintptr_t query, uintptr_t out, uintptr_t cache, uintptr_t tables, uintptr_t segments,
+            int64_t num_segments, int64_t heads, int64_t kv_heads, int64_t key_dim, int64_t value_dim,
+            int64_t block_size, int64_t max_blocks, int64_t window, double scale, int threads);
+
+// y [rows, out] = x [rows, in] times weight [out, in] transposed: a pass of a few rows (linear.cc).
+void linear(uintptr_t x, uintptr_t weight, uintptr_t y, int64_t rows, int64_t in_features, int64_t out_features,
+            int threads);
+
+}  // namespace speclane

@@ -1,0 +1,11 @@
+#include <pybind11/pybind11.h>
+
+#include "kernels.h"
+
+PYBIND11_MODULE(_cpu_kernels, m) {
+  m.doc() = "The verifier's CPU kernels (fp32): paged attention of short segments, linear layers of a few rows";
+  using release = pybind11::call_guard<pybind11::gil_scoped_release>;
+  m.def("attends", &speclane::attends);
+  m.def("attend", &speclane::attend, release());
+  m.def("linear", &speclane::linear, release());
+}

@@ -1,0 +1,66 @@
+// 16-float vectors for the CPU kernels: one AVX-512 register, two AVX2 ones, four NEON ones. GCC's vector extensions
+// lower them for each target that SPECLANE_CLONES compiles, so the kernels hold no intrinsics.
+#pragma once
+
+#include <cstdint>
+
+namespace speclane {
+
+typedef float v16 __attribute__((vector_size(64)));
+typedef int32_t v16i __attribute__((vector_size(64)));
+typedef float v8 __attribute__((vector_size(32)));
+typedef float v4 __attribute__((vector_size(16)));
+
+#define SPECLANE_INLINE __attribute__((always_inline)) inline
+
+SPECLANE_INLINE v16 load(const float* p) {
+  v16 v;
+  __builtin_memcpy(&v, p, sizeof v);
+  return v;
+}
+
+SPECLANE_INLINE void store(float* p, v16 v) { __builtin_memcpy(p, &v, sizeof v); }
+
+SPECLANE_INLINE v16 splat(float x) { return v16{} + x; }
+
+// Sums in a fixed order (halves, then quarters, ...), whatever the target.
+SPECLANE_INLINE float lanes_sum(v16 v) {
+  const v8 half = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
+                  __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+  const v4 quarter = __builtin_shufflevector(half, half, 0, 1, 2, 3) + __builtin_shufflevector(half, half, 4, 5, 6, 7);
+  return (quarter[0] + quarter[2]) + (quarter[1] + quarter[3]);
+}
+
+SPECLANE_INLINE float lanes_max(v16 v) {
+  float most = v[0];
+  for (int i = 1; i < 16; ++i) most = most > v[i] ? most : v[i];
+  return most;
+}
+
+// Swaps the off-diagonal blocks of every 2 x 2 block of B x B blocks of 16 rows of 16 (two-source shuffles).
+template <int B>
+SPECLANE_INLINE void swap_blocks(v16 rows[16]) {
+#define SPECLANE_LO(j) (((j) & B) ? 16 + (j) - B : (j))
+#define SPECLANE_HI(j) (((j) & B) ? 16 + (j) : (j) + B)
+#define SPECLANE_LANES(F) F(0), F(1), F(2), F(3), F(4), F(5), F(6), F(7), F(8), F(9), F(10), F(11), F(12), F(13), \
+                          F(14), F(15)
+  for (int i = 0; i < 16; ++i)
+    if (!(i & B)) {
+      const v16 top = rows[i], bottom = rows[i + B];
+      rows[i] = __builtin_shufflevector(top, bottom, SPECLANE_LANES(SPECLANE_LO));
+      rows[i + B] = __builtin_shufflevector(top, bottom, SPECLANE_LANES(SPECLANE_HI));
+    }
+#undef SPECLANE_LANES
+#undef SPECLANE_HI
+#undef SPECLANE_LO
+}
+
+// After it, rows[j][i] is what rows[i][j] was: four rounds of block swaps, 64 shuffles.
+SPECLANE_INLINE void transpose16(v16 rows[16]) {
+  swap_blocks<8>(rows);
+  swap_blocks<4>(rows);
+  swap_blocks<2>(rows);
+  swap_blocks<1>(rows);
+}
+
+}  // namespace speclane
