@@ -5,9 +5,9 @@ place through the block tables (csrc/paged_attention.cc), everything else
 
 Why the split: a decode step of 32 SmolLM2 sequences spent 58% of its time
 in the padded path's block gather and SDPA call, a memory cost the in-place
-kernel cuts to 0.29x (32 sequences of 300-517 tokens, one token each; 0.40x
-with three, 0.76x with eight). One sequence verifying 3 to 12 tokens takes it
-0.4-0.8x the padded path's time; from 16 tokens a segment, SDPA's blocked
+kernel cuts to 0.30x (32 sequences of 300-517 tokens, one token each; 0.36x
+with three, 0.70x with eight). One sequence verifying 3 to 6 tokens takes it
+0.44-0.74x the padded path's time; from 12 tokens a segment, SDPA's blocked
 products catch up (docs/benchmarks/verifier-engine).
 
 The kernel computes each query's attention in a fixed order over its own
@@ -31,9 +31,9 @@ from verifier_service.batch import PassInputs, Segment
 from verifier_service.kv_cache import PagedKVCache
 from verifier_service.tree import is_chain
 
-# Segments of at most this many new tokens take the kernel: at 12 it took 0.79-0.84x the padded path's time from 1 to
-# 4 sequences, at 16 1.01-1.22x.
-MAX_KERNEL_QUERIES = 12
+# Segments of at most this many new tokens take the kernel: at 8 it took 0.70-0.84x the padded path's time from 1 to
+# 32 sequences; at 12, 0.96-1.03x (a tie), at 16 1.04-1.17x.
+MAX_KERNEL_QUERIES = 8
 
 
 def takes(segment: Segment) -> bool:

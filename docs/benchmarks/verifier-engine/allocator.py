@@ -17,9 +17,11 @@ ROUNDS = 4
 SIZES = {1: 200, 32: 60}  # sequences -> decode steps timed
 
 
-def decode_step_ms(size: int, steps: int, cache_bytes: int = 0, context_spread: int = 0) -> float:
+def decode_step_ms(size: int, steps: int, cache_bytes: int = 0, context_spread: int = 0,
+                   draft_tokens: int = 0) -> float:
     """The mean decode step of `size` sequences of 300 + context_spread x i tokens (the engine in process), with
-    a cache of `cache_bytes` (0: 64 blocks a sequence). decode_ab.py times its trees with this too."""
+    a cache of `cache_bytes` (0: 64 blocks a sequence), each step verifying a chain of `draft_tokens` a sequence
+    (rejected at once: one token committed a step). decode_ab.py times its trees with this too."""
     import time
 
     import torch
@@ -30,6 +32,9 @@ def decode_step_ms(size: int, steps: int, cache_bytes: int = 0, context_spread: 
     from verifier_service.model_runner import ModelRunner
     from verifier_service.scheduler import BatchLimits
     from verifier_service.sequence import Draft, GenerationParams
+
+    def draft() -> Draft:
+        return Draft(token_ids=[5] * draft_tokens) if draft_tokens else Draft()
 
     set_threads(0)
     runner = ModelRunner(MODEL, "cpu", torch.float32)
@@ -43,7 +48,7 @@ def decode_step_ms(size: int, steps: int, cache_bytes: int = 0, context_spread: 
         engine.run_together([(seq, Draft()) for seq in seqs])
     started = time.perf_counter()
     for _ in range(steps):
-        engine.run_together([(seq, Draft()) for seq in seqs])
+        engine.run_together([(seq, draft()) for seq in seqs])
     return (time.perf_counter() - started) / steps * 1e3
 
 
