@@ -110,7 +110,7 @@ class ModelRunner:
         heads = text_config.num_attention_heads // self.tp_size
         self.batch_invariant = make_invariant(batch_invariant, self.model, self.device, dtype, tp is not None,
                                               (heads, g.kv_heads, g.key_dim))
-        self.backend = select_backend(self.device, dtype, self.batch_invariant, heads * g.key_dim)
+        self.backend = select_backend(self.device, dtype, self.batch_invariant, heads, g.key_dim)
         self.kv_bytes_per_token = g.bytes_per_token(dtype)
         self.cache: PagedKVCache | None = None  # allocated once the KV budget is known (allocate_cache)
         for module in self.model.modules():

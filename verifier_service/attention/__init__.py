@@ -42,14 +42,14 @@ class PassContext:
     linear: LinearLayout | None = None
 
 
-def select_backend(device: torch.device, dtype: torch.dtype, batch_invariant: bool,
-                   query_width: int) -> AttentionBackend:
-    """query_width: a layer's query heads x head dimension (on this rank)."""
+def select_backend(device: torch.device, dtype: torch.dtype, batch_invariant: bool, heads: int,
+                   key_dim: int) -> AttentionBackend:
+    """heads: a layer's query heads (on this rank); key_dim: its head dimension."""
     if batch_invariant:
         return InvariantAttention()
     if device.type == "cpu" and dtype == torch.float32:
-        return CpuPagedAttention(query_width)
-    return TorchAttention(query_width)
+        return CpuPagedAttention(heads, key_dim)
+    return TorchAttention(heads * key_dim)
 
 
 def paged_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, sliding_window=None,

@@ -1,5 +1,5 @@
 """The CPU's attention backend: decodes and chain verifies of up to
-MAX_KERNEL_QUERIES tokens through a kernel that reads the keys and values in
+MAX_KERNEL_QUERIES tokens (3 with heads of 32 or fewer) through a kernel that reads the keys and values in
 place through the block tables (csrc/paged_attention.cc), everything else
 (prompt chunks, longer drafts, trees) through torch_sdpa's padded calls.
 
@@ -31,13 +31,15 @@ from verifier_service.batch import PassInputs, Segment
 from verifier_service.kv_cache import PagedKVCache
 from verifier_service.tree import is_chain
 
-# Segments of at most this many new tokens take the kernel: at 8 it took 0.70-0.84x the padded path's time from 1 to
-# 32 sequences; at 12, 0.96-1.03x (a tie), at 16 1.04-1.17x.
+# Segments of at most this many new tokens take the kernel: at a head dimension of 64, at 8 it took 0.67-0.84x the
+# padded path's time from 1 to 32 sequences; at 12, 0.77-1.03x, at 16 0.87-1.17x. Its per-query work weighs more
+# against short heads: at 16 (the tiny test models'), 64 sequences of 3 tokens took it 0.58x, of 5 tokens 1.15x.
 MAX_KERNEL_QUERIES = 8
+MAX_KERNEL_QUERIES_SHORT_HEADS, SHORT_HEAD = 3, 32
 
 
-def takes(segment: Segment) -> bool:
-    return segment.num_tokens <= MAX_KERNEL_QUERIES and (not segment.parents or is_chain(segment.parents))
+def takes(segment: Segment, max_queries: int) -> bool:
+    return segment.num_tokens <= max_queries and (not segment.parents or is_chain(segment.parents))
 
 
 @dataclass
@@ -54,13 +56,14 @@ class Metadata:
 class CpuPagedAttention:
     name = "cpu-paged"
 
-    def __init__(self, query_width: int):
-        self.padded = TorchAttention(query_width)
+    def __init__(self, heads: int, key_dim: int):
+        self.padded = TorchAttention(heads * key_dim)
+        self.max_queries = MAX_KERNEL_QUERIES if key_dim > SHORT_HEAD else MAX_KERNEL_QUERIES_SHORT_HEADS
 
     def prepare(self, segments: tuple[Segment, ...], inputs: PassInputs, block_size: int,
                 device: torch.device) -> Metadata:
-        mine = [i for i, seg in enumerate(segments) if takes(seg)]
-        rest = [i for i, seg in enumerate(segments) if not takes(seg)]
+        mine = [i for i, seg in enumerate(segments) if takes(seg, self.max_queries)]
+        rest = [i for i, seg in enumerate(segments) if not takes(seg, self.max_queries)]
         width = max((len(segments[i].block_table) for i in mine), default=0)
         tables = torch.tensor([list(segments[i].block_table) + [0] * (width - len(segments[i].block_table))
                                for i in mine], dtype=torch.int64).view(len(mine), width)
