@@ -13,8 +13,8 @@ depends on the CPU, its libraries and the rows, by up to 4x:
 On an AMD EPYC with one thread the vocabulary projection took, at 1 / 2 / 4 / 8
 rows, 11.2 / 24.6 / 18.6 / 20.2 ms with F.linear, 5.5 / 13.4 / 25.9 / 28.4 with
 x @ W_t and 11.4 / 5.9 / 8.3 / 13.8 with the weight on the left. With two
-threads, a sweep over all of SmolLM2's products took the kernel 0.75-0.8x the
-time of the fastest other way at one to three rows; at eight, oneDNN's
+threads, a sweep over all of SmolLM2's products took the kernel 0.80-0.92x the
+time of the fastest other way at one to three rows; from four, oneDNN's
 reordered weight keeps up with it.
 
 So the ways are measured when the model loads, per weight shape and row count,

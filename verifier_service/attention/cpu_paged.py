@@ -1,7 +1,8 @@
 """The CPU's attention backend: decodes and chain verifies of up to
-MAX_KERNEL_QUERIES tokens (3 with heads of 32 or fewer) through a kernel that reads the keys and values in
-place through the block tables (csrc/paged_attention.cc), everything else
-(prompt chunks, longer drafts, trees) through torch_sdpa's padded calls.
+MAX_KERNEL_QUERIES tokens (3 with heads of 32 or fewer) through a kernel that
+reads the keys and values in place through the block tables
+(csrc/paged_attention.cc), everything else (prompt chunks, longer drafts,
+trees) through torch_sdpa's padded calls.
 
 Why the split: a decode step of 32 SmolLM2 sequences spent 58% of its time
 in the padded path's block gather and SDPA call, a memory cost the in-place

@@ -1,5 +1,5 @@
-// The verifier's CPU kernels (fp32), bound to Python in module.cc. They take raw pointers to contiguous tensors,
-// which the Python side checks, so they build without torch's headers. Their threads are PyTorch's own OpenMP team:
+// The verifier's CPU kernels (fp32), bound to Python in module.cc. They take raw pointers to contiguous tensors (the
+// checkpoint's weights, the cache, activations the callers make contiguous), so they build without torch's headers. Their threads are PyTorch's own OpenMP team:
 // the module links libgomp.so.1 by that name, which the dynamic loader resolves to the copy torch has loaded (a pool
 // of their own measured a 32-sequence decode step 1.4x slower: torch's workers spin between its operators, on the
 // cores such a pool needs).

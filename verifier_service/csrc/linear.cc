@@ -2,11 +2,11 @@
 // checkpoint holds it.
 //
 // With one to a few rows the product is a read of the weight: SmolLM2's 540 MB a pass. GEMM libraries pack the
-// weight into panels first (MKL's sgemm spent a third of a decode step's samples copying), or keep a second,
+// weight into panels first (in a decode step, 40% of MKL's sgemm samples were those copies), or keep a second,
 // reordered copy (oneDNN's). Here each weight row is read once, in place, and multiplied with every input row while
-// it is in registers: a pass's 211 products took 0.75-0.8x the time of the fastest other way at one to three rows,
-// one row as fast as the machine streams memory (docs/benchmarks/verifier-engine). A tile of NB weight rows by MG input rows is held in
-// vector accumulators; more input rows than MG reuse the tile's weight rows from L1.
+// it is in registers: a pass's 211 products took 0.80-0.92x the time of the fastest other way at one to three rows,
+// one row about as fast as the machine streams memory (docs/benchmarks/verifier-engine). A tile of NB weight rows
+// by MG input rows is held in vector accumulators; more input rows than MG reuse the tile's weight rows from L1.
 //
 // y[r, o] is the same sum, in the same order, whatever the other rows: a token's product does not depend on its
 // batch.
