@@ -31,7 +31,7 @@ struct Call {
   const float* cache;
   const int64_t* tables;
   const int64_t* segments;
-  int64_t heads, kv_heads, key_dim, value_dim, block_size, max_blocks, window;
+  int64_t heads, kv_heads, block_size, max_blocks, window;  // head dimensions: attend_item's template arguments
   float scale;
 };
 
@@ -243,8 +243,8 @@ void attend(uintptr_t query, uintptr_t out, uintptr_t cache, uintptr_t tables, u
             int64_t block_size, int64_t max_blocks, int64_t window, double scale, int threads) {
   const Call c{reinterpret_cast<const float*>(query), reinterpret_cast<float*>(out),
                reinterpret_cast<const float*>(cache), reinterpret_cast<const int64_t*>(tables),
-               reinterpret_cast<const int64_t*>(segments), heads, kv_heads, key_dim, value_dim, block_size,
-               max_blocks, window, static_cast<float>(scale)};
+               reinterpret_cast<const int64_t*>(segments), heads, kv_heads, block_size, max_blocks, window,
+               static_cast<float>(scale)};
   // Items (segment, KV head) split into contiguous runs of about equal cost (queries x keys).
   std::vector<int64_t> cost_before(num_segments * kv_heads + 1, 0);
   for (int64_t item = 0; item < num_segments * kv_heads; ++item) {
