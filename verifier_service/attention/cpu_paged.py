@@ -14,9 +14,10 @@ products catch up (docs/benchmarks/verifier-engine).
 The kernel computes each query's attention in a fixed order over its own
 keys, whatever else the pass holds. It does fp32 only, causal chains with an
 optional sliding window, for the head dimensions it was compiled for
-(`_cpu_kernels.attends`); a layer with softcapping, sinks or MLA's latent
-cache, another dtype or head dimension, takes the padded path for every
-segment.
+(`_cpu_kernels.attends`: a model with others takes the padded path
+throughout); a layer with softcapping, sinks or MLA's latent cache, another
+dtype, or values of another width than its keys, takes the padded path for
+every segment.
 """
 
 import functools
@@ -59,7 +60,9 @@ class CpuPagedAttention:
 
     def __init__(self, heads: int, key_dim: int):
         self.padded = TorchAttention(heads * key_dim)
-        self.max_queries = MAX_KERNEL_QUERIES if key_dim > SHORT_HEAD else MAX_KERNEL_QUERIES_SHORT_HEADS
+        # Decided once: a head dimension the kernel was not compiled for sends every segment to the padded path.
+        longest = MAX_KERNEL_QUERIES if key_dim > SHORT_HEAD else MAX_KERNEL_QUERIES_SHORT_HEADS
+        self.max_queries = longest if _cpu_kernels.attends(key_dim, key_dim) else 0
 
     def prepare(self, segments: tuple[Segment, ...], inputs: PassInputs, block_size: int,
                 device: torch.device) -> Metadata:
@@ -80,14 +83,14 @@ class CpuPagedAttention:
         kv = cache.kv[call.layer]
         value_dim = kv.shape[2] - cache.key_dim
         if (call.softcap or call.sinks is not None or call.expand is not None or kv.dtype != torch.float32
-                or not _cpu_kernels.attends(cache.key_dim, value_dim)):
+                or value_dim != cache.key_dim):
             return self.padded.attend_groups(metadata.every_group(), call, query, cache, None)
         query = query.contiguous()
         heads, kv_heads = query.shape[1], kv.shape[1]
         out = query.new_empty(metadata.num_tokens, heads, value_dim)
         if len(metadata.segments):
             _cpu_kernels.attend(query.data_ptr(), out.data_ptr(), kv.data_ptr(), metadata.tables.data_ptr(),
-                                    metadata.segments.data_ptr(), len(metadata.segments), heads, kv_heads,
-                                    cache.key_dim, value_dim, cache.block_size, metadata.tables.shape[1],
-                                    call.sliding_window or 0, call.scaling, torch.get_num_threads())
+                                metadata.segments.data_ptr(), len(metadata.segments), heads, kv_heads,
+                                cache.key_dim, value_dim, cache.block_size, metadata.tables.shape[1],
+                                call.sliding_window or 0, call.scaling, torch.get_num_threads())
         return self.padded.attend_groups(metadata.groups, call, query, cache, out) if metadata.groups else out

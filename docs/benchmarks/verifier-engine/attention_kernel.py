@@ -51,8 +51,8 @@ def row(sequences: int, queries: int) -> str:
 
     def kernel():
         _cpu_kernels.attend(query.data_ptr(), out.data_ptr(), cache.data_ptr(), table.data_ptr(),
-                                segments.data_ptr(), sequences, HEADS, KV_HEADS, DIM, DIM, BLOCK, width, 0,
-                                DIM ** -0.5, torch.get_num_threads())
+                            segments.data_ptr(), sequences, HEADS, KV_HEADS, DIM, DIM, BLOCK, width, 0,
+                            DIM ** -0.5, torch.get_num_threads())
 
     longest = max(contexts) + queries
     blocks = table[:, :-(-longest // BLOCK)].flatten()
