@@ -133,7 +133,10 @@ class VerifierPool:
         self._channels = [aio_channel(a, tls, CHANNEL_OPTIONS) for a in addresses]
         self._stubs = [verifier_pb2_grpc.VerifierStub(c) for c in self._channels]
         self._health = [health_pb2_grpc.HealthStub(c) for c in self._channels]
-        self._in_flight = [0] * len(addresses)
+        self._in_flight = [0] * len(addresses)  # this gateway's sequences on each verifier
+        # Each verifier's sequences as its last GetLoad counted them, and how many of them were ours then:
+        # other gateways' sequences are the difference.
+        self._counted = [(0, 0)] * len(addresses)
         self._affinity = PrefixAffinity()
         self._serving = [True] * len(addresses)
         self.addresses = addresses
@@ -148,16 +151,21 @@ class VerifierPool:
         metrics.add_verifiers_serving(lambda: sum(self._serving))
         metrics.add_verifier_loads(self.loads)
 
+    def busy(self, index: int) -> int:
+        """Sequences on a verifier: ours now, and every other gateway's as its last GetLoad counted them."""
+        counted, ours_then = self._counted[index]
+        return self._in_flight[index] + max(0, counted - ours_then)
+
     def open(self, request_id: str, prompt_token_ids: list[int]) -> tuple[int, VerifierSession]:
         """A session on the least busy serving verifier, or on the one that took
         the longest prefix of this prompt (its KV is likely still cached there)
-        unless it is busier by more than AFFINITY_SLACK sequences. Raises
-        Unavailable when no verifier is serving."""
+        unless it is busier by more than AFFINITY_SLACK sequences. Busy counts
+        every gateway's sequences (busy). Raises Unavailable when no verifier is serving."""
         serving = self._serving_indices()
-        index = min(serving, key=self._in_flight.__getitem__)
+        index = min(serving, key=self.busy)
         prefixes = block_prefixes(prompt_token_ids)
         owner, _ = self._affinity.lookup(prefixes)
-        if owner in serving and self._in_flight[owner] <= self._in_flight[index] + AFFINITY_SLACK:
+        if owner in serving and self.busy(owner) <= self.busy(index) + AFFINITY_SLACK:
             index = owner
         self._affinity.remember(prefixes, index)
         self._in_flight[index] += 1
@@ -207,8 +215,14 @@ class VerifierPool:
 
     async def refresh_loads(self, timeout_seconds: float = 5.0) -> None:
         """Asks every verifier for its load; one that does not answer is left out (and logged once)."""
-        replies = await asyncio.gather(*(stub.GetLoad(verifier_pb2.GetLoadRequest(), timeout=timeout_seconds)
-                                         for stub in self._stubs), return_exceptions=True)
+        async def get_load(index: int):
+            reply = await self._stubs[index].GetLoad(verifier_pb2.GetLoadRequest(), timeout=timeout_seconds)
+            # Ours as the answer arrives: a sequence opened while it was on its way may be missing from both.
+            self._counted[index] = (reply.num_running + reply.num_waiting, self._in_flight[index])
+            return reply
+
+        replies = await asyncio.gather(*(get_load(index) for index in range(len(self._stubs))),
+                                       return_exceptions=True)
         for index, reply in enumerate(replies):
             answered = not isinstance(reply, BaseException)
             if answered:

@@ -9,6 +9,8 @@ by side in one run on the same token streams:
 Each response is replayed greedily: the drafter drafts, the draft is accepted
 up to the first token that differs from the real response, accepted + 1 tokens
 are committed. Both implementations are driven through the same Arctic API.
+
+With --service it measures the drafter service instead (speclane_cli/bench/drafter_load.py).
 """
 
 import json
@@ -20,6 +22,7 @@ import tempfile
 import time
 
 from drafter_service import SuffixDecodingCache, _core
+from speclane_cli.bench import drafter_load
 
 PATH_ARGS = dict(max_spec_factor=1.0, max_spec_offset=0.0, min_token_prob=0.1)
 
@@ -32,6 +35,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--k", type=int, default=32, help="max draft tokens (num_speculative_tokens)")
     parser.add_argument("--arctic-path", default="", help="directory to import arctic_inference from")
     parser.add_argument("--seed", type=int, default=0)
+    drafter_load.add_arguments(parser)
 
 
 def _arctic_cache():
@@ -220,6 +224,8 @@ def _quantiles(values: list[float]) -> str:
 
 
 def run(args) -> int:
+    if args.service:
+        return drafter_load.run(args)
     if args.arctic_path:
         sys.path.insert(0, args.arctic_path)
     arctic = _arctic_cache()

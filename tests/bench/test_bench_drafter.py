@@ -1,6 +1,8 @@
 """`speclane bench drafter`: a tiny run of the whole command, and the replay and
 batch measurements it is built from."""
 
+import json
+
 import pytest
 
 from drafter_service import SuffixDecodingCache
@@ -39,3 +41,20 @@ def test_the_command_prints_every_table(capsys):
                     "tokens per step / acceptance", "n-gram at a 32k context"):
         assert heading in out
     assert "speclane d24" in out and "speclane d64" in out
+
+
+@pytest.mark.e2e
+def test_the_service_run_drives_a_drafter_process_and_reports_each_level(tmp_path):
+    """--service: a real drafter process, two levels of simulated verifiers, their steps answered and timed."""
+    assert main(["bench", "drafter", "--service", "--sharegpt", "3", "--max-response", "48", "--agent-files", "2",
+                 "--agent-rounds", "2", "--verifiers", "1,2", "--sequences", "4", "--verifier-step-rate", "200",
+                 "--seconds", "1.5", "--warmup-seconds", "0.5", "--output-dir", str(tmp_path)]) == 0
+    rows = json.loads((tmp_path / "results.json").read_text())["rows"]
+    assert [row["sequences"] for row in rows] == [4, 8]
+    for row in rows:
+        # Each sequence steps every 4 / 200 s: about 200 steps a second per verifier, less the draft's wait.
+        assert 0.5 * row["offered_steps_per_second"] < row["steps_per_second"] <= 1.1 * row["offered_steps_per_second"]
+        assert 0 < row["p50_ms"] <= row["p99_ms"]
+        assert row["drafter_cpu_ms_per_step"] > 0
+        assert row["drafted_per_step"] > 0  # the replayed responses teach the trees what the next ones repeat
+    assert "| 2 | 8 |" in (tmp_path / "results.md").read_text()

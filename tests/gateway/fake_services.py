@@ -88,6 +88,9 @@ class FakeVerifier(verifier_pb2_grpc.VerifierServicer):
     async def GetModelInfo(self, request, context):
         return verifier_pb2.ModelInfo(model_name=MODEL_NAME, vocab_size=420, max_context_len=256, eos_token_ids=[2])
 
+    async def GetLoad(self, request, context):
+        return verifier_pb2.EngineLoad(num_running=self.open_sessions if self.num_running is None else self.num_running)
+
     async def Session(self, request_iterator, context):
         prompt_len = max_new = generated = 0
         offered: dict[int, verifier_pb2.NextRound] = {}  # by step_committed_len

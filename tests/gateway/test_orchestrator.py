@@ -184,6 +184,22 @@ async def test_concurrent_requests_go_to_the_least_busy_verifier():
         await eventually(lambda: [v.outcomes for v in verifiers] == [["cancelled"], ["cancelled"]])
 
 
+async def test_the_least_busy_verifier_counts_other_gateways_sequences():
+    """Sequences another gateway runs on a verifier, as its GetLoad counts them, weigh in the choice."""
+    verifiers = [FakeVerifier(), FakeVerifier()]
+    verifiers[0].num_running = 5  # none of them this gateway's
+    verifiers[1].hang_at = 1
+    async with gateway(verifiers) as gw:
+        await gw.pool.refresh_loads()
+        assert [gw.pool.busy(0), gw.pool.busy(1)] == [5, 0]
+        task = asyncio.ensure_future(collect(gw))
+        await asyncio.wait_for(verifiers[1].hanging.wait(), 2)
+        assert gw.pool._in_flight == [0, 1]
+        assert [gw.pool.busy(0), gw.pool.busy(1)] == [5, 1]
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+
 async def test_a_head_methods_output_feeds_the_drafters_trees_and_none_stays_away():
     verifier, drafter = FakeVerifier(), FakeDrafter()
     async with gateway([verifier], drafter) as gw:
