@@ -86,8 +86,9 @@ def test_every_object_validates_against_the_kubernetes_schemas(version):
 
 
 def test_the_expected_objects_exist():
-    assert set(by_kind("Deployment")) == {"speclane-drafter", "speclane-verifier", "speclane-gateway"}
-    assert set(by_kind("Service")) == {"speclane-drafter", "speclane-verifier", "speclane-gateway"}
+    services = {"speclane-drafter", "speclane-verifier", "speclane-gateway", "speclane-router"}
+    assert set(by_kind("Deployment")) == set(by_kind("Service")) == services
+    assert set(by_kind("HorizontalPodAutoscaler")) == {"speclane-gateway"}
     assert set(by_kind("PersistentVolumeClaim")) == {"speclane-models", "speclane-drafter-state"}
     assert set(by_kind("ConfigMap")) == {"speclane-config"}
 
@@ -235,3 +236,40 @@ def test_gateway_peers_are_services_that_exist():
     for address in peers:
         host, _, port = address.rpartition(":")
         assert host in services and int(port) in services[host], address
+
+
+def test_the_router_finds_the_gateway_pods_by_their_label_and_http_port():
+    args = main_container("router")["args"]
+    option = lambda name: args[args.index(name) + 1]  # noqa: E731
+    gateway = deployment("gateway")["spec"]["template"]
+    key, _, value = option("--selector").partition("=")
+    assert gateway["metadata"]["labels"][key] == value
+    http = {p["name"]: p["containerPort"] for p in main_container("gateway")["ports"]}["http"]
+    assert int(option("--service-discovery-port")) == http
+    assert "--service-discovery" in args and option("--policy") == "cache_aware"
+    # Discovery lists and watches pods: the router's service account may, and nothing more.
+    assert pod_spec("router")["serviceAccountName"] == "speclane-router"
+    (rule,) = by_kind("Role")["speclane-router"]["rules"]
+    assert rule["resources"] == ["pods"] and set(rule["verbs"]) == {"get", "list", "watch"}
+    binding = by_kind("RoleBinding")["speclane-router"]
+    assert binding["roleRef"]["name"] == "speclane-router"
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "speclane-router"}]
+
+
+def test_the_router_is_probed_on_its_own_health_and_runs_as_non_root():
+    container = main_container("router")
+    assert container["readinessProbe"]["httpGet"] == {"path": "/readiness", "port": "http"}
+    assert container["livenessProbe"]["httpGet"] == {"path": "/liveness", "port": "http"}
+    assert "startupProbe" in container
+    assert pod_spec("router")["securityContext"]["runAsNonRoot"] is True
+    assert container["image"] == main_container("gateway")["image"]
+
+
+def test_the_gateway_autoscaler_owns_the_replica_count_on_cpu_it_requests():
+    autoscaler = by_kind("HorizontalPodAutoscaler")["speclane-gateway"]["spec"]
+    assert autoscaler["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "Deployment", "name": "speclane-gateway"}
+    assert "replicas" not in deployment("gateway")["spec"]  # kubectl apply would reset the autoscaler's count
+    (metric,) = autoscaler["metrics"]
+    assert metric["resource"]["name"] == "cpu" and metric["resource"]["target"]["type"] == "Utilization"
+    assert "cpu" in main_container("gateway")["resources"]["requests"]  # utilization is of the request
+    assert autoscaler["minReplicas"] >= 2

@@ -47,10 +47,15 @@ class Stack:
     log_dir: pathlib.Path
     processes: dict = dataclasses.field(default_factory=dict)
     more_verifiers: tuple[VerifierConfig, ...] = ()  # started as verifier-2, verifier-3...
+    more_gateways: tuple[GatewayConfig, ...] = ()  # started as gateway-2, gateway-3...
 
     @property
     def verifier_names(self) -> list[str]:
         return ["verifier", *(f"verifier-{i}" for i in range(2, 2 + len(self.more_verifiers)))]
+
+    @property
+    def gateway_names(self) -> list[str]:
+        return ["gateway", *(f"gateway-{i}" for i in range(2, 2 + len(self.more_gateways)))]
 
     @property
     def base_url(self) -> str:
@@ -64,8 +69,9 @@ class Stack:
 
     def start_service(self, name: str) -> None:
         verifiers = dict(zip(self.verifier_names, (self.verifier, *self.more_verifiers)))
+        gateways = dict(zip(self.gateway_names, (self.gateway, *self.more_gateways)))
         module, config = (("verifier_service", verifiers[name]) if name in verifiers else
-                          {"drafter": ("drafter_service", self.drafter), "gateway": ("gateway", self.gateway)}[name])
+                          ("gateway", gateways[name]) if name in gateways else ("drafter_service", self.drafter))
         log_file = (self.log_dir / f"{name}.log").open("ab")
         self.processes[name] = subprocess.Popen(
             [sys.executable, "-m", module, *to_argv(config)], stdout=log_file, stderr=subprocess.STDOUT,
@@ -83,7 +89,8 @@ class Stack:
             for name, process in self.processes.items():
                 if process.poll() is not None:
                     raise RuntimeError(f"{name} exited with {process.returncode}:\n{self.logs(name)}")
-            if http_ok(self.base_url.removesuffix("/v1") + "/health", context=self.http_context) and \
+            if all(http_ok(f"http://{gateway.host}:{gateway.port}/health") for gateway in self.more_gateways) and \
+                    http_ok(self.base_url.removesuffix("/v1") + "/health", context=self.http_context) and \
                     self._gateway_sees_every_verifier():
                 return
             time.sleep(0.5)
@@ -92,7 +99,7 @@ class Stack:
     def _gateway_sees_every_verifier(self) -> bool:
         """/health needs one verifier; a test that expects the gateway to pick
         between several needs the gateway to have found them all serving."""
-        if not self.more_verifiers:
+        if not self.more_verifiers or self.more_gateways:
             return True
         url = self.base_url.removesuffix("/v1") + "/metrics"
         try:
@@ -107,7 +114,7 @@ class Stack:
         return (self.log_dir / f"{name}.log").read_text(errors="replace")[-4000:]
 
     def stop(self) -> None:
-        for name in ("gateway", *self.verifier_names, "drafter"):
+        for name in (*self.gateway_names, *self.verifier_names, "drafter"):
             process = self.processes.get(name)
             if process is not None and process.poll() is None:
                 process.send_signal(signal.SIGTERM)
@@ -125,10 +132,11 @@ TEST_THREADS = 1
 
 def start_stack(model_dir: pathlib.Path, log_dir: pathlib.Path, speculative_config: str = "",
                 tls_dir: pathlib.Path | None = None, num_verifiers: int = 1, dtype: str = "auto",
-                speculation_debug: str = "") -> Stack:
+                speculation_debug: str = "", gateway_per_verifier: bool = False) -> Stack:
     """With `tls_dir` (made by `speclane certs`): mTLS between the services, TLS on the
     gateway's gRPC port and HTTPS, each service with its own certificate. `speculation_debug`
-    (--speculation-debug) goes to the verifier and the gateway alike."""
+    (--speculation-debug) goes to the verifier and the gateway alike. With `gateway_per_verifier`
+    each verifier gets a gateway of its own, all sharing the drafter (a router then picks the gateway)."""
     drafter = DrafterConfig(address=f"127.0.0.1:{free_port()}", **tls_fields(tls_dir, "drafter"))
     # As `speclane serve`: the verifier loads the head a head method names.
     verifier, *more_verifiers = (
@@ -145,8 +153,14 @@ def start_stack(model_dir: pathlib.Path, log_dir: pathlib.Path, speculative_conf
         verifier_addresses=tuple(v.address for v in (verifier, *more_verifiers)),
         speculative_config=speculative_config, speculation_debug=speculation_debug, **gateway_tls, **https,
     )
-    stack = Stack(drafter, verifier, gateway, log_dir, more_verifiers=tuple(more_verifiers))
-    for name in ("drafter", *stack.verifier_names, "gateway"):
+    more_gateways = ()
+    if gateway_per_verifier:
+        gateway = dataclasses.replace(gateway, verifier_addresses=(verifier.address,))
+        more_gateways = tuple(dataclasses.replace(gateway, port=free_port(), grpc_address=f"127.0.0.1:{free_port()}",
+                                                  verifier_addresses=(more.address,)) for more in more_verifiers)
+    stack = Stack(drafter, verifier, gateway, log_dir, more_verifiers=tuple(more_verifiers),
+                  more_gateways=more_gateways)
+    for name in ("drafter", *stack.verifier_names, *stack.gateway_names):
         stack.start_service(name)
     try:
         stack.wait_ready()
