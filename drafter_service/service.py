@@ -53,6 +53,14 @@ def _step_budget(step: drafter_pb2.Step) -> StepBudget | None:
     return step_budget(factor, min_prob)
 
 
+class Refused(Exception):
+    """A start or step the drafter will not take: the gRPC status it ends the session with."""
+
+    def __init__(self, code: grpc.StatusCode, detail: str):
+        super().__init__(detail)
+        self.code, self.detail = code, detail
+
+
 class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
     def __init__(self, engine: DraftEngine, config: DrafterConfig, metrics: DrafterMetrics):
         # The engine keys sessions by its own numbers, not the client's sequence
@@ -69,27 +77,73 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
     async def GetInfo(self, request, context: grpc.aio.ServicerContext):
         return self._info
 
-    @staticmethod
-    async def _refuse(context: grpc.aio.ServicerContext, requests, code: grpc.StatusCode, detail: str) -> None:
-        """Ends a session its start cannot open, once the client's next message (or its end) is in.
-        A start has no reply, so the client hears of the refusal on its next write: sent at once,
-        the status races that write, which grpc then fails with a client-side INTERNAL that hides
-        the status (and a gateway takes a full drafter for a dead one, resting it for everyone)."""
-        await anext(requests, None)
-        await context.abort(code, detail)
-
-    async def _admit(self, context: grpc.aio.ServicerContext, requests, start: drafter_pb2.Start) -> None:
-        """Refuses a session beyond the limits with RESOURCE_EXHAUSTED, which costs its
-        request only the drafts (INVALID_ARGUMENT would fail the request at the gateway)."""
+    def _open(self, start: drafter_pb2.Start, tenant: str) -> SequenceProposer:
+        """A session for `start`; raises Refused: INVALID_ARGUMENT for bad settings, RESOURCE_EXHAUSTED
+        beyond the limits (which costs its request only the drafts)."""
+        try:
+            settings = settings_from_proto(start.params, self._limits)
+        except ValueError as exc:
+            raise Refused(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
+        if start.num_lookahead_tokens > self._limits.max_speculative_tokens:
+            raise Refused(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"start.num_lookahead_tokens must be at most {self._limits.max_speculative_tokens}")
+        if _has_negative(start.prompt_token_ids):
+            raise Refused(grpc.StatusCode.INVALID_ARGUMENT, "start.prompt_token_ids must not be negative")
         if self._open_sessions >= self._max_sessions:
             detail = f"the drafter has its maximum of {self._max_sessions} sessions open (--max-sessions)"
         elif len(start.prompt_token_ids) > self._max_session_tokens:
             detail = (f"the prompt has {len(start.prompt_token_ids)} tokens; a drafter session holds at most "
                       f"{self._max_session_tokens} (--max-session-tokens)")
         else:
-            return
+            tenant = start.tenant or tenant
+            proposer = SequenceProposer(self._engine, settings, tenant, start.num_lookahead_tokens)
+            proposer.start(start.prompt_token_ids)
+            self._open_sessions += 1
+            log.info("session_start", sequence_id=start.sequence_id, tenant=tenant, method=settings.method,
+                     prompt_tokens=len(start.prompt_token_ids),
+                     num_speculative_tokens=settings.num_speculative_tokens)
+            return proposer
         log.warning("session_refused", sequence_id=start.sequence_id, reason=detail)
-        await self._refuse(context, requests, grpc.StatusCode.RESOURCE_EXHAUSTED, detail)
+        raise Refused(grpc.StatusCode.RESOURCE_EXHAUSTED, detail)
+
+    def _close(self, proposer: SequenceProposer, sequence_id: str, prompt_len: int, steps: int, drafted: int,
+               ended_by: str) -> None:
+        self._open_sessions -= 1
+        proposer.end()
+        log.info("session_end", sequence_id=sequence_id, tenant=proposer.tenant, ended_by=ended_by, steps=steps,
+                 output_tokens=proposer.committed_len - prompt_len, drafted_tokens=drafted)
+
+    def _commit(self, proposer: SequenceProposer, step: drafter_pb2.Step) -> StepBudget:
+        """Commits a step's tokens; returns its suffix budget. Raises Refused."""
+        if _has_negative(step.committed_token_ids):
+            raise Refused(grpc.StatusCode.INVALID_ARGUMENT, "step.committed_token_ids must not be negative")
+        budget = _step_budget(step)
+        if budget is None:
+            raise Refused(grpc.StatusCode.INVALID_ARGUMENT,
+                          "step.max_spec_factor must be > 0 and step.min_token_prob in [0, 1]")
+        try:
+            proposer.commit(step.committed_token_ids, step.committed_len)
+        except CommittedLengthMismatch as exc:
+            raise Refused(grpc.StatusCode.FAILED_PRECONDITION, str(exc)) from None
+        if proposer.committed_len > self._max_session_tokens:
+            raise Refused(grpc.StatusCode.RESOURCE_EXHAUSTED, f"the session passed the drafter's limit of "
+                          f"{self._max_session_tokens} tokens (--max-session-tokens)")
+        return budget
+
+    async def _draft(self, proposer: SequenceProposer, budget: StepBudget) -> common_pb2.Draft:
+        started = time.perf_counter()
+        draft = await proposer.propose(budget)
+        self._metrics.observe_step(draft, time.perf_counter() - started)
+        return draft_to_proto(draft, proposer.committed_len)
+
+    @staticmethod
+    async def _refuse(context: grpc.aio.ServicerContext, requests, refused: Refused) -> None:
+        """Ends a session its start cannot open, once the client's next message (or its end) is in.
+        A start has no reply, so the client hears of the refusal on its next write: sent at once,
+        the status races that write, which grpc then fails with a client-side INTERNAL that hides
+        the status (and a gateway takes a full drafter for a dead one, resting it for everyone)."""
+        await anext(requests, None)
+        await context.abort(refused.code, refused.detail)
 
     async def Session(self, request_iterator, context: grpc.aio.ServicerContext):
         bind_request_id_from(context)
@@ -99,57 +153,89 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the first message of a session must be start")
         start = first.start
         try:
-            settings = settings_from_proto(start.params, self._limits)
-        except ValueError as exc:
-            await self._refuse(context, requests, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        if start.num_lookahead_tokens > self._limits.max_speculative_tokens:
-            await self._refuse(context, requests, grpc.StatusCode.INVALID_ARGUMENT,
-                               f"start.num_lookahead_tokens must be at most {self._limits.max_speculative_tokens}")
-        if _has_negative(start.prompt_token_ids):
-            await self._refuse(context, requests, grpc.StatusCode.INVALID_ARGUMENT,
-                               "start.prompt_token_ids must not be negative")
-        tenant = start.tenant or metadata_value(context.invocation_metadata(), TENANT_METADATA_KEY) or ""
-        await self._admit(context, requests, start)
-        proposer = SequenceProposer(self._engine, settings, tenant, start.num_lookahead_tokens)
-        proposer.start(start.prompt_token_ids)
-        log.info("session_start", sequence_id=start.sequence_id, tenant=tenant, method=settings.method,
-                 prompt_tokens=len(start.prompt_token_ids), num_speculative_tokens=settings.num_speculative_tokens)
+            proposer = self._open(start, metadata_value(context.invocation_metadata(), TENANT_METADATA_KEY) or "")
+        except Refused as refused:
+            await self._refuse(context, requests, refused)
         steps = drafted = 0
         ended_by = "error"
-        self._open_sessions += 1  # no await since _admit checked it
         try:
             async for request in requests:
                 kind = request.WhichOneof("kind")
                 if kind != "step":
                     detail = "start may only be sent once" if kind == "start" else "empty message"
                     await context.abort(grpc.StatusCode.INVALID_ARGUMENT, detail)
-                step = request.step
-                if _has_negative(step.committed_token_ids):
-                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                        "step.committed_token_ids must not be negative")
-                budget = _step_budget(step)
-                if budget is None:
-                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "step.max_spec_factor must be > 0 and "
-                                        "step.min_token_prob in [0, 1]")
                 try:
-                    proposer.commit(step.committed_token_ids, step.committed_len)
-                except CommittedLengthMismatch as exc:
-                    await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
-                if proposer.committed_len > self._max_session_tokens:
-                    await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"the session passed the drafter's "
-                                        f"limit of {self._max_session_tokens} tokens (--max-session-tokens)")
-                started = time.perf_counter()
-                draft = await proposer.propose(budget)
-                self._metrics.observe_step(draft, time.perf_counter() - started)
+                    budget = self._commit(proposer, request.step)
+                except Refused as refused:
+                    await context.abort(refused.code, refused.detail)
+                draft = await self._draft(proposer, budget)
                 steps += 1
-                drafted += len(draft)
-                yield drafter_pb2.SessionResponse(draft=draft_to_proto(draft, proposer.committed_len))
+                drafted += len(draft.token_ids)
+                yield drafter_pb2.SessionResponse(draft=draft)
             ended_by = "stream_closed"  # half-closed, or cancelled with the stream ending first
         except asyncio.CancelledError:
             ended_by = "cancelled"
             raise
         finally:
-            self._open_sessions -= 1
-            proposer.end()
-            log.info("session_end", sequence_id=start.sequence_id, tenant=tenant, ended_by=ended_by, steps=steps,
-                     output_tokens=proposer.committed_len - len(start.prompt_token_ids), drafted_tokens=drafted)
+            self._close(proposer, start.sequence_id, len(start.prompt_token_ids), steps, drafted, ended_by)
+
+    async def Sessions(self, request_iterator, context: grpc.aio.ServicerContext):
+        """Many sequences' sessions on one stream: each message's steps drafted in one batch, answered
+        in one message. A refused start or step ends its session with an entry saying why."""
+        bind_request_id_from(context)
+        tenant = metadata_value(context.invocation_metadata(), TENANT_METADATA_KEY) or ""
+        sessions: dict[int, _Open] = {}
+
+        def close(number: int, ended_by: str) -> None:
+            session = sessions.pop(number, None)
+            if session is not None:
+                self._close(session.proposer, session.start.sequence_id, len(session.start.prompt_token_ids),
+                            session.steps, session.drafted, ended_by)
+
+        ended_by = "error"
+        try:
+            async for request in request_iterator:
+                answers, stepping = [], []
+                for entry in request.entries:
+                    try:
+                        kind = entry.WhichOneof("kind")
+                        if kind == "start":
+                            if entry.session in sessions:
+                                raise Refused(grpc.StatusCode.INVALID_ARGUMENT, "start may only be sent once")
+                            sessions[entry.session] = _Open(entry.start, self._open(entry.start, tenant))
+                        elif kind == "step":
+                            session = sessions.get(entry.session)
+                            if session is None:
+                                raise Refused(grpc.StatusCode.INVALID_ARGUMENT, "a step of no open session")
+                            stepping.append((entry.session, session, self._commit(session.proposer, entry.step)))
+                        elif kind == "end":
+                            close(entry.session, "ended")
+                        else:
+                            raise Refused(grpc.StatusCode.INVALID_ARGUMENT, "empty entry")
+                    except Refused as refused:
+                        close(entry.session, "refused")
+                        answers.append(drafter_pb2.SessionsResponse.Entry(
+                            session=entry.session, code=refused.code.value[0], detail=refused.detail))
+                drafts = await asyncio.gather(*(self._draft(session.proposer, budget)
+                                                for _, session, budget in stepping))
+                for (number, session, _), draft in zip(stepping, drafts):
+                    session.steps += 1
+                    session.drafted += len(draft.token_ids)
+                    answers.append(drafter_pb2.SessionsResponse.Entry(session=number, draft=draft))
+                if answers:
+                    yield drafter_pb2.SessionsResponse(entries=answers)
+            ended_by = "stream_closed"
+        except asyncio.CancelledError:
+            ended_by = "cancelled"
+            raise
+        finally:
+            for number in list(sessions):
+                close(number, ended_by)
+
+
+class _Open:
+    """A session open on a Sessions stream."""
+
+    def __init__(self, start: drafter_pb2.Start, proposer: SequenceProposer):
+        self.start, self.proposer = start, proposer
+        self.steps = self.drafted = 0

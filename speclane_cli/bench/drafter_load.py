@@ -1,18 +1,20 @@
 """`speclane bench drafter --service`: how many verifiers one drafter process
 keeps up with. It starts a drafter (`python -m drafter_service`) and drives it
-over gRPC, as gateways do, with the sessions of N simulated verifiers: each
-verifier runs `--sequences` sequences, and each sequence steps once per
-verifier pass (`--verifier-step-rate`: a verifier's measured steps per second
-over all its sequences). A sequence replays a real response greedily, as the
-target would have written it: it commits the tokens of the draft that match
-the response, plus one, sends them with its next step, and starts over on the
-next response when one ends, so the global tree learns from every session.
+over gRPC as gateways do, with the sessions of N simulated verifiers: each
+verifier runs `--sequences` sequences on one Drafter.Sessions stream, and at
+every verifier pass (`--verifier-step-rate`: a verifier's measured steps per
+second over all its sequences) each of them steps, all in one message. A
+sequence replays a real response greedily, as the target would have written
+it: it commits the tokens of the draft that match the response, plus one,
+sends them with its next step, and makes way for the next response when its
+own ends, so the global tree learns from every session.
 
 Each level reports the steps per second the drafter answered, the draft
-latency a step saw (write to read, p50 / p99), and the drafter process's CPU
-per step, read from /proc. The load comes from `--client-processes` processes
-on the same host, so on a small machine they take CPU the drafter could use;
-the CPU per step says what the drafter itself needs."""
+latency a step saw (its pass's message written to its answer read, p50 /
+p99), and the drafter process's CPU per step, read from /proc. The load comes
+from `--client-processes` processes on the same host, so on a small machine
+they take CPU the drafter could use; the CPU per step says what the drafter
+itself needs."""
 
 import asyncio
 import itertools
@@ -85,41 +87,65 @@ def _start_drafter(port: int, extra: str) -> subprocess.Popen:
     raise RuntimeError("the drafter did not start")
 
 
-async def _sequence(stub, items, params, interval: float, first_delay: float, measure_from: float,
+class _Replay:
+    """One sequence replaying a response greedily: what it commits with its next step."""
+
+    def __init__(self, number: int, prompt: list[int], response: list[int]):
+        self.number, self.prompt, self.response = number, prompt, response
+        self.committed_len, self.position, self.send = len(prompt), 1, response[:1]  # the prefill's token
+
+    def step(self) -> drafter_pb2.Step:
+        self.committed_len += len(self.send)
+        return drafter_pb2.Step(committed_token_ids=self.send, committed_len=self.committed_len)
+
+    def answered(self, draft) -> None:
+        accepted = common_prefix(list(draft.token_ids[:draft.step_len or None]), self.response[self.position:])
+        self.send = self.response[self.position:self.position + accepted + 1]
+        self.position += len(self.send)
+
+
+async def _verifier(stub, items, sequences: int, params, interval: float, first_delay: float, measure_from: float,
                     stop_at: float, latencies: list[float], counts: dict) -> None:
-    """One verifier sequence after another: replays responses greedily, stepping every `interval` seconds."""
+    """A verifier's `sequences` sequences on one Sessions stream, as a gateway runs them: every
+    `interval` seconds (a pass) each steps, all in one message; a finished one makes way for the next."""
+    Entry = drafter_pb2.SessionsRequest.Entry  # noqa: N806 - a message class
     await asyncio.sleep(first_delay)
     clock = time.perf_counter
-    for number, (prompt, response) in items:
-        if clock() >= stop_at:
-            return
-        call = stub.Session()
-        await call.write(drafter_pb2.SessionRequest(start=drafter_pb2.Start(
-            sequence_id=str(number), prompt_token_ids=prompt, params=params, tenant="bench",
-            num_lookahead_tokens=min(params.num_speculative_tokens + 1, 64))))
-        committed_len, position, send = len(prompt), 1, response[:1]  # the prefill's token
-        while send and clock() < stop_at:
-            committed_len += len(send)
-            sent = clock()
-            await call.write(drafter_pb2.SessionRequest(step=drafter_pb2.Step(committed_token_ids=send,
-                                                                              committed_len=committed_len)))
-            reply = await call.read()
-            if reply is grpc.aio.EOF:
-                raise RuntimeError("the drafter ended a session")
-            if sent >= measure_from:
-                latencies.append(clock() - sent)
-                counts["drafted"] += len(reply.draft.token_ids)
-            accepted = common_prefix(list(reply.draft.token_ids[:reply.draft.step_len or None]), response[position:])
-            send = response[position:position + accepted + 1]
-            position += len(send)
-            await asyncio.sleep(interval)  # the verifier's pass
-        await call.done_writing()
-        call.cancel()
+    call = stub.Sessions()
+    running: list[_Replay] = []
+    while clock() < stop_at:
+        entries = []
+        for replay in [r for r in running if not r.send]:
+            running.remove(replay)
+            entries.append(Entry(session=replay.number, end=drafter_pb2.End()))
+        while len(running) < sequences:
+            number, (prompt, response) = next(items)
+            replay = _Replay(number, prompt, response)
+            running.append(replay)
+            entries.append(Entry(session=number, start=drafter_pb2.Start(
+                sequence_id=str(number), prompt_token_ids=prompt, params=params, tenant="bench",
+                num_lookahead_tokens=min(params.num_speculative_tokens + 1, 64))))
+        entries += [Entry(session=replay.number, step=replay.step()) for replay in running]
+        sent = clock()
+        await call.write(drafter_pb2.SessionsRequest(entries=entries))
+        answers = await call.read()
+        if answers is grpc.aio.EOF or any(answer.code for answer in answers.entries):
+            raise RuntimeError(f"the drafter refused a step: {answers}")
+        took = clock() - sent
+        by_number = {answer.session: answer.draft for answer in answers.entries}
+        for replay in running:
+            replay.answered(by_number[replay.number])
+        if sent >= measure_from:
+            latencies += [took] * len(running)
+            counts["drafted"] += sum(len(draft.token_ids) for draft in by_number.values())
+        await asyncio.sleep(max(0.0, interval - took))  # the verifier's pass
+    await call.done_writing()
+    call.cancel()
 
 
-def _client(address: str, streams: list, sequences: int, offset: int, interval: float, method: str,
+def _client(address: str, streams: list, verifiers: int, offset: int, sequences: int, interval: float, method: str,
             warmup: float, seconds: float, queue) -> None:
-    """One load process: `sequences` sequences, their first steps spread over one interval."""
+    """One load process: `verifiers` verifiers, their first passes spread over one interval."""
     async def main():
         params = settings_to_proto(SpeculationSettings(method=method).with_draft_length(None))  # as a gateway does
         latencies, counts = [], {"drafted": 0}
@@ -128,9 +154,9 @@ def _client(address: str, streams: list, sequences: int, offset: int, interval: 
             now = time.perf_counter()
             measure_from, stop_at = now + warmup, now + warmup + seconds
             numbered = list(enumerate(streams))
-            tasks = [_sequence(stub, itertools.islice(itertools.cycle(numbered), offset + i, None, sequences),
-                               params, interval, interval * i / sequences, measure_from, stop_at, latencies, counts)
-                     for i in range(sequences)]
+            tasks = [_verifier(stub, itertools.islice(itertools.cycle(numbered), (offset + v) * 7919, None), sequences,
+                               params, interval, interval * v / verifiers, measure_from, stop_at, latencies, counts)
+                     for v in range(verifiers)]
             await asyncio.gather(*tasks)
         queue.put((latencies, counts["drafted"]))
 
@@ -140,12 +166,12 @@ def _client(address: str, streams: list, sequences: int, offset: int, interval: 
 def run_level(address: str, drafter_pid: int, streams: list, verifiers: int, args) -> dict:
     sequences = verifiers * args.sequences
     interval = args.sequences / args.verifier_step_rate  # each sequence steps once per verifier pass
-    processes = max(1, min(args.client_processes, sequences))
+    processes = max(1, min(args.client_processes, verifiers))
     context = multiprocessing.get_context("spawn")  # gRPC's state does not survive a fork
     queue = context.Queue()
-    share = [sequences // processes + (p < sequences % processes) for p in range(processes)]
-    workers = [context.Process(target=_client, args=(address, streams, share[p], sum(share[:p]) * 7919, interval,
-                                                     args.method, args.warmup_seconds, args.seconds, queue))
+    share = [verifiers // processes + (p < verifiers % processes) for p in range(processes)]
+    workers = [context.Process(target=_client, args=(address, streams, share[p], sum(share[:p]), args.sequences,
+                                                     interval, args.method, args.warmup_seconds, args.seconds, queue))
                for p in range(processes)]
     for worker in workers:
         worker.start()

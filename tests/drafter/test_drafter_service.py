@@ -281,3 +281,60 @@ def test_config_validation():
         DrafterConfig(max_tree_depth=0)
     with pytest.raises(ValueError):
         DrafterConfig(max_cached_requests=-1)
+
+
+def entry(session, request):
+    """A Sessions entry for one sequence's Session message (start or step)."""
+    kind = request.WhichOneof("kind")
+    return drafter_pb2.SessionsRequest.Entry(session=session, **{kind: getattr(request, kind)})
+
+
+def test_many_sessions_on_one_stream_draft_as_each_on_its_own_and_answer_each_batch_in_one_message():
+    prompts = [REPEATED * 3, [21, 22, 23, 24] * 3, REPEATED * 2]
+
+    async def main():
+        async with drafter() as stub:
+            alone = [await run_session(stub, start(prompt, k=4), [[], [prompt[0], prompt[1]]]) for prompt in prompts]
+        async with drafter() as stub:
+            call = stub.Sessions()
+            await call.write(drafter_pb2.SessionsRequest(entries=[
+                *(entry(n, start(prompt, k=4)) for n, prompt in enumerate(prompts)),
+                *(entry(n, step([], len(prompt))) for n, prompt in enumerate(prompts))]))
+            first = await call.read()
+            await call.write(drafter_pb2.SessionsRequest(entries=[
+                entry(n, step(prompt[:2], len(prompt) + 2)) for n, prompt in enumerate(prompts)]))
+            second = await call.read()
+            await call.write(drafter_pb2.SessionsRequest(entries=[
+                drafter_pb2.SessionsRequest.Entry(session=n, end=drafter_pb2.End()) for n in range(len(prompts))]))
+            await call.done_writing()
+            assert await call.read() == grpc.aio.EOF  # an end has no answer
+            return alone, first, second
+
+    alone, first, second = asyncio.run(main())
+    for answers in (first, second):
+        assert [answer.session for answer in answers.entries] == [0, 1, 2]
+        assert not any(answer.code for answer in answers.entries)
+    together = [[first.entries[n].draft, second.entries[n].draft] for n in range(len(prompts))]
+    assert together == alone
+    assert any(draft.token_ids for drafts in together for draft in drafts)
+
+
+def test_a_refused_session_gets_an_entry_saying_why_and_the_others_go_on():
+    config = DrafterConfig(max_tree_depth=24, max_cached_requests=100, max_sessions=1)
+
+    async def main():
+        async with drafter(config=config) as stub:
+            call = stub.Sessions()
+            await call.write(drafter_pb2.SessionsRequest(entries=[
+                entry(0, start(REPEATED * 3, k=4)), entry(1, start(REPEATED, k=4)),  # over --max-sessions
+                entry(2, start(REPEATED, k=999)),  # bad settings
+                entry(0, step([], 15)), entry(3, step([], 5))]))  # a step of a session never started
+            answers = await call.read()
+            await call.done_writing()
+            return answers
+
+    answers = {answer.session: answer for answer in asyncio.run(main()).entries}
+    assert answers[1].code == grpc.StatusCode.RESOURCE_EXHAUSTED.value[0] and "--max-sessions" in answers[1].detail
+    assert answers[2].code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+    assert answers[3].code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+    assert answers[0].code == 0 and answers[0].draft.token_ids == [11, 12, 13, 14]

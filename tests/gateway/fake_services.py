@@ -187,37 +187,71 @@ class FakeDrafter(drafter_pb2_grpc.DrafterServicer):
         self.info_calls += 1
         return self.info
 
-    async def Session(self, request_iterator, context):
-        self.sessions += 1
-        prompt_len = 0
-        with _recorded(context, self.outcomes):
-            async for step, request in _numbered(request_iterator):
-                if self.fail is not None and self.fail[1] == step:
-                    await context.abort(self.fail[0], f"scripted failure at step {step}")
-                if step == 0:
-                    prompt_len = len(request.start.prompt_token_ids)
-                    self.committed.append([])
-                    self.params.append(request.start.params)
-                    self.lookaheads.append(request.start.num_lookahead_tokens)
-                    continue
-                self.committed[-1] += request.step.committed_token_ids
-                self.proposals += 1
-                await asyncio.sleep(self.delay)
-                committed_len = request.step.committed_len
-                k, lookahead = self.params[-1].num_speculative_tokens, self.lookaheads[-1]
-                tokens = target_tokens(committed_len - prompt_len, min(self.draft_len, k + lookahead))
-                step_len = min(self.step_len or k, len(tokens)) if len(tokens) > (self.step_len or k) else 0
-                if self.wrong_bonus and step_len:
-                    tokens[step_len] = 999
-                detours = []
-                if self.detour_at is not None and len(tokens) > self.detour_at:
-                    at, generated = self.detour_at, committed_len - prompt_len
-                    detours.append(common_pb2.Detour(
-                        position=at, token_id=tokens[at] if self.detour_token is None else self.detour_token,
-                        token_ids=target_tokens(generated + at + 1, k)))
-                    tokens[at] = 999
-                yield drafter_pb2.SessionResponse(draft=common_pb2.Draft(
-                    token_ids=tokens, committed_len=committed_len, step_len=step_len, detours=detours))
+    async def Sessions(self, request_iterator, context):
+        """The gateway's sequences on one stream: each session's steps numbered from its start (0)."""
+        sessions: dict[int, dict] = {}  # by the client's number: step, index (into the lists above), prompt_len
+
+        def end(number: int, outcome: str) -> None:
+            if sessions.pop(number, None) is not None:
+                self.outcomes.append(outcome)
+
+        try:
+            async for request in request_iterator:
+                answers = []
+                for entry in request.entries:
+                    kind = entry.WhichOneof("kind")
+                    if kind == "end":
+                        end(entry.session, "ended")
+                        continue
+                    if kind == "start":
+                        self.sessions += 1
+                        sessions[entry.session] = {"step": 0, "index": len(self.committed),
+                                                   "prompt_len": len(entry.start.prompt_token_ids)}
+                        self.committed.append([])
+                        self.params.append(entry.start.params)
+                        self.lookaheads.append(entry.start.num_lookahead_tokens)
+                    session = sessions.get(entry.session)
+                    if session is None:
+                        continue
+                    if self.fail is not None and self.fail[1] == session["step"]:
+                        code = self.fail[0]
+                        answers.append(drafter_pb2.SessionsResponse.Entry(
+                            session=entry.session, code=code.value[0], detail=f"scripted failure at step "
+                                                                              f"{session['step']}"))
+                        end(entry.session, code.name)
+                        continue
+                    session["step"] += 1
+                    if kind == "step":
+                        answers.append(drafter_pb2.SessionsResponse.Entry(
+                            session=entry.session, draft=await self._draft(session, entry.step)))
+                if answers:
+                    yield drafter_pb2.SessionsResponse(entries=answers)
+        except asyncio.CancelledError:
+            for number in list(sessions):
+                end(number, "cancelled")
+            raise
+        for number in list(sessions):
+            end(number, "ended")
+
+    async def _draft(self, session: dict, step: drafter_pb2.Step) -> common_pb2.Draft:
+        index, prompt_len = session["index"], session["prompt_len"]
+        self.committed[index] += step.committed_token_ids
+        self.proposals += 1
+        await asyncio.sleep(self.delay)
+        committed_len = step.committed_len
+        k, lookahead = self.params[index].num_speculative_tokens, self.lookaheads[index]
+        tokens = target_tokens(committed_len - prompt_len, min(self.draft_len, k + lookahead))
+        step_len = min(self.step_len or k, len(tokens)) if len(tokens) > (self.step_len or k) else 0
+        if self.wrong_bonus and step_len:
+            tokens[step_len] = 999
+        detours = []
+        if self.detour_at is not None and len(tokens) > self.detour_at:
+            at, generated = self.detour_at, committed_len - prompt_len
+            detours.append(common_pb2.Detour(
+                position=at, token_id=tokens[at] if self.detour_token is None else self.detour_token,
+                token_ids=target_tokens(generated + at + 1, k)))
+            tokens[at] = 999
+        return common_pb2.Draft(token_ids=tokens, committed_len=committed_len, step_len=step_len, detours=detours)
 
 
 @contextlib.asynccontextmanager

@@ -17,7 +17,6 @@ from gateway.config import ENV_PREFIX, GatewayConfig
 from gateway.grpc_api import add_generation_servicer
 from protos.conventions import TENANT_METADATA_KEY
 from speclane.config import parse_config
-from speclane.log import metadata_value
 from tests.gateway.fake_services import FakeDrafter, FakeVerifier, eventually, gateway, serve
 from tests.gateway.fakes import make_context
 from tests.gateway.test_client import HELLO
@@ -90,22 +89,19 @@ def test_the_gateway_does_not_start_with_a_bad_or_missing_keys_file(tmp_path, mo
 
 
 class TenantRecordingDrafter(FakeDrafter):
-    """A fake drafter that records each session's tenant as it arrives: (Start.tenant, x-tenant-id metadata)."""
+    """A fake drafter that records each session's tenant (Start.tenant) as it arrives."""
 
     def __init__(self):
         super().__init__()
-        self.tenants: list[tuple[str, str | None]] = []
+        self.tenants: list[str] = []
 
-    async def Session(self, request_iterator, context):
-        from_metadata = metadata_value(context.invocation_metadata(), TENANT_METADATA_KEY)
-
+    async def Sessions(self, request_iterator, context):
         async def recording():
             async for request in request_iterator:
-                if request.WhichOneof("kind") == "start":
-                    self.tenants.append((request.start.tenant, from_metadata))
+                self.tenants += [entry.start.tenant for entry in request.entries if entry.HasField("start")]
                 yield request
 
-        async for response in super().Session(recording(), context):
+        async for response in super().Sessions(recording(), context):
             yield response
 
 
@@ -127,15 +123,15 @@ async def tenants_downstream(tokenizer, keyring: Keyring, key: str | None, claim
 
 async def test_with_keys_the_drafter_gets_the_keys_tenant_whatever_the_header_claims(tiny_tokenizer, tmp_path):
     keyring = Keyring.load(keys_file=keys_file(tmp_path))
-    assert await tenants_downstream(tiny_tokenizer, keyring, KEY_B, "team-a") == [("team-b", "team-b")] * 2
-    assert await tenants_downstream(tiny_tokenizer, keyring, KEY_A, "team-a") == [("team-a", "team-a")] * 2
+    assert await tenants_downstream(tiny_tokenizer, keyring, KEY_B, "team-a") == ["team-b"] * 2
+    assert await tenants_downstream(tiny_tokenizer, keyring, KEY_A, "team-a") == ["team-a"] * 2
 
 
 async def test_api_key_keys_share_the_default_tenant_and_no_keys_trust_the_header(tiny_tokenizer):
     plain = await tenants_downstream(tiny_tokenizer, Keyring.load((KEY_PLAIN,)), KEY_PLAIN, "team-a")
-    assert plain == [(DEFAULT_TENANT, None)] * 2
+    assert plain == [DEFAULT_TENANT] * 2
     trusted = await tenants_downstream(tiny_tokenizer, Keyring(), None, "team-a")
-    assert trusted == [("team-a", "team-a")] * 2
+    assert trusted == ["team-a"] * 2
 
 
 async def test_a_key_over_its_own_limit_gets_429_while_other_keys_go_on(ctx, engine, tmp_path):

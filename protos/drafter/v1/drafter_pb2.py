@@ -25,15 +25,15 @@ _sym_db = _symbol_database.Default()
 from protos.common.v1 import common_pb2 as protos_dot_common_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1fprotos/drafter/v1/drafter.proto\x12\x13speclane.drafter.v1\x1a\x1dprotos/common/v1/common.proto\"\x87\x03\n\x0eProposerParams\x12+\n\x06method\x18\x01 \x01(\x0e\x32\x1b.speclane.drafter.v1.Method\x12\x1e\n\x16num_speculative_tokens\x18\x02 \x01(\r\x12\x1e\n\x11prompt_lookup_min\x18\x03 \x01(\rH\x00\x88\x01\x01\x12\x1e\n\x11prompt_lookup_max\x18\x04 \x01(\rH\x01\x88\x01\x01\x12\x1c\n\x0fmax_spec_factor\x18\x05 \x01(\x02H\x02\x88\x01\x01\x12\x1b\n\x0emin_token_prob\x18\x07 \x01(\x02H\x03\x88\x01\x01\x12\x1b\n\x0emax_tree_depth\x18\x08 \x01(\rH\x04\x88\x01\x01\x42\x14\n\x12_prompt_lookup_minB\x14\n\x12_prompt_lookup_maxB\x12\n\x10_max_spec_factorB\x11\n\x0f_min_token_probB\x11\n\x0f_max_tree_depthJ\x04\x08\x06\x10\x07J\x04\x08\t\x10\nR\x0fmax_spec_offsetR\ruse_tree_spec\"\x99\x01\n\x05Start\x12\x13\n\x0bsequence_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x33\n\x06params\x18\x03 \x01(\x0b\x32#.speclane.drafter.v1.ProposerParams\x12\x0e\n\x06tenant\x18\x04 \x01(\t\x12\x1c\n\x14num_lookahead_tokens\x18\x05 \x01(\r\"\x9c\x01\n\x04Step\x12\x1b\n\x13\x63ommitted_token_ids\x18\x01 \x03(\x05\x12\x15\n\rcommitted_len\x18\x02 \x01(\x04\x12\x1c\n\x0fmax_spec_factor\x18\x03 \x01(\x02H\x00\x88\x01\x01\x12\x1b\n\x0emin_token_prob\x18\x04 \x01(\x02H\x01\x88\x01\x01\x42\x12\n\x10_max_spec_factorB\x11\n\x0f_min_token_prob\"p\n\x0eSessionRequest\x12+\n\x05start\x18\x01 \x01(\x0b\x32\x1a.speclane.drafter.v1.StartH\x00\x12)\n\x04step\x18\x02 \x01(\x0b\x32\x19.speclane.drafter.v1.StepH\x00\x42\x06\n\x04kind\";\n\x0fSessionResponse\x12(\n\x05\x64raft\x18\x01 \x01(\x0b\x32\x19.speclane.common.v1.Draft\"\x10\n\x0eGetInfoRequest\"\xc2\x01\n\x0b\x44rafterInfo\x12,\n\x07methods\x18\x01 \x03(\x0e\x32\x1b.speclane.drafter.v1.Method\x12\x1e\n\x16max_speculative_tokens\x18\x02 \x01(\r\x12\x16\n\x0emax_tree_depth\x18\x03 \x01(\r\x12\x1b\n\x13max_cached_requests\x18\x04 \x01(\x04\x12\x19\n\x11max_cached_tokens\x18\x05 \x01(\x04\x12\x15\n\rshare_tenants\x18\x06 \x01(\x08*E\n\x06Method\x12\x16\n\x12METHOD_UNSPECIFIED\x10\x00\x12\x11\n\rMETHOD_SUFFIX\x10\x01\x12\x10\n\x0cMETHOD_NGRAM\x10\x02\x32\xb5\x01\n\x07\x44rafter\x12X\n\x07Session\x12#.speclane.drafter.v1.SessionRequest\x1a$.speclane.drafter.v1.SessionResponse(\x01\x30\x01\x12P\n\x07GetInfo\x12#.speclane.drafter.v1.GetInfoRequest\x1a .speclane.drafter.v1.DrafterInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1fprotos/drafter/v1/drafter.proto\x12\x13speclane.drafter.v1\x1a\x1dprotos/common/v1/common.proto\"\x87\x03\n\x0eProposerParams\x12+\n\x06method\x18\x01 \x01(\x0e\x32\x1b.speclane.drafter.v1.Method\x12\x1e\n\x16num_speculative_tokens\x18\x02 \x01(\r\x12\x1e\n\x11prompt_lookup_min\x18\x03 \x01(\rH\x00\x88\x01\x01\x12\x1e\n\x11prompt_lookup_max\x18\x04 \x01(\rH\x01\x88\x01\x01\x12\x1c\n\x0fmax_spec_factor\x18\x05 \x01(\x02H\x02\x88\x01\x01\x12\x1b\n\x0emin_token_prob\x18\x07 \x01(\x02H\x03\x88\x01\x01\x12\x1b\n\x0emax_tree_depth\x18\x08 \x01(\rH\x04\x88\x01\x01\x42\x14\n\x12_prompt_lookup_minB\x14\n\x12_prompt_lookup_maxB\x12\n\x10_max_spec_factorB\x11\n\x0f_min_token_probB\x11\n\x0f_max_tree_depthJ\x04\x08\x06\x10\x07J\x04\x08\t\x10\nR\x0fmax_spec_offsetR\ruse_tree_spec\"\x99\x01\n\x05Start\x12\x13\n\x0bsequence_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x33\n\x06params\x18\x03 \x01(\x0b\x32#.speclane.drafter.v1.ProposerParams\x12\x0e\n\x06tenant\x18\x04 \x01(\t\x12\x1c\n\x14num_lookahead_tokens\x18\x05 \x01(\r\"\x9c\x01\n\x04Step\x12\x1b\n\x13\x63ommitted_token_ids\x18\x01 \x03(\x05\x12\x15\n\rcommitted_len\x18\x02 \x01(\x04\x12\x1c\n\x0fmax_spec_factor\x18\x03 \x01(\x02H\x00\x88\x01\x01\x12\x1b\n\x0emin_token_prob\x18\x04 \x01(\x02H\x01\x88\x01\x01\x42\x12\n\x10_max_spec_factorB\x11\n\x0f_min_token_prob\"p\n\x0eSessionRequest\x12+\n\x05start\x18\x01 \x01(\x0b\x32\x1a.speclane.drafter.v1.StartH\x00\x12)\n\x04step\x18\x02 \x01(\x0b\x32\x19.speclane.drafter.v1.StepH\x00\x42\x06\n\x04kind\";\n\x0fSessionResponse\x12(\n\x05\x64raft\x18\x01 \x01(\x0b\x32\x19.speclane.common.v1.Draft\"\x05\n\x03\x45nd\"\xf2\x01\n\x0fSessionsRequest\x12;\n\x07\x65ntries\x18\x01 \x03(\x0b\x32*.speclane.drafter.v1.SessionsRequest.Entry\x1a\xa1\x01\n\x05\x45ntry\x12\x0f\n\x07session\x18\x01 \x01(\x04\x12+\n\x05start\x18\x02 \x01(\x0b\x32\x1a.speclane.drafter.v1.StartH\x00\x12)\n\x04step\x18\x03 \x01(\x0b\x32\x19.speclane.drafter.v1.StepH\x00\x12\'\n\x03\x65nd\x18\x04 \x01(\x0b\x32\x18.speclane.drafter.v1.EndH\x00\x42\x06\n\x04kind\"\xb2\x01\n\x10SessionsResponse\x12<\n\x07\x65ntries\x18\x01 \x03(\x0b\x32+.speclane.drafter.v1.SessionsResponse.Entry\x1a`\n\x05\x45ntry\x12\x0f\n\x07session\x18\x01 \x01(\x04\x12(\n\x05\x64raft\x18\x02 \x01(\x0b\x32\x19.speclane.common.v1.Draft\x12\x0c\n\x04\x63ode\x18\x03 \x01(\r\x12\x0e\n\x06\x64\x65tail\x18\x04 \x01(\t\"\x10\n\x0eGetInfoRequest\"\xc2\x01\n\x0b\x44rafterInfo\x12,\n\x07methods\x18\x01 \x03(\x0e\x32\x1b.speclane.drafter.v1.Method\x12\x1e\n\x16max_speculative_tokens\x18\x02 \x01(\r\x12\x16\n\x0emax_tree_depth\x18\x03 \x01(\r\x12\x1b\n\x13max_cached_requests\x18\x04 \x01(\x04\x12\x19\n\x11max_cached_tokens\x18\x05 \x01(\x04\x12\x15\n\rshare_tenants\x18\x06 \x01(\x08*E\n\x06Method\x12\x16\n\x12METHOD_UNSPECIFIED\x10\x00\x12\x11\n\rMETHOD_SUFFIX\x10\x01\x12\x10\n\x0cMETHOD_NGRAM\x10\x02\x32\x92\x02\n\x07\x44rafter\x12X\n\x07Session\x12#.speclane.drafter.v1.SessionRequest\x1a$.speclane.drafter.v1.SessionResponse(\x01\x30\x01\x12[\n\x08Sessions\x12$.speclane.drafter.v1.SessionsRequest\x1a%.speclane.drafter.v1.SessionsResponse(\x01\x30\x01\x12P\n\x07GetInfo\x12#.speclane.drafter.v1.GetInfoRequest\x1a .speclane.drafter.v1.DrafterInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'protos.drafter.v1.drafter_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_METHOD']._serialized_start=1186
-  _globals['_METHOD']._serialized_end=1255
+  _globals['_METHOD']._serialized_start=1619
+  _globals['_METHOD']._serialized_end=1688
   _globals['_PROPOSERPARAMS']._serialized_start=88
   _globals['_PROPOSERPARAMS']._serialized_end=479
   _globals['_START']._serialized_start=482
@@ -44,10 +44,20 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SESSIONREQUEST']._serialized_end=908
   _globals['_SESSIONRESPONSE']._serialized_start=910
   _globals['_SESSIONRESPONSE']._serialized_end=969
-  _globals['_GETINFOREQUEST']._serialized_start=971
-  _globals['_GETINFOREQUEST']._serialized_end=987
-  _globals['_DRAFTERINFO']._serialized_start=990
-  _globals['_DRAFTERINFO']._serialized_end=1184
-  _globals['_DRAFTER']._serialized_start=1258
-  _globals['_DRAFTER']._serialized_end=1439
+  _globals['_END']._serialized_start=971
+  _globals['_END']._serialized_end=976
+  _globals['_SESSIONSREQUEST']._serialized_start=979
+  _globals['_SESSIONSREQUEST']._serialized_end=1221
+  _globals['_SESSIONSREQUEST_ENTRY']._serialized_start=1060
+  _globals['_SESSIONSREQUEST_ENTRY']._serialized_end=1221
+  _globals['_SESSIONSRESPONSE']._serialized_start=1224
+  _globals['_SESSIONSRESPONSE']._serialized_end=1402
+  _globals['_SESSIONSRESPONSE_ENTRY']._serialized_start=1306
+  _globals['_SESSIONSRESPONSE_ENTRY']._serialized_end=1402
+  _globals['_GETINFOREQUEST']._serialized_start=1404
+  _globals['_GETINFOREQUEST']._serialized_end=1420
+  _globals['_DRAFTERINFO']._serialized_start=1423
+  _globals['_DRAFTERINFO']._serialized_end=1617
+  _globals['_DRAFTER']._serialized_start=1691
+  _globals['_DRAFTER']._serialized_end=1965
 # @@protoc_insertion_point(module_scope)

@@ -75,6 +75,44 @@ class SessionResponse(_message.Message):
     draft: _common_pb2.Draft
     def __init__(self, draft: _Optional[_Union[_common_pb2.Draft, _Mapping]] = ...) -> None: ...
 
+class End(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class SessionsRequest(_message.Message):
+    __slots__ = ("entries",)
+    class Entry(_message.Message):
+        __slots__ = ("session", "start", "step", "end")
+        SESSION_FIELD_NUMBER: _ClassVar[int]
+        START_FIELD_NUMBER: _ClassVar[int]
+        STEP_FIELD_NUMBER: _ClassVar[int]
+        END_FIELD_NUMBER: _ClassVar[int]
+        session: int
+        start: Start
+        step: Step
+        end: End
+        def __init__(self, session: _Optional[int] = ..., start: _Optional[_Union[Start, _Mapping]] = ..., step: _Optional[_Union[Step, _Mapping]] = ..., end: _Optional[_Union[End, _Mapping]] = ...) -> None: ...
+    ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    entries: _containers.RepeatedCompositeFieldContainer[SessionsRequest.Entry]
+    def __init__(self, entries: _Optional[_Iterable[_Union[SessionsRequest.Entry, _Mapping]]] = ...) -> None: ...
+
+class SessionsResponse(_message.Message):
+    __slots__ = ("entries",)
+    class Entry(_message.Message):
+        __slots__ = ("session", "draft", "code", "detail")
+        SESSION_FIELD_NUMBER: _ClassVar[int]
+        DRAFT_FIELD_NUMBER: _ClassVar[int]
+        CODE_FIELD_NUMBER: _ClassVar[int]
+        DETAIL_FIELD_NUMBER: _ClassVar[int]
+        session: int
+        draft: _common_pb2.Draft
+        code: int
+        detail: str
+        def __init__(self, session: _Optional[int] = ..., draft: _Optional[_Union[_common_pb2.Draft, _Mapping]] = ..., code: _Optional[int] = ..., detail: _Optional[str] = ...) -> None: ...
+    ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    entries: _containers.RepeatedCompositeFieldContainer[SessionsResponse.Entry]
+    def __init__(self, entries: _Optional[_Iterable[_Union[SessionsResponse.Entry, _Mapping]]] = ...) -> None: ...
+
 class GetInfoRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...

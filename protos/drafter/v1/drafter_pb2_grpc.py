@@ -39,6 +39,11 @@ class DrafterStub:
                 request_serializer=protos_dot_drafter_dot_v1_dot_drafter__pb2.SessionRequest.SerializeToString,
                 response_deserializer=protos_dot_drafter_dot_v1_dot_drafter__pb2.SessionResponse.FromString,
                 _registered_method=True)
+        self.Sessions = channel.stream_stream(
+                '/speclane.drafter.v1.Drafter/Sessions',
+                request_serializer=protos_dot_drafter_dot_v1_dot_drafter__pb2.SessionsRequest.SerializeToString,
+                response_deserializer=protos_dot_drafter_dot_v1_dot_drafter__pb2.SessionsResponse.FromString,
+                _registered_method=True)
         self.GetInfo = channel.unary_unary(
                 '/speclane.drafter.v1.Drafter/GetInfo',
                 request_serializer=protos_dot_drafter_dot_v1_dot_drafter__pb2.GetInfoRequest.SerializeToString,
@@ -59,6 +64,18 @@ class DrafterServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Sessions(self, request_iterator, context):
+        """Many sequences on one stream, as a gateway runs them: each message
+        carries what several sequences send at once (a verifier pass answers its
+        sequences together, so their steps come together), and the answer to it
+        carries one entry per step, so a message's cost is paid once per batch.
+        The entries of a session mean what Session's messages mean; `end` ends it
+        as half-closing a Session does, and so does the stream's end.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def GetInfo(self, request, context):
         """The drafter's server-wide settings and the bounds it checks session
         params against, so a client can refuse a bad request before it starts.
@@ -74,6 +91,11 @@ def add_DrafterServicer_to_server(servicer, server):
                     servicer.Session,
                     request_deserializer=protos_dot_drafter_dot_v1_dot_drafter__pb2.SessionRequest.FromString,
                     response_serializer=protos_dot_drafter_dot_v1_dot_drafter__pb2.SessionResponse.SerializeToString,
+            ),
+            'Sessions': grpc.stream_stream_rpc_method_handler(
+                    servicer.Sessions,
+                    request_deserializer=protos_dot_drafter_dot_v1_dot_drafter__pb2.SessionsRequest.FromString,
+                    response_serializer=protos_dot_drafter_dot_v1_dot_drafter__pb2.SessionsResponse.SerializeToString,
             ),
             'GetInfo': grpc.unary_unary_rpc_method_handler(
                     servicer.GetInfo,
@@ -108,6 +130,33 @@ class Drafter:
             '/speclane.drafter.v1.Drafter/Session',
             protos_dot_drafter_dot_v1_dot_drafter__pb2.SessionRequest.SerializeToString,
             protos_dot_drafter_dot_v1_dot_drafter__pb2.SessionResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Sessions(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/speclane.drafter.v1.Drafter/Sessions',
+            protos_dot_drafter_dot_v1_dot_drafter__pb2.SessionsRequest.SerializeToString,
+            protos_dot_drafter_dot_v1_dot_drafter__pb2.SessionsResponse.FromString,
             options,
             channel_credentials,
             insecure,
