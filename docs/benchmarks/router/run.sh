@@ -14,6 +14,7 @@ for g in 1 2; do
 done
 for i in $(seq 150); do curl -sf localhost:8201/health >/dev/null && curl -sf localhost:8202/health >/dev/null && break; sleep 2; done
 smg launch --host 127.0.0.1 --port 8300 --policy cache_aware --prometheus-host 127.0.0.1 --prometheus-port 29110 --worker-urls http://127.0.0.1:8201 http://127.0.0.1:8202 > $LOGS/smg.log 2>&1 &
+SMG=$!
 for i in $(seq 60); do curl -sf localhost:8300/readiness >/dev/null && break; sleep 1; done
 date -u
 n=0
@@ -24,4 +25,4 @@ for target in direct router router direct direct router; do
   echo "== run $n $target seed $(( (n+1)/2 ))"; grep "^| 16" $OUT/run$n-$target/results.md
 done
 date -u
-pkill -f "smg launch"; kill %1 %2 %3 %4 2>/dev/null; pkill -f "speclane gateway --model smollm2-135m-instruct --port 820"; pkill -f "address 127.0.0.1:5206"; wait
+kill $SMG; pkill -f "speclane gateway --model smollm2-135m-instruct --port 820"; pkill -f "address 127.0.0.1:5206"; wait
