@@ -1,5 +1,6 @@
-"""gRPC adapter of the drafter: `Drafter.Session` streams, converted to and
-from SequenceProposer calls at the boundary."""
+"""gRPC adapter of the drafter: `Drafter.Session` (a sequence per stream) and
+`Drafter.Sessions` (a gateway's sequences on one stream), converted to and from
+SequenceProposer calls at the boundary; both check starts and steps alike."""
 
 import asyncio
 import math

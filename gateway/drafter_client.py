@@ -1,6 +1,6 @@
-"""The drafter as the propose/verify loop sees it: one bidirectional stream per
-sequence, and a client that rests a failing drafter so that its outage costs
-speculation, never a request."""
+"""The drafter as the propose/verify loop sees it: one Drafter.Sessions stream
+that the gateway's sequences share, and a client that rests a failing drafter
+so that its outage costs speculation, never a request."""
 
 import asyncio
 import itertools
@@ -105,7 +105,7 @@ class DrafterStream:
                     if entry.code:
                         refused = DrafterRefused(_STATUS_CODES.get(entry.code, grpc.StatusCode.UNKNOWN), entry.detail)
                         if future is None:
-                            if entry.session in self._live:  # a late one, for a session ended here: dropped
+                            if entry.session in self._live:  # for its next step; late ones for ended sessions go
                                 self._refused[entry.session] = refused
                         elif not future.done():
                             future.set_exception(refused)
