@@ -78,7 +78,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
     async def GetInfo(self, request, context: grpc.aio.ServicerContext):
         return self._info
 
-    def _open(self, start: drafter_pb2.Start, tenant: str) -> SequenceProposer:
+    def _open(self, start: drafter_pb2.Start, tenant: str) -> "_Open":
         """A session for `start`; raises Refused: INVALID_ARGUMENT for bad settings, RESOURCE_EXHAUSTED
         beyond the limits (which costs its request only the drafts)."""
         try:
@@ -103,16 +103,17 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
             log.info("session_start", sequence_id=start.sequence_id, tenant=tenant, method=settings.method,
                      prompt_tokens=len(start.prompt_token_ids),
                      num_speculative_tokens=settings.num_speculative_tokens)
-            return proposer
+            return _Open(start, proposer)
         log.warning("session_refused", sequence_id=start.sequence_id, reason=detail)
         raise Refused(grpc.StatusCode.RESOURCE_EXHAUSTED, detail)
 
-    def _close(self, proposer: SequenceProposer, sequence_id: str, prompt_len: int, steps: int, drafted: int,
-               ended_by: str) -> None:
+    def _close(self, session: "_Open", ended_by: str) -> None:
         self._open_sessions -= 1
+        proposer, start = session.proposer, session.start
         proposer.end()
-        log.info("session_end", sequence_id=sequence_id, tenant=proposer.tenant, ended_by=ended_by, steps=steps,
-                 output_tokens=proposer.committed_len - prompt_len, drafted_tokens=drafted)
+        log.info("session_end", sequence_id=start.sequence_id, tenant=proposer.tenant, ended_by=ended_by,
+                 steps=session.steps, output_tokens=proposer.committed_len - len(start.prompt_token_ids),
+                 drafted_tokens=session.drafted)
 
     def _commit(self, proposer: SequenceProposer, step: drafter_pb2.Step) -> StepBudget:
         """Commits a step's tokens; returns its suffix budget. Raises Refused."""
@@ -131,11 +132,13 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
                           f"{self._max_session_tokens} tokens (--max-session-tokens)")
         return budget
 
-    async def _draft(self, proposer: SequenceProposer, budget: StepBudget) -> common_pb2.Draft:
+    async def _draft(self, session: "_Open", budget: StepBudget) -> common_pb2.Draft:
         started = time.perf_counter()
-        draft = await proposer.propose(budget)
+        draft = await session.proposer.propose(budget)
         self._metrics.observe_step(draft, time.perf_counter() - started)
-        return draft_to_proto(draft, proposer.committed_len)
+        session.steps += 1
+        session.drafted += len(draft)
+        return draft_to_proto(draft, session.proposer.committed_len)
 
     @staticmethod
     async def _refuse(context: grpc.aio.ServicerContext, requests, refused: Refused) -> None:
@@ -154,10 +157,9 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the first message of a session must be start")
         start = first.start
         try:
-            proposer = self._open(start, metadata_value(context.invocation_metadata(), TENANT_METADATA_KEY) or "")
+            session = self._open(start, metadata_value(context.invocation_metadata(), TENANT_METADATA_KEY) or "")
         except Refused as refused:
             await self._refuse(context, requests, refused)
-        steps = drafted = 0
         ended_by = "error"
         try:
             async for request in requests:
@@ -166,19 +168,16 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
                     detail = "start may only be sent once" if kind == "start" else "empty message"
                     await context.abort(grpc.StatusCode.INVALID_ARGUMENT, detail)
                 try:
-                    budget = self._commit(proposer, request.step)
+                    budget = self._commit(session.proposer, request.step)
                 except Refused as refused:
                     await context.abort(refused.code, refused.detail)
-                draft = await self._draft(proposer, budget)
-                steps += 1
-                drafted += len(draft.token_ids)
-                yield drafter_pb2.SessionResponse(draft=draft)
+                yield drafter_pb2.SessionResponse(draft=await self._draft(session, budget))
             ended_by = "stream_closed"  # half-closed, or cancelled with the stream ending first
         except asyncio.CancelledError:
             ended_by = "cancelled"
             raise
         finally:
-            self._close(proposer, start.sequence_id, len(start.prompt_token_ids), steps, drafted, ended_by)
+            self._close(session, ended_by)
 
     async def Sessions(self, request_iterator, context: grpc.aio.ServicerContext):
         """Many sequences' sessions on one stream: each message's steps drafted in one batch, answered
@@ -190,8 +189,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         def close(number: int, ended_by: str) -> None:
             session = sessions.pop(number, None)
             if session is not None:
-                self._close(session.proposer, session.start.sequence_id, len(session.start.prompt_token_ids),
-                            session.steps, session.drafted, ended_by)
+                self._close(session, ended_by)
 
         ended_by = "error"
         try:
@@ -203,7 +201,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
                         if kind == "start":
                             if entry.session in sessions:
                                 raise Refused(grpc.StatusCode.INVALID_ARGUMENT, "start may only be sent once")
-                            sessions[entry.session] = _Open(entry.start, self._open(entry.start, tenant))
+                            sessions[entry.session] = self._open(entry.start, tenant)
                         elif kind == "step":
                             session = sessions.get(entry.session)
                             if session is None:
@@ -217,12 +215,9 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
                         close(entry.session, "refused")
                         answers.append(drafter_pb2.SessionsResponse.Entry(
                             session=entry.session, code=refused.code.value[0], detail=refused.detail))
-                drafts = await asyncio.gather(*(self._draft(session.proposer, budget)
-                                                for _, session, budget in stepping))
-                for (number, session, _), draft in zip(stepping, drafts):
-                    session.steps += 1
-                    session.drafted += len(draft.token_ids)
-                    answers.append(drafter_pb2.SessionsResponse.Entry(session=number, draft=draft))
+                drafts = await asyncio.gather(*(self._draft(session, budget) for _, session, budget in stepping))
+                answers += [drafter_pb2.SessionsResponse.Entry(session=number, draft=draft)
+                            for (number, _, _), draft in zip(stepping, drafts)]
                 if answers:
                     yield drafter_pb2.SessionsResponse(entries=answers)
             ended_by = "stream_closed"
@@ -235,7 +230,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
 
 
 class _Open:
-    """A session open on a Sessions stream."""
+    """An open session: its start, its proposer, and its counts for the log line that ends it."""
 
     def __init__(self, start: drafter_pb2.Start, proposer: SequenceProposer):
         self.start, self.proposer = start, proposer
