@@ -22,19 +22,26 @@ in sweeps over all the model's linear layers in a pass's order: each weight then
 comes from memory as in a pass. Timed alone, a weight stays in a large last-level
 cache (260 MB on one Xeon) and the ranking changes: there the reordered way lost
 to x @ W_t weight by weight, and made whole passes of 5-17 rows 11-16% faster.
-An extra layout is kept only where some row count uses it.
+An extra layout is kept only where some row count uses it. The sweeps take
+about 9 s for SmolLM2 on two cores, so their choices are kept between starts
+(tuning_cache.py).
 """
 
 import bisect
+import hashlib
 import math
+import pathlib
 import time
 from collections import defaultdict
 
+import structlog
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from verifier_service import _cpu_kernels
+from verifier_service import _cpu_kernels, tuning_cache
+
+log = structlog.get_logger()
 
 # The row counts measured; a pass of other counts takes the choice of the largest one below it.
 MEASURED_ROWS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
@@ -183,16 +190,34 @@ def replace_linears(model: nn.Module, replacement) -> None:
         setattr(parent, name, replacement(child))
 
 
-def add_measured_linears(model: nn.Module) -> int:
+def ways_key(linears: list["MeasuredLinear"]) -> dict:
+    """What the measured choices depend on: the host, the libraries and our
+    kernel's build, the threads, and the layers' shapes in a pass's order."""
+    return {"host": tuning_cache.host_fingerprint(), "torch": torch.__version__,
+            "kernels": hashlib.sha256(pathlib.Path(_cpu_kernels.__file__).read_bytes()).hexdigest(),
+            "threads": torch.get_num_threads(), "rows": MEASURED_ROWS, "ways": [way.__name__ for way in WAYS],
+            "shapes": [list(linear.weight.shape) for linear in linears]}
+
+
+def add_measured_linears(model: nn.Module, tuning_dir: pathlib.Path | None = None) -> int:
     """Replaces every nn.Linear in `model` with a MeasuredLinear using the
-    ways measured fastest for its shape; returns the bytes the kept layouts add.
+    ways measured fastest for its shape (or, with `tuning_dir`, those measured at
+    an earlier start with the same key); returns the bytes the kept layouts add.
     While measuring, every layer holds every layout (three times the weights)."""
     replace_linears(model, MeasuredLinear)
     linears = [module for module in model.modules() if isinstance(module, MeasuredLinear)]
-    every_way = tuple(i for i, way in enumerate(WAYS) if competes(way, 1))
-    for linear in linears:
-        linear.hold_layouts(every_way)
-    ways = {shape: fastest_ways(times) for shape, times in sweep_seconds(linears).items()}
+    key = ways_key(linears)
+    stored = tuning_cache.load(tuning_dir, "linear-ways", key)
+    log.info("linear_ways", source="measured" if stored is None else "stored", tuning_dir=str(tuning_dir))
+    if stored is not None:
+        ways = {tuple(shape): tuple(chosen) for shape, chosen in stored}
+    else:
+        every_way = tuple(i for i, way in enumerate(WAYS) if competes(way, 1))
+        for linear in linears:
+            linear.hold_layouts(every_way)
+        ways = {shape: fastest_ways(times) for shape, times in sweep_seconds(linears).items()}
+        tuning_cache.store(tuning_dir, "linear-ways", key,
+                           [[list(shape), list(chosen)] for shape, chosen in ways.items()])
     for linear in linears:
         linear.use(ways[tuple(linear.weight.shape)])
     return sum(linear.layout_bytes() for linear in linears)

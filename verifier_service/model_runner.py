@@ -4,6 +4,7 @@ tensor parallelism every rank holds one; rank 0 broadcasts each message
 (a cache to allocate, a plan to run) first."""
 
 import os
+import pathlib
 from dataclasses import dataclass
 
 import structlog
@@ -86,7 +87,8 @@ class ModelRunner:
     """Loads the model once and runs StepPlans."""
 
     def __init__(self, model_dir: str, device: str, dtype: torch.dtype, *, tp: TensorParallel | None = None,
-                 max_model_len: int = 0, trust_remote_code: bool = False, batch_invariant: str = "auto"):
+                 max_model_len: int = 0, trust_remote_code: bool = False, batch_invariant: str = "auto",
+                 tuning_dir: pathlib.Path | None = None):
         self.model_dir = model_dir
         self.device = torch.device(device)
         self.dtype = dtype
@@ -101,7 +103,7 @@ class ModelRunner:
         model = AutoModelForCausalLM.from_pretrained(model_dir, **kwargs)
         self.model = (model if tp is not None else model.to(self.device)).eval()
         # A pass's rows multiply up to 4x faster in the way timed fastest for their count on a CPU (cpu_linear.py).
-        layout_bytes = (add_measured_linears(self.model)
+        layout_bytes = (add_measured_linears(self.model, tuning_dir)
                         if measures_linear_ways(self.device, dtype, tp is not None) else 0)
         text_config = self.model.config.get_text_config()
         self.tp_size = tp.world_size if tp is not None else 1

@@ -15,6 +15,7 @@ from transformers import AutoConfig
 from transformers.utils import logging as transformers_logging
 
 from speclane.config import settable_fields
+from speclane.fetch import speclane_home
 from speclane.log import configure_logging
 from speclane.net import free_port
 from verifier_service.batch import Segment, StepPlan
@@ -58,7 +59,8 @@ def build_runner(config: VerifierConfig, device: str, tp: TensorParallel | None)
         device = rank_device(device, tp.rank)
     return ModelRunner(config.model, device, resolve_dtype(config.dtype, device), tp=tp,
                        max_model_len=config.max_model_len, trust_remote_code=config.trust_remote_code,
-                       batch_invariant=config.batch_invariant)
+                       batch_invariant=config.batch_invariant,
+                       tuning_dir=speclane_home() / "tuning" if config.tuning_cache else None)
 
 
 def _measure_memory(runner: ModelRunner, limits: BatchLimits, block_size: int) -> Memory:

@@ -141,11 +141,15 @@ def test_the_reordered_way_competes_only_where_onednn_reorders(monkeypatch):
     assert not cpu_linear.competes(cpu_linear.by_reordered, 4)
 
 
-def test_every_linear_of_a_tied_model_is_replaced_and_the_logits_stay():
+def _tiny_tied_model():
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
-    model = AutoModelForCausalLM.from_config(config).eval()
+    return AutoModelForCausalLM.from_config(config).eval()
+
+
+def test_every_linear_of_a_tied_model_is_replaced_and_the_logits_stay():
+    model = _tiny_tied_model()
     ids = torch.tensor([[1, 5, 9, 33, 2, 7, 11]])
     with torch.inference_mode():
         expected = model(ids).logits
@@ -176,3 +180,32 @@ def test_only_fp32_on_an_mkl_cpu_without_tensor_parallelism_measures_them(monkey
 def test_the_runner_serves_fp32_on_a_cpu_with_measured_linears(runner):
     assert not any(type(module) is nn.Linear for module in runner.model.modules())
     assert any(isinstance(module, MeasuredLinear) for module in runner.model.modules())
+
+
+
+def test_the_ways_measured_at_one_start_are_read_at_the_next_and_measured_again_when_the_key_changes(
+        tmp_path, monkeypatch):
+    measured_ways = {}
+    first = _tiny_tied_model()
+    add_measured_linears(first, tmp_path)
+    for module in first.modules():
+        if isinstance(module, MeasuredLinear):
+            measured_ways[tuple(module.weight.shape)] = module.ways
+    assert len(list(tmp_path.glob("linear-ways-*.json"))) == 1
+
+    def no_sweeps(linears, repeats=2):
+        raise AssertionError("measured again")
+
+    monkeypatch.setattr(cpu_linear, "sweep_seconds", no_sweeps)
+    second = _tiny_tied_model()
+    add_measured_linears(second, tmp_path)
+    for module in second.modules():
+        if isinstance(module, MeasuredLinear):
+            assert module.ways == measured_ways[tuple(module.weight.shape)]
+            # Only the layouts the stored ways read, as after a measurement.
+            assert (module.weight_t is not None) == (cpu_linear.by_transposed in {WAYS[w] for w in module.ways})
+
+    threads = torch.get_num_threads()
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads + 1)
+    with pytest.raises(AssertionError, match="measured again"):
+        add_measured_linears(_tiny_tied_model(), tmp_path)

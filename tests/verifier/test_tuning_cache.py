@@ -1,0 +1,36 @@
+import json
+
+from verifier_service import tuning_cache
+
+KEY = {"host": {"model name": "a CPU"}, "threads": 2, "shapes": [[64, 32], [32, 64]]}
+
+
+def test_a_stored_value_is_read_back_under_its_key_only(tmp_path):
+    assert tuning_cache.load(tmp_path, "ways", KEY) is None
+    tuning_cache.store(tmp_path, "ways", KEY, [[1, 2], [3]])
+    assert tuning_cache.load(tmp_path, "ways", KEY) == [[1, 2], [3]]
+    assert tuning_cache.load(tmp_path, "ways", {**KEY, "threads": 1}) is None
+    assert tuning_cache.load(tmp_path, "other", KEY) is None
+    assert tuning_cache.load(None, "ways", KEY) is None
+
+
+def test_a_file_holding_another_key_or_garbage_is_not_read(tmp_path):
+    tuning_cache.store(tmp_path, "ways", KEY, 1)
+    (path,) = tmp_path.glob("ways-*.json")
+    path.write_text(json.dumps({"key": {**KEY, "threads": 9}, "value": 2}))  # as a hash collision would
+    assert tuning_cache.load(tmp_path, "ways", KEY) is None
+    path.write_text("{not json")
+    assert tuning_cache.load(tmp_path, "ways", KEY) is None
+
+
+def test_a_directory_that_cannot_be_written_costs_only_the_next_measurement(tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    tuning_cache.store(blocker / "tuning", "ways", KEY, 1)  # no exception
+    assert tuning_cache.load(blocker / "tuning", "ways", KEY) is None
+
+
+def test_the_host_fingerprint_names_the_cpu():
+    fingerprint = tuning_cache.host_fingerprint()
+    assert fingerprint["cpus"] >= 1
+    assert fingerprint.get("model name") or fingerprint.get("processor") is not None
