@@ -1,8 +1,7 @@
 """The compiled drafter core as the service uses it: sessions keyed by ints,
-and the steps of all sessions that arrive in one event-loop turn sent to the
-core in one batch call (which runs without the GIL)."""
+and the steps a message carries drafted in one batch call (which runs without
+the GIL)."""
 
-import asyncio
 import itertools
 from collections.abc import Sequence
 
@@ -10,7 +9,8 @@ from drafter_service import _core
 from drafter_service.draft import SOURCE_GLOBAL, SOURCE_NGRAM, SOURCE_REQUEST, Detour, Draft
 from speclane.speculation import SpeculationSettings
 
-_SOURCES = {_core.SOURCE_REQUEST: SOURCE_REQUEST, _core.SOURCE_GLOBAL: SOURCE_GLOBAL, _core.SOURCE_NGRAM: SOURCE_NGRAM}
+CORE_SOURCES = {_core.SOURCE_REQUEST: SOURCE_REQUEST, _core.SOURCE_GLOBAL: SOURCE_GLOBAL,
+                _core.SOURCE_NGRAM: SOURCE_NGRAM}
 _CORE_METHODS = {"suffix": _core.METHOD_SUFFIX, "ngram": _core.METHOD_NGRAM}
 # A step's suffix budget (max_spec_factor, min_token_prob) where it overrides the session's: a factor <= 0
 # or a probability < 0 keeps the session's (drafter.v1.Step).
@@ -24,11 +24,17 @@ def step_budget(max_spec_factor: float | None = None, min_token_prob: float | No
             SESSION_BUDGET[1] if min_token_prob is None else min_token_prob)
 
 
-def draft_from_core(result: tuple) -> Draft:
+# What the core's step returns per sequence: (token_ids, parents, probs, score, match_len, source, step_len,
+# detours), each detour (position, token, token_ids, probs); converted straight to protobuf where served.
+CoreDraft = tuple
+
+
+def draft_from_core(result: CoreDraft) -> Draft:
+    """The core's draft as the reference implementation gives it, to compare the two."""
     token_ids, parents, probs, score, match_len, source, step_len, detours = result
-    return Draft(tuple(token_ids), tuple(parents), tuple(probs), score, match_len, _SOURCES.get(source, ""), step_len,
-                 tuple(Detour(position, token, tuple(tokens), tuple(detour_probs))
-                       for position, token, tokens, detour_probs in detours))
+    return Draft(tuple(token_ids), tuple(parents), tuple(probs), score, match_len, CORE_SOURCES.get(source, ""),
+                 step_len, tuple(Detour(position, token, tuple(tokens), tuple(detour_probs))
+                                 for position, token, tokens, detour_probs in detours))
 
 
 class DraftEngine:
@@ -37,7 +43,6 @@ class DraftEngine:
         self.core = _core.Cache(max_tree_depth, max_cached_requests, max_cached_tokens)
         self._share_tenants = share_tenants
         self._ids = itertools.count()
-        self._pending: list[tuple[int, list[int], StepBudget, asyncio.Future]] = []
 
     def restore(self, data: bytes) -> None:
         """Loads a snapshot into this (empty) engine; raises ValueError if it is malformed."""
@@ -57,29 +62,10 @@ class DraftEngine:
             lookahead=lookahead)
         return seq_id
 
-    async def step(self, seq_id: int, token_ids: Sequence[int], budget: StepBudget = SESSION_BUDGET) -> Draft:
-        """Commits tokens and drafts (under `budget`), batched with every other step of this loop turn."""
-        future = asyncio.get_running_loop().create_future()
-        self._pending.append((seq_id, list(token_ids), budget, future))
-        if len(self._pending) == 1:
-            asyncio.get_running_loop().call_soon(self._flush)
-        return await future
+    def step(self, seq_ids: Sequence[int], token_ids: Sequence[list[int]],
+             budgets: Sequence[StepBudget]) -> list[CoreDraft]:
+        """Commits each sequence's new tokens and drafts under its budget, all in one call."""
+        return self.core.step(seq_ids, token_ids, budgets)
 
     def end(self, seq_id: int) -> None:
         self.core.stop_request(seq_id)
-
-    def _flush(self) -> None:
-        # A cancelled session may already have ended its sequence: leave it out.
-        batch = [entry for entry in self._pending if not entry[3].cancelled()]
-        self._pending = []
-        if not batch:
-            return
-        try:
-            results = self.core.step([seq_id for seq_id, _, _, _ in batch], [tokens for _, tokens, _, _ in batch],
-                                     [budget for _, _, budget, _ in batch])
-        except Exception as exc:  # noqa: BLE001 - every step waiting on this batch must hear of it, or it hangs
-            for _, _, _, future in batch:
-                future.set_exception(exc)
-            return
-        for (_, _, _, future), result in zip(batch, results):
-            future.set_result(draft_from_core(result))

@@ -4,8 +4,7 @@ the compiled engine."""
 
 from collections.abc import Sequence
 
-from drafter_service.draft import Draft
-from drafter_service.engine import SESSION_BUDGET, StepBudget
+from drafter_service.engine import CoreDraft, DraftEngine, StepBudget
 from speclane.speculation import SpeculationSettings
 
 
@@ -22,11 +21,11 @@ class SequenceProposer:
         self.tenant = tenant
         self.lookahead = lookahead  # draft tokens past each step's, for the client's next-round offers
         self.committed_len = 0  # prompt + committed output
-        self._seq_id: int | None = None
-        self._uncommitted: list[int] = []  # committed here, not yet handed to the engine
+        self.seq_id: int | None = None
+        self.uncommitted: list[int] = []  # committed here, not yet handed to the engine (propose)
 
     def start(self, prompt_token_ids: Sequence[int]) -> None:
-        self._seq_id = self._engine.start(prompt_token_ids, self.settings, self.tenant, self.lookahead)
+        self.seq_id = self._engine.start(prompt_token_ids, self.settings, self.tenant, self.lookahead)
         self.committed_len = len(prompt_token_ids)
 
     def commit(self, token_ids: Sequence[int], committed_len: int) -> None:
@@ -35,16 +34,23 @@ class SequenceProposer:
             raise CommittedLengthMismatch(
                 f"committed_len {committed_len} != {self.committed_len} known + {len(token_ids)} committed")
         self.committed_len = committed_len
-        self._uncommitted.extend(token_ids)
-
-    async def propose(self, budget: StepBudget = SESSION_BUDGET) -> Draft:
-        """Draft from prompt + everything committed (suffix decoding or n-gram lookup, per settings;
-        a suffix draft under this step's budget where it overrides the session's)."""
-        token_ids, self._uncommitted = self._uncommitted, []
-        return await self._engine.step(self._seq_id, token_ids, budget)
+        self.uncommitted.extend(token_ids)
 
     def end(self) -> None:
         """Ends the sequence: its own tree goes, its output stays in the global tree."""
-        if self._seq_id is not None:
-            self._engine.end(self._seq_id)
-            self._seq_id = None
+        if self.seq_id is not None:
+            self._engine.end(self.seq_id)
+            self.seq_id = None
+
+
+def propose(engine: DraftEngine, steps: Sequence[tuple[SequenceProposer, StepBudget]]) -> list[CoreDraft]:
+    """A draft for each proposer from its prompt and everything committed (suffix decoding or n-gram
+    lookup, per its settings; a suffix draft under its step's budget where that overrides the
+    session's), all in one call to the core."""
+    seq_ids, token_ids, budgets = [], [], []
+    for proposer, budget in steps:
+        seq_ids.append(proposer.seq_id)
+        token_ids.append(proposer.uncommitted)
+        proposer.uncommitted = []
+        budgets.append(budget)
+    return engine.step(seq_ids, token_ids, budgets)

@@ -1,6 +1,7 @@
 """gRPC adapter of the drafter: `Drafter.Session` (a sequence per stream) and
 `Drafter.Sessions` (a gateway's sequences on one stream), converted to and from
-SequenceProposer calls at the boundary; both check starts and steps alike."""
+SequenceProposer calls at the boundary; both check starts and steps alike, and
+draft a message's steps in one call to the core."""
 
 import asyncio
 import math
@@ -10,10 +11,9 @@ import grpc
 import structlog
 
 from drafter_service.config import DrafterConfig
-from drafter_service.draft import Draft
-from drafter_service.engine import DraftEngine, StepBudget, step_budget
+from drafter_service.engine import CORE_SOURCES, CoreDraft, DraftEngine, StepBudget, step_budget
 from drafter_service.metrics import DrafterMetrics
-from drafter_service.proposer import CommittedLengthMismatch, SequenceProposer
+from drafter_service.proposer import CommittedLengthMismatch, SequenceProposer, propose
 from protos.common.v1 import common_pb2
 from protos.conventions import TENANT_METADATA_KEY
 from protos.drafter.v1 import drafter_pb2, drafter_pb2_grpc
@@ -26,22 +26,23 @@ SERVICE_NAME = drafter_pb2.DESCRIPTOR.services_by_name["Drafter"].full_name
 log = structlog.get_logger()
 
 
-def draft_to_proto(draft: Draft, committed_len: int) -> common_pb2.Draft:
+def draft_to_proto(draft: CoreDraft, committed_len: int) -> common_pb2.Draft:
+    token_ids, parents, probs, score, _, source, step_len, detours = draft
     return common_pb2.Draft(
-        token_ids=draft.token_ids,
-        parents=() if draft.is_chain else draft.parents,  # empty means a chain
-        confidences=draft.probs,
-        score=draft.score,
+        token_ids=token_ids,
+        parents=() if parents == list(range(-1, len(parents) - 1)) else parents,  # empty means a chain
+        confidences=probs,
+        score=score,
         committed_len=committed_len,
-        source=draft.source,
-        step_len=draft.step_len,
-        detours=[common_pb2.Detour(position=detour.position, token_id=detour.token, token_ids=detour.token_ids,
-                                   confidences=detour.probs) for detour in draft.detours],
+        source=CORE_SOURCES.get(source, ""),
+        step_len=step_len,
+        detours=[common_pb2.Detour(position=position, token_id=token, token_ids=tokens, confidences=detour_probs)
+                 for position, token, tokens, detour_probs in detours],
     )
 
 
 def _has_negative(token_ids) -> bool:
-    return any(token < 0 for token in token_ids)
+    return min(token_ids, default=0) < 0
 
 
 def _step_budget(step: drafter_pb2.Step) -> StepBudget | None:
@@ -132,13 +133,19 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
                           f"{self._max_session_tokens} tokens (--max-session-tokens)")
         return budget
 
-    async def _draft(self, session: "_Open", budget: StepBudget) -> common_pb2.Draft:
+    def _draft(self, stepping: list[tuple["_Open", StepBudget]]) -> list[common_pb2.Draft]:
+        """The drafts of a message's steps, in one call to the core."""
+        if not stepping:
+            return []
         started = time.perf_counter()
-        draft = await session.proposer.propose(budget)
-        self._metrics.observe_step(draft, time.perf_counter() - started)
-        session.steps += 1
-        session.drafted += len(draft)
-        return draft_to_proto(draft, session.proposer.committed_len)
+        drafts = propose(self._engine, [(session.proposer, budget) for session, budget in stepping])
+        self._metrics.observe_batch(drafts, time.perf_counter() - started)
+        answers = []
+        for (session, _), draft in zip(stepping, drafts):
+            session.steps += 1
+            session.drafted += len(draft[0])
+            answers.append(draft_to_proto(draft, session.proposer.committed_len))
+        return answers
 
     @staticmethod
     async def _refuse(context: grpc.aio.ServicerContext, requests, refused: Refused) -> None:
@@ -171,7 +178,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
                     budget = self._commit(session.proposer, request.step)
                 except Refused as refused:
                     await context.abort(refused.code, refused.detail)
-                yield drafter_pb2.SessionResponse(draft=await self._draft(session, budget))
+                yield drafter_pb2.SessionResponse(draft=self._draft([(session, budget)])[0])
             ended_by = "stream_closed"  # half-closed, or cancelled with the stream ending first
         except asyncio.CancelledError:
             ended_by = "cancelled"
@@ -194,7 +201,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         ended_by = "error"
         try:
             async for request in request_iterator:
-                answers, stepping = [], []
+                answers, stepping, numbers = [], [], []
                 for entry in request.entries:
                     try:
                         kind = entry.WhichOneof("kind")
@@ -206,7 +213,8 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
                             session = sessions.get(entry.session)
                             if session is None:
                                 raise Refused(grpc.StatusCode.INVALID_ARGUMENT, "a step of no open session")
-                            stepping.append((entry.session, session, self._commit(session.proposer, entry.step)))
+                            stepping.append((session, self._commit(session.proposer, entry.step)))
+                            numbers.append(entry.session)
                         elif kind == "end":
                             close(entry.session, "ended")
                         else:
@@ -215,9 +223,8 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
                         close(entry.session, "refused")
                         answers.append(drafter_pb2.SessionsResponse.Entry(
                             session=entry.session, code=refused.code.value[0], detail=refused.detail))
-                drafts = await asyncio.gather(*(self._draft(session, budget) for _, session, budget in stepping))
                 answers += [drafter_pb2.SessionsResponse.Entry(session=number, draft=draft)
-                            for (number, _, _), draft in zip(stepping, drafts)]
+                            for number, draft in zip(numbers, self._draft(stepping))]
                 if answers:
                     yield drafter_pb2.SessionsResponse(entries=answers)
             ended_by = "stream_closed"

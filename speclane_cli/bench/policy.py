@@ -17,7 +17,7 @@ import json
 import pathlib
 from dataclasses import dataclass
 
-from drafter_service.engine import DraftEngine, draft_from_core, step_budget
+from drafter_service.engine import DraftEngine, step_budget
 from drafter_service.service import draft_to_proto
 from gateway.estimates import MethodAcceptance, RequestAcceptance
 from gateway.planner import Measurements, PlannerPolicy, StepState, draft_budget, plan_step
@@ -81,7 +81,7 @@ def replay(traces: list[Trace], settings: SpeculationSettings, token_cost: float
             if budget.ask_drafter:
                 core_draft = engine.core.step([seq_id], [withheld],
                                               [step_budget(budget.max_spec_factor, budget.min_token_prob)])[0]
-                drafted, withheld = draft_to_proto(draft_from_core(core_draft), committed_len), []
+                drafted, withheld = draft_to_proto(core_draft, committed_len), []
             step = plan_step(state, measured, budget, drafted, None)
             offered, cut_steps = step.offers, budget.cut_steps
             result.next_round_steps += ran_ahead

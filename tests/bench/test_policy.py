@@ -31,7 +31,6 @@ def test_detours_let_steps_after_a_rejected_draft_run_on_an_offer(monkeypatch):
     """After "1 2" the prompt went on "3 4 5" three times and "6 7 8" once: drafts
     follow "3", and the reply's "6" rejects them. The tree's other branch is a
     detour there, so the step after runs on its offer; without detours it cannot."""
-    import dataclasses
 
     import speclane_cli.bench.policy as policy
 
@@ -39,8 +38,14 @@ def test_detours_let_steps_after_a_rejected_draft_run_on_an_offer(monkeypatch):
     trace = Trace(prompt=often * 3 + once, output=(10, 11) + once + often + once + once)
     suffix = SpeculationSettings(method="suffix", num_speculative_tokens=4)
     with_detours = replay([trace], suffix, token_cost=0.1)
-    plain = policy.draft_from_core
-    monkeypatch.setattr(policy, "draft_from_core", lambda result: dataclasses.replace(plain(result), detours=()))
+    plain = policy.draft_to_proto
+
+    def without_detours(draft, committed_len):
+        drafted = plain(draft, committed_len)
+        drafted.ClearField("detours")
+        return drafted
+
+    monkeypatch.setattr(policy, "draft_to_proto", without_detours)
     without = replay([trace], suffix, token_cost=0.1)
     assert with_detours.next_round_steps > without.next_round_steps
     assert with_detours.tokens == without.tokens

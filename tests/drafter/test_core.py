@@ -16,7 +16,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from drafter_service import SuffixDecodingCache, SuffixDecodingDraft, _core, server, snapshot
 from drafter_service.config import DrafterConfig
-from drafter_service.engine import DraftEngine
+from drafter_service.engine import SESSION_BUDGET, DraftEngine
 from protos.drafter.v1 import drafter_pb2_grpc
 from speclane.speculation import SpeculationSettings
 from tests.drafter.test_drafter_service import run_session, start
@@ -150,17 +150,15 @@ def test_token_budget_evicts_oldest_responses():
 
 def test_share_tenants_lets_tenants_learn_from_each_other():
     def draft_for_b(share):
-        async def main():
-            engine = DraftEngine(24, 100, share_tenants=share)
-            first = engine.start([1], params(), "tenant-a")
-            await engine.step(first, FILE)
-            engine.end(first)
-            second = engine.start([2], params(), "tenant-b")
-            return await engine.step(second, FILE[:5])
-        return asyncio.run(main())
+        engine = DraftEngine(24, 100, share_tenants=share)
+        first = engine.start([1], params(), "tenant-a")
+        engine.step([first], [FILE], [SESSION_BUDGET])
+        engine.end(first)
+        second = engine.start([2], params(), "tenant-b")
+        return engine.step([second], [FILE[:5]], [SESSION_BUDGET])[0]
 
-    assert draft_for_b(share=False).token_ids == ()
-    assert draft_for_b(share=True).token_ids == tuple(FILE[5:9])
+    assert draft_for_b(share=False)[0] == []
+    assert draft_for_b(share=True)[0] == FILE[5:9]
 
 
 def params():

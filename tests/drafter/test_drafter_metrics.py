@@ -1,5 +1,5 @@
 """The drafter's Prometheus metrics: drafts and tokens per source (a miss under
-"none"), step times, and the core's sizes read at scrape time."""
+"none"), a message's steps' times, and the core's sizes read at scrape time."""
 
 import asyncio
 
@@ -32,7 +32,7 @@ def test_drafts_per_source_step_times_and_core_sizes():
     assert after[("speclane:drafter_drafts_total", (("source", "suffix-request"),))] == 2
     assert after[("speclane:drafter_draft_tokens_total", (("source", "suffix-request"),))] == 8
     assert after[("speclane:drafter_drafts_total", (("source", "none"),))] == 1
-    assert after[("speclane:drafter_step_seconds_count", ())] == 3
+    assert after[("speclane:drafter_batch_seconds_count", ())] == 3
     assert after[("speclane:drafter_sessions", ())] == 0
     assert after[("speclane:drafter_cached_requests", ())] == 1  # an empty response is not kept
     assert after[("speclane:drafter_cached_tokens", ())] == 2  # the first session's response

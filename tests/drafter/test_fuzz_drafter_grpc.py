@@ -28,9 +28,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from drafter_service.config import DrafterConfig
-from drafter_service.engine import DraftEngine
+from drafter_service.engine import SESSION_BUDGET, DraftEngine
 from drafter_service.metrics import DrafterMetrics
-from drafter_service.proposer import SequenceProposer
+from drafter_service.proposer import SequenceProposer, propose
 from drafter_service.service import DrafterServicer, draft_to_proto
 from protos.conventions import CHANNEL_OPTIONS
 from protos.drafter.v1 import drafter_pb2, drafter_pb2_grpc
@@ -88,7 +88,8 @@ async def private_witness(engine: DraftEngine, params) -> list[tuple]:
     drafts = []
     for tokens in WITNESS_COMMITS:
         proposer.commit(tokens, proposer.committed_len + len(tokens))
-        drafts.append(draft_fields(draft_to_proto(await proposer.propose(), proposer.committed_len)))
+        (draft,) = propose(engine, [(proposer, SESSION_BUDGET)])
+        drafts.append(draft_fields(draft_to_proto(draft, proposer.committed_len)))
     proposer.end()
     return drafts
 

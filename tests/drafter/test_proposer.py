@@ -1,12 +1,10 @@
 """SequenceProposer on the compiled engine, without gRPC."""
 
-import asyncio
-
 import pytest
 
 from drafter_service.draft import SOURCE_REQUEST
-from drafter_service.engine import DraftEngine
-from drafter_service.proposer import CommittedLengthMismatch, SequenceProposer
+from drafter_service.engine import SESSION_BUDGET, DraftEngine, draft_from_core
+from drafter_service.proposer import CommittedLengthMismatch, SequenceProposer, propose
 from speclane.speculation import SpeculationSettings
 
 
@@ -15,16 +13,17 @@ def make_proposer(method="suffix", **params):
     return engine, SequenceProposer(engine, SpeculationSettings(method, 4, **params))
 
 
-def test_suffix_session_commits_and_drafts():
-    async def main():
-        engine, proposer = make_proposer()
-        proposer.start([1, 2, 3, 4, 1, 2])
-        proposer.commit([3], committed_len=7)
-        draft = await proposer.propose()
-        proposer.end()
-        return engine, draft
+def draft_of(engine, proposer):
+    (draft,) = propose(engine, [(proposer, SESSION_BUDGET)])
+    return draft_from_core(draft)
 
-    engine, draft = asyncio.run(main())
+
+def test_suffix_session_commits_and_drafts():
+    engine, proposer = make_proposer()
+    proposer.start([1, 2, 3, 4, 1, 2])
+    proposer.commit([3], committed_len=7)
+    draft = draft_of(engine, proposer)
+    proposer.end()
     assert draft.token_ids == (4, 1, 2)  # matched "1 2 3": budget 3
     assert draft.source == SOURCE_REQUEST
     assert engine.core.active_requests() == []
@@ -32,36 +31,31 @@ def test_suffix_session_commits_and_drafts():
 
 
 def test_ngram_session_leaves_the_suffix_cache_alone():
-    async def main():
-        engine, proposer = make_proposer("ngram", prompt_lookup_min=2, prompt_lookup_max=3)
-        proposer.start([5, 6, 7, 8, 5, 6])
-        draft = await proposer.propose()
-        proposer.commit([7], committed_len=7)
-        await proposer.propose()
-        proposer.end()
-        return engine, draft
-
-    engine, draft = asyncio.run(main())
+    engine, proposer = make_proposer("ngram", prompt_lookup_min=2, prompt_lookup_max=3)
+    proposer.start([5, 6, 7, 8, 5, 6])
+    draft = draft_of(engine, proposer)
+    proposer.commit([7], committed_len=7)
+    draft_of(engine, proposer)
+    proposer.end()
     assert draft.token_ids == (7, 8, 5, 6)
     assert engine.core.cached_requests() == []
 
 
-def test_steps_of_one_loop_turn_share_one_batch():
-    async def main():
-        engine = DraftEngine(max_tree_depth=16, max_cached_requests=10)
-        proposers = [SequenceProposer(engine, SpeculationSettings("suffix", 4)) for _ in range(3)]
-        for offset, proposer in enumerate(proposers):
-            proposer.start([offset, 1, 2, 3, 1, 2])
-        calls = []
-        step = engine.core.step
-        engine.core = type("Counting", (), {"step": lambda self, ids, tokens, budgets: calls.append(ids)
-                                            or step(ids, tokens, budgets)})()
-        drafts = await asyncio.gather(*(proposer.propose() for proposer in proposers))
-        return calls, drafts
-
-    calls, drafts = asyncio.run(main())
-    assert len(calls) == 1 and len(calls[0]) == 3
-    assert all(draft.token_ids == (3, 1) for draft in drafts)
+def test_the_steps_proposed_together_go_to_the_core_in_one_call_each_with_its_own_tokens_and_budget():
+    engine = DraftEngine(max_tree_depth=16, max_cached_requests=10)
+    proposers = [SequenceProposer(engine, SpeculationSettings("suffix", 4)) for _ in range(3)]
+    for offset, proposer in enumerate(proposers):
+        proposer.start([offset, 1, 2, 3, 1, 2])
+        proposer.commit([3] * offset, committed_len=6 + offset)
+    calls = []
+    step = engine.core.step
+    engine.core = type("Counting", (), {"step": lambda self, ids, tokens, budgets: calls.append((ids, tokens, budgets))
+                                        or step(ids, tokens, budgets)})()
+    budgets = [SESSION_BUDGET, (0.5, -1.0), SESSION_BUDGET]
+    drafts = [draft_from_core(draft) for draft in propose(engine, list(zip(proposers, budgets)))]
+    assert calls == [([p.seq_id for p in proposers], [[], [3], [3, 3]], budgets)]
+    assert all(p.uncommitted == [] for p in proposers)  # handed over once
+    assert drafts[0].token_ids == (3, 1)  # matched "1 2": its budget 2
 
 
 def test_length_mismatch_is_refused_and_changes_nothing():

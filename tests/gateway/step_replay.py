@@ -19,7 +19,7 @@ import random
 import sys
 from dataclasses import dataclass
 
-from drafter_service.engine import draft_from_core, step_budget
+from drafter_service.engine import step_budget
 from drafter_service.service import draft_to_proto
 from gateway.metrics import GatewayMetrics
 from gateway.orchestrator import Orchestrator
@@ -236,7 +236,7 @@ class FakeDrafterSession:
         self._log.append(["propose", len(committed)])
         self._clock.now += DRAFTER_SECONDS
         result = self._core.step([self._seq_id], [list(committed)], [step_budget(max_spec_factor, min_token_prob)])[0]
-        return draft_to_proto(draft_from_core(result), committed_len)
+        return draft_to_proto(result, committed_len)
 
     async def finish(self, committed: list[int], committed_len: int) -> None:
         if committed:

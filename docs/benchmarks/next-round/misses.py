@@ -10,7 +10,7 @@ import collections
 import pathlib
 import sys
 
-from drafter_service.engine import DraftEngine, draft_from_core
+from drafter_service.engine import DraftEngine
 from drafter_service.service import draft_to_proto
 from gateway.next_round import continuations_after, offered_draft, step_part
 from speclane.speculation import SpeculationSettings
@@ -31,7 +31,7 @@ def replay(traces, max_cached_requests: int) -> collections.Counter:
         position, committed, offered = 1, list(out[:1]), []
         while position < len(out):
             committed_len = len(trace.prompt) + position
-            drafted = draft_to_proto(draft_from_core(engine.core.step([seq_id], [committed])[0]), committed_len)
+            drafted = draft_to_proto(engine.core.step([seq_id], [committed])[0], committed_len)
             taken = offered_draft(offered, committed_len, committed[-1])
             step = step_part(drafted)
             if position > 1:  # the first step always waits for its Verify
