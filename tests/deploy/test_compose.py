@@ -13,6 +13,7 @@ import pathlib
 import re
 import shutil
 import subprocess
+import sys
 import tomllib
 
 import pytest
@@ -42,11 +43,13 @@ FILE_SETS = {
     "ngram-only": [*SINGLE, "ngram-only.yml"],
     "no-drafter": [*SINGLE, "no-drafter.yml"],
     "two-verifiers": [*SINGLE, "two-verifiers.yml"],
+    "router": [*SINGLE, "two-verifiers.yml", "router.yml"],
     "cpu-host": ["cpu-host.yml"],
     "atlas-host": ["atlas-host.yml"],
 }
 TWO_HOST = ("cpu-host", "atlas-host")
 LONG_RUNNING = {"drafter", "verifier", "gateway"}  # `speclane <command>` of the services
+ROUTER = ["smg"]  # the router's entrypoint (router.yml): not ours, configured by its flags
 
 ATLAS_DEVICES = [*(f"/dev/davinci{i}" for i in range(4)), "/dev/davinci_manager", "/dev/devmm_svm", "/dev/hisi_hdc"]
 
@@ -116,7 +119,13 @@ def services_of(compose_dir, name: str) -> dict[str, dict]:
 
 
 def command_of(service: dict) -> str:
+    """The speclane subcommand a service runs ("launch" for the router, smg's)."""
     return service["command"][0]
+
+
+def ours(services: dict[str, dict]) -> dict[str, dict]:
+    """The services running speclane (all but router.yml's smg)."""
+    return {name: service for name, service in services.items() if service.get("entrypoint") != ROUTER}
 
 
 def port_of(address: str) -> int:
@@ -162,7 +171,7 @@ def test_the_old_single_dockerfile_is_gone():
 def test_services_run_speclane_with_settings_in_environment_only(compose_dir, name):
     """The entrypoint is `speclane`, the command only the subcommand: every setting is an
     environment variable (the two-host test harness runs exactly these)."""
-    for service_name, service in services_of(compose_dir, name).items():
+    for service_name, service in ours(services_of(compose_dir, name)).items():
         assert service.get("entrypoint") == ["speclane"], service_name
         command = service["command"]
         if command[0] == "pull":
@@ -179,7 +188,7 @@ def test_long_running_services_are_health_checked_restarted_and_drained(compose_
             assert service.get("restart") == "no", service_name
             assert "healthcheck" not in service, service_name
             continue
-        assert command_of(service) in LONG_RUNNING
+        assert command_of(service) in LONG_RUNNING or service["entrypoint"] == ROUTER
         assert service.get("restart") == "unless-stopped", service_name
         assert seconds(service.get("stop_grace_period", "10s")) >= 10, service_name
         healthcheck = service.get("healthcheck") or {}
@@ -210,7 +219,7 @@ def test_health_checks_probe_the_port_the_service_listens_on(compose_dir, name):
 def test_every_variable_is_a_flag_of_the_service_it_is_given_to(compose_dir, name):
     """SPECLANE_<SERVICE>_<FLAG> must name a field of that service's config dataclass: a typo,
     or another service's variable, would be silently ignored by the service."""
-    for service_name, service in services_of(compose_dir, name).items():
+    for service_name, service in ours(services_of(compose_dir, name)).items():
         unknown = unknown_variables(command_of(service), (service.get("environment") or {}).keys())
         assert not unknown, f"{name}/{service_name} sets variables its command does not read: {unknown}"
 
@@ -330,6 +339,40 @@ def test_two_verifiers_are_alike_and_both_used(compose_dir):
     assert build_config("gateway", gateway["environment"]).verifier_addresses == ("verifier:50062", "verifier-2:50062")
     assert {name: dep["condition"] for name, dep in gateway["depends_on"].items()} == {
         "drafter": "service_healthy", "verifier": "service_healthy", "verifier-2": "service_healthy"}
+
+
+def test_the_router_sends_to_every_gateway_and_each_gateway_owns_one_verifier(compose_dir):
+    services = services_of(compose_dir, "router")
+    router = services["router"]
+    args = router["command"]
+    option = lambda flag: args[args.index(flag) + 1]  # noqa: E731
+    assert args[0] == "launch" and option("--policy") == "cache_aware"
+    workers = args[args.index("--worker-urls") + 1:]
+    workers = workers[:next((i for i, arg in enumerate(workers) if arg.startswith("--")), len(workers))]
+    gateways = {name: service for name, service in ours(services).items() if command_of(service) == "gateway"}
+    assert sorted(workers) == sorted(f"http://{name}:{service['environment']['SPECLANE_GATEWAY_PORT']}"
+                                     for name, service in gateways.items())
+    owners = [build_config("gateway", service["environment"]).verifier_addresses for service in gateways.values()]
+    assert sorted(owners) == [("verifier-2:50062",), ("verifier:50062",)]  # each verifier behind one gateway
+    assert {build_config("gateway", service["environment"]).drafter_address for service in gateways.values()} == {
+        "drafter:50061"}  # one drafter learns from both
+    assert {name: dep["condition"] for name, dep in router["depends_on"].items()} == {
+        name: "service_healthy" for name in gateways}
+    # Only the router takes HTTP from outside; each gateway waits only for its own verifier.
+    published = {name: {port["target"] for port in service.get("ports", [])} for name, service in services.items()}
+    assert published["router"] == {8000} and all(8000 not in published[name] for name in gateways)
+    assert set(services["gateway"]["depends_on"]) == {"drafter", "verifier"}
+    assert router["image"] == services["drafter"]["image"]  # the light image carries smg
+
+
+def test_the_routers_flags_are_smgs(compose_dir):
+    """Every flag router.yml gives smg is one `smg launch` takes (the installed router extra)."""
+    smg = shutil.which("smg", path=os.path.dirname(sys.executable))
+    if smg is None:
+        pytest.skip("smg (the router extra) is not installed")
+    usage = subprocess.run([smg, "launch", "--help"], capture_output=True, text=True, timeout=60).stdout
+    flags = [arg for arg in services_of(compose_dir, "router")["router"]["command"] if arg.startswith("--")]
+    assert flags and all(re.search(rf"\s{re.escape(flag)}[\s=]", usage) for flag in flags), flags
 
 
 # --- two hosts -------------------------------------------------------------------------------
