@@ -21,6 +21,7 @@ from speclane.tls import TlsFiles, check_pair
 
 ENV_PREFIX = "SPECLANE_GATEWAY_"
 
+DNS_SCHEME = "dns:///"  # a verifier address standing for every address its name resolves to
 
 @dataclass(frozen=True)
 class GatewayConfig:
@@ -31,7 +32,10 @@ class GatewayConfig:
     port: int = option(8000, "HTTP port (OpenAI-compatible API)")
     grpc_address: str = option("127.0.0.1:50060", "listen address of the gRPC Generate API")
     drafter_address: str = option("127.0.0.1:50061", "drafter service address; empty disables speculation")
-    verifier_addresses: tuple[str, ...] = option(("127.0.0.1:50062",), "comma-separated verifier addresses")
+    verifier_addresses: tuple[str, ...] = option(
+        ("127.0.0.1:50062",), "comma-separated verifier addresses host:port; dns:///name:port stands for every "
+                              "address the name resolves to (a headless Kubernetes Service), resolved again every "
+                              "10 s, so verifiers scaled up join and those scaled down leave")
     speculative_config: str = option(
         "", "vLLM-style JSON, e.g. '{\"method\": \"suffix\", \"num_speculative_tokens\": 8}' (keys: "
             "docs/reference/speculative-config.md)")
@@ -97,6 +101,10 @@ class GatewayConfig:
             raise ValueError("port must be in 1..65535")
         if not self.verifier_addresses:
             raise ValueError("at least one verifier address is needed")
+        for target in self.verifier_addresses:
+            host, _, port = target.removeprefix(DNS_SCHEME).rpartition(":")
+            if not host or not port.isdigit() or not 0 < int(port) < 65536:
+                raise ValueError(f"verifier address {target!r} must be host:port or {DNS_SCHEME}name:port")
         if self.generation_config not in GENERATION_CONFIG_MODES:
             raise ValueError(f"generation_config must be one of {', '.join(GENERATION_CONFIG_MODES)}")
         if self.tool_call_parser and self.tool_call_parser not in TOOL_CALL_PARSERS:

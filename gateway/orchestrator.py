@@ -4,6 +4,7 @@ does is the step planner's decision (gateway/planner.py)."""
 
 import asyncio
 import time
+from collections import defaultdict
 from collections.abc import AsyncIterator
 
 import grpc
@@ -61,7 +62,7 @@ class Orchestrator:
         self._acceptance = {method: MethodAcceptance() for method in DRAFTER_METHODS}
         # What the head's steps have been worth, any method's: a hybrid request's prior.
         self._head_worth = HeadWorth(SERVER_HEAD_WEIGHT)
-        self._round_trips = [RoundTrip() for _ in verifiers.addresses]
+        self._round_trips: defaultdict[int, RoundTrip] = defaultdict(RoundTrip)  # by verifier number
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[TokenDelta]:
         """Yields each step's committed tokens; closing the generator aborts the sequence.
@@ -109,7 +110,7 @@ class Orchestrator:
         """The prompt's first token, from a serving verifier. One found gone is
         marked down and the next tried: nothing has reached the client yet, so
         the request fails over unseen. Unavailable once none is left."""
-        for _ in self._verifiers.addresses:
+        for _ in range(len(self._verifiers.addresses)):
             index, verifier = self._verifiers.open(request.request_id, request.prompt_token_ids)
             try:
                 return index, verifier, await _checked(verifier.prefill(request))

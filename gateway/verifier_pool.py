@@ -4,11 +4,15 @@ that picks a verifier for each new sequence, watches their health and polls
 their load for the gateway's metrics."""
 
 import asyncio
+import dataclasses
+import itertools
+import socket
 
 import grpc
 import structlog
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from gateway.config import DNS_SCHEME
 from gateway.errors import Unavailable
 from gateway.metrics import GatewayMetrics, SequenceTimer
 from gateway.routing import PrefixAffinity, block_prefixes
@@ -122,144 +126,232 @@ def _optional(message, name: str):
     return getattr(message, name) if message.HasField(name) else None
 
 
+DISCOVERY_SECONDS = 10.0  # how often such names are resolved again
+
+
+def discovered_by_dns(target: str) -> bool:
+    return target.startswith(DNS_SCHEME)
+
+
+async def resolve(target: str) -> set[str]:
+    """The host:port addresses a dns:/// target's name resolves to now (empty if it resolves to none)."""
+    host, _, port = target.removeprefix(DNS_SCHEME).rpartition(":")
+    try:
+        infos = await asyncio.get_running_loop().getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
+    except socket.gaierror:
+        return set()
+    return {f"[{info[4][0]}]:{port}" if info[0] == socket.AF_INET6 else f"{info[4][0]}:{port}" for info in infos}
+
+
+@dataclasses.dataclass(eq=False)
+class _Verifier:
+    """One verifier the pool dials, and what the pool knows of it."""
+
+    address: str
+    target: str  # the address or dns:/// name it came from
+    channel: grpc.aio.Channel
+    stub: verifier_pb2_grpc.VerifierStub
+    health: health_pb2_grpc.HealthStub
+    in_flight: int = 0  # this gateway's sequences on it
+    # Its sequences as its last GetLoad counted them, and how many were ours then: other gateways'
+    # are the difference.
+    counted: tuple[int, int] = (0, 0)
+    serving: bool = True
+    load: verifier_pb2.EngineLoad | None = None  # its last GetLoad answer
+    load_answered: bool | None = None  # whether the last poll was answered (None: not polled yet)
+    gone: bool = False  # no longer resolved: no new sequences, closed once its last one ends
+
+
 class VerifierPool:
     """Verifiers serving the same model; each new sequence goes to a serving one
     (see open). A verifier counts as serving until a health check or a broken
-    session says otherwise, and again once a health check says SERVING."""
+    session says otherwise, and again once a health check says SERVING. A
+    target dns:///name:port stands for every address the name resolves to,
+    resolved again every DISCOVERY_SECONDS: verifiers scaled up join, those
+    gone finish their sequences and leave."""
 
-    def __init__(self, addresses: tuple[str, ...], step_timeout_seconds: float | None = None,
-                 tls: TlsFiles = TlsFiles()):
+    def __init__(self, targets: tuple[str, ...], step_timeout_seconds: float | None = None,
+                 tls: TlsFiles = TlsFiles(), resolver=resolve):
         self._step_timeout = step_timeout_seconds  # per prefill or verify answer; None: no deadline
-        self._channels = [aio_channel(a, tls, CHANNEL_OPTIONS) for a in addresses]
-        self._stubs = [verifier_pb2_grpc.VerifierStub(c) for c in self._channels]
-        self._health = [health_pb2_grpc.HealthStub(c) for c in self._channels]
-        self._in_flight = [0] * len(addresses)  # this gateway's sequences on each verifier
-        # Each verifier's sequences as its last GetLoad counted them, and how many of them were ours then:
-        # other gateways' sequences are the difference.
-        self._counted = [(0, 0)] * len(addresses)
+        self._tls = tls
+        self._resolver = resolver
+        self._targets = targets
+        self._ids = itertools.count()
+        self._verifiers: dict[int, _Verifier] = {}  # by an id never reused
         self._affinity = PrefixAffinity()
-        self._serving = [True] * len(addresses)
-        self.addresses = addresses
         self._metrics: GatewayMetrics | None = None
-        # Each verifier's last GetLoad answer, and whether the last poll was answered (None: not polled yet).
-        self._loads: list[verifier_pb2.EngineLoad | None] = [None] * len(addresses)
-        self._load_answered: list[bool | None] = [None] * len(addresses)
+        self._closing: set[asyncio.Task] = set()  # channels of verifiers that left, closing
+        for target in targets:
+            if not discovered_by_dns(target):
+                self._add(target, target)
+
+    @property
+    def addresses(self) -> tuple[str, ...]:
+        return tuple(verifier.address for verifier in self._verifiers.values() if not verifier.gone)
+
+    def _add(self, address: str, target: str) -> None:
+        tls = self._tls
+        if discovered_by_dns(target) and tls.ca and not tls.server_name:
+            # Dialled by its IP: its certificate names the Service.
+            tls = dataclasses.replace(tls, server_name=target.removeprefix(DNS_SCHEME).rpartition(":")[0])
+        channel = aio_channel(address, tls, CHANNEL_OPTIONS)
+        self._verifiers[next(self._ids)] = _Verifier(address, target, channel, verifier_pb2_grpc.VerifierStub(channel),
+                                                     health_pb2_grpc.HealthStub(channel))
+        if discovered_by_dns(target):
+            log.info("verifier_discovered", address=address, target=target)
+
+    async def discover(self) -> None:
+        """Resolves the dns:/// targets again: new addresses join; an address no longer listed
+        takes no new sequences and is closed once its last one ends. A name that resolves to
+        nothing for a moment (DNS trouble) keeps its verifiers."""
+        for target in filter(discovered_by_dns, self._targets):
+            listed = await self._resolver(target)
+            if not listed:
+                continue
+            known = {v.address for v in self._verifiers.values() if v.target == target and not v.gone}
+            for address in sorted(listed - known):
+                self._add(address, target)
+            for number, verifier in list(self._verifiers.items()):
+                if verifier.target == target and not verifier.gone and verifier.address not in listed:
+                    log.info("verifier_left", address=verifier.address, target=target, sequences=verifier.in_flight)
+                    verifier.gone = True
+                    self._affinity.forget(number)
+                    self._drop_if_done(number)
+
+    def _drop_if_done(self, number: int) -> None:
+        """Drops a verifier that left once its last sequence ended, closing its channel."""
+        verifier = self._verifiers[number]
+        if verifier.gone and verifier.in_flight == 0:
+            del self._verifiers[number]
+            task = asyncio.ensure_future(verifier.channel.close())
+            self._closing.add(task)
+            task.add_done_callback(self._closing.discard)
 
     def attach_metrics(self, metrics: GatewayMetrics) -> None:
         """Sequences report their timings, and /metrics the verifiers' load, to `metrics`."""
         self._metrics = metrics
-        metrics.add_verifiers_serving(lambda: sum(self._serving))
+        metrics.add_verifiers_serving(lambda: sum(v.serving for v in self._verifiers.values() if not v.gone))
         metrics.add_verifier_loads(self.loads)
 
-    def busy(self, index: int) -> int:
+    def busy(self, number: int) -> int:
         """Sequences on a verifier: ours now, and every other gateway's as its last GetLoad counted them."""
-        counted, ours_then = self._counted[index]
-        return self._in_flight[index] + max(0, counted - ours_then)
+        verifier = self._verifiers[number]
+        counted, ours_then = verifier.counted
+        return verifier.in_flight + max(0, counted - ours_then)
 
     def open(self, request_id: str, prompt_token_ids: list[int]) -> tuple[int, VerifierSession]:
         """A session on the least busy serving verifier, or on the one that took
         the longest prefix of this prompt (its KV is likely still cached there)
         unless it is busier by more than AFFINITY_SLACK sequences. Busy counts
-        every gateway's sequences (busy). Raises Unavailable when no verifier is serving."""
-        serving = self._serving_indices()
-        index = min(serving, key=self.busy)
+        every gateway's sequences (busy). Returns the verifier's number for
+        release and mark_down. Raises Unavailable when no verifier is serving."""
+        serving = self._serving_numbers()
+        number = min(serving, key=self.busy)
         prefixes = block_prefixes(prompt_token_ids)
         owner, _ = self._affinity.lookup(prefixes)
-        if owner in serving and self.busy(owner) <= self.busy(index) + AFFINITY_SLACK:
-            index = owner
-        self._affinity.remember(prefixes, index)
-        self._in_flight[index] += 1
+        if owner in serving and self.busy(owner) <= self.busy(number) + AFFINITY_SLACK:
+            number = owner
+        self._affinity.remember(prefixes, number)
+        verifier = self._verifiers[number]
+        verifier.in_flight += 1
         timer = SequenceTimer(self._metrics) if self._metrics is not None else None
-        call = self._stubs[index].Session(metadata=request_metadata(request_id))
-        return index, VerifierSession(call, timer, self._step_timeout)
+        call = verifier.stub.Session(metadata=request_metadata(request_id))
+        return number, VerifierSession(call, timer, self._step_timeout)
 
-    def release(self, index: int) -> None:
-        self._in_flight[index] -= 1
+    def release(self, number: int) -> None:
+        self._verifiers[number].in_flight -= 1
+        self._drop_if_done(number)
 
-    def mark_down(self, index: int) -> None:
+    def mark_down(self, number: int) -> None:
         """A session found the verifier gone: no new sequences until its health says SERVING."""
-        if self._serving[index]:
-            log.warning("verifier_unavailable", address=self.addresses[index])
-            self._affinity.forget(index)  # a restarted verifier has an empty cache
-        self._serving[index] = False
+        verifier = self._verifiers[number]
+        if verifier.serving:
+            log.warning("verifier_unavailable", address=verifier.address)
+            self._affinity.forget(number)  # a restarted verifier has an empty cache
+        verifier.serving = False
 
-    def _serving_indices(self) -> list[int]:
-        serving = [index for index, up in enumerate(self._serving) if up]
+    def _serving_numbers(self) -> list[int]:
+        serving = [number for number, v in self._verifiers.items() if v.serving and not v.gone]
         if not serving:
             raise Unavailable("no verifier is serving right now; retry shortly")
         return serving
 
     async def model_info(self) -> verifier_pb2.ModelInfo:
-        stub = self._stubs[self._serving_indices()[0]]
+        stub = self._verifiers[self._serving_numbers()[0]].stub
         return await stub.GetModelInfo(verifier_pb2.GetModelInfoRequest(), timeout=10)
 
     async def tokenizer_files(self) -> dict[str, bytes]:
-        stub = self._stubs[self._serving_indices()[0]]
+        stub = self._verifiers[self._serving_numbers()[0]].stub
         reply = await stub.GetTokenizer(verifier_pb2.GetTokenizerRequest(), timeout=30)
         return dict(reply.files)
 
     async def check(self) -> None:
         """Asks every verifier's health service; updates which ones are serving."""
-        replies = await asyncio.gather(*(stub.Check(health_pb2.HealthCheckRequest(), timeout=2)
-                                         for stub in self._health), return_exceptions=True)
-        for index, reply in enumerate(replies):
+        verifiers = list(self._verifiers.values())
+        replies = await asyncio.gather(*(v.health.Check(health_pb2.HealthCheckRequest(), timeout=2)
+                                         for v in verifiers), return_exceptions=True)
+        for verifier, reply in zip(verifiers, replies):
             up = not isinstance(reply, BaseException) and reply.status == health_pb2.HealthCheckResponse.SERVING
-            if up and not self._serving[index]:
-                log.info("verifier_serving", address=self.addresses[index])
-            self._serving[index] = up
+            if up and not verifier.serving:
+                log.info("verifier_serving", address=verifier.address)
+            verifier.serving = up
 
     async def num_serving(self) -> int:
         """How many verifiers answer their health check with SERVING right now."""
         await self.check()
-        return sum(self._serving)
+        return sum(v.serving and not v.gone for v in self._verifiers.values())
 
     async def refresh_loads(self, timeout_seconds: float = 5.0) -> None:
         """Asks every verifier for its load; one that does not answer is left out (and logged once)."""
-        async def get_load(index: int):
-            reply = await self._stubs[index].GetLoad(verifier_pb2.GetLoadRequest(), timeout=timeout_seconds)
+        async def get_load(verifier: _Verifier):
+            reply = await verifier.stub.GetLoad(verifier_pb2.GetLoadRequest(), timeout=timeout_seconds)
             # Ours as the answer arrives: a sequence opened while it was on its way may be missing from both.
-            self._counted[index] = (reply.num_running + reply.num_waiting, self._in_flight[index])
+            verifier.counted = (reply.num_running + reply.num_waiting, verifier.in_flight)
             return reply
 
-        replies = await asyncio.gather(*(get_load(index) for index in range(len(self._stubs))),
-                                       return_exceptions=True)
-        for index, reply in enumerate(replies):
+        verifiers = list(self._verifiers.values())
+        replies = await asyncio.gather(*(get_load(v) for v in verifiers), return_exceptions=True)
+        for verifier, reply in zip(verifiers, replies):
             answered = not isinstance(reply, BaseException)
             if answered:
-                self._loads[index] = reply
-            elif self._load_answered[index] is not False:
-                log.warning("verifier_load_unavailable", address=self.addresses[index], error=_describe(reply),
+                verifier.load = reply
+            elif verifier.load_answered is not False:
+                log.warning("verifier_load_unavailable", address=verifier.address, error=_describe(reply),
                             action="left out of the load metrics until it answers")
-            self._load_answered[index] = answered
+            verifier.load_answered = answered
 
     def loads(self) -> list[tuple[verifier_pb2.EngineLoad, bool]]:
         """Each verifier's last known load, and whether it answered the last poll."""
-        return [(load, bool(answered)) for load, answered in zip(self._loads, self._load_answered)
-                if load is not None]
+        return [(v.load, bool(v.load_answered)) for v in self._verifiers.values() if v.load is not None]
 
     async def ready(self) -> bool:
         """True when at least one verifier reports SERVING."""
         await self.check()
-        return any(self._serving)
+        return any(v.serving and not v.gone for v in self._verifiers.values())
 
     async def wait_ready(self, poll_seconds: float = 0.5) -> None:
-        while not await self.ready():
+        while True:
+            await self.discover()
+            if await self.ready():
+                return
             await asyncio.sleep(poll_seconds)
 
-    async def watch(self, poll_seconds: float = 1.0) -> None:
-        """Keeps the serving flags and the loads fresh (until cancelled). Two loops:
-        a slow load answer (it waits for a forward pass) never delays a health check."""
+    async def watch(self, poll_seconds: float = 1.0, discovery_seconds: float = DISCOVERY_SECONDS) -> None:
+        """Keeps the verifiers, their serving flags and their loads fresh (until cancelled). Separate
+        loops: a slow load answer (it waits for a forward pass) never delays a health check."""
 
-        async def every_poll(refresh):
+        async def every(seconds, refresh):
             while True:
-                await asyncio.sleep(poll_seconds)
+                await asyncio.sleep(seconds)
                 await refresh()
 
-        await asyncio.gather(every_poll(self.check), every_poll(self.refresh_loads))
+        await asyncio.gather(every(poll_seconds, self.check), every(poll_seconds, self.refresh_loads),
+                             every(discovery_seconds, self.discover))
 
     async def close(self) -> None:
-        for channel in self._channels:
-            await channel.close()
+        for verifier in self._verifiers.values():
+            await verifier.channel.close()
+        await asyncio.gather(*self._closing)
 
 
 def _describe(error: BaseException) -> str:

@@ -5,10 +5,12 @@ with the node's driver mounted, environment variables that are real flags of the
 that gets them, and addresses that name a Service that exists."""
 
 import pathlib
+import re
 
 import pytest
 import yaml
 
+from gateway.config import DNS_SCHEME
 from tests.deploy.settings import ASCEND_DRIVER_PATHS, SERVICE_CONFIGS, build_config, flag_variables, unknown_variables
 
 kubernetes_validate = pytest.importorskip(
@@ -67,9 +69,12 @@ def environment(container: dict) -> dict[str, str]:
     return env
 
 
+ADAPTER_VALUES = KUBE_DIR / "prometheus-adapter-values.yaml"  # Helm values for prometheus-adapter, not an object
+
+
 def test_kustomization_lists_every_manifest():
     listed = set(kustomization()["resources"])
-    present = {path.name for path in KUBE_DIR.glob("*.yaml")} - {"kustomization.yaml"}
+    present = {path.name for path in KUBE_DIR.glob("*.yaml")} - {"kustomization.yaml", ADAPTER_VALUES.name}
     assert listed == present
 
 
@@ -88,7 +93,7 @@ def test_every_object_validates_against_the_kubernetes_schemas(version):
 def test_the_expected_objects_exist():
     services = {"speclane-drafter", "speclane-verifier", "speclane-gateway", "speclane-router"}
     assert set(by_kind("Deployment")) == set(by_kind("Service")) == services
-    assert set(by_kind("HorizontalPodAutoscaler")) == {"speclane-gateway"}
+    assert set(by_kind("HorizontalPodAutoscaler")) == {"speclane-gateway", "speclane-verifier"}
     assert set(by_kind("PersistentVolumeClaim")) == {"speclane-models", "speclane-drafter-state"}
     assert set(by_kind("ConfigMap")) == {"speclane-config"}
 
@@ -107,7 +112,9 @@ def test_grpc_services_are_probed_with_grpc_health_on_their_listen_port(name):
     port = int(environment(container)[f"SPECLANE_{name.upper()}_ADDRESS"].rpartition(":")[2])
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
         assert container[probe]["grpc"]["port"] == port, probe
-    assert {p["containerPort"] for p in container["ports"]} == {port}
+    served = {p["containerPort"] for p in container["ports"]}
+    metrics = environment(container).get(f"SPECLANE_{name.upper()}_METRICS_PORT")
+    assert served == {port} | ({int(metrics)} if metrics else set())
 
 
 def test_gateway_readiness_is_http_health_and_liveness_its_own_grpc_health():
@@ -234,7 +241,7 @@ def test_gateway_peers_are_services_that_exist():
     services = {name: {p["port"] for p in s["spec"]["ports"]} for name, s in by_kind("Service").items()}
     peers = [env["SPECLANE_GATEWAY_DRAFTER_ADDRESS"], *env["SPECLANE_GATEWAY_VERIFIER_ADDRESSES"].split(",")]
     for address in peers:
-        host, _, port = address.rpartition(":")
+        host, _, port = address.removeprefix(DNS_SCHEME).rpartition(":")
         assert host in services and int(port) in services[host], address
 
 
@@ -273,3 +280,41 @@ def test_the_gateway_autoscaler_owns_the_replica_count_on_cpu_it_requests():
     assert metric["resource"]["name"] == "cpu" and metric["resource"]["target"]["type"] == "Utilization"
     assert "cpu" in main_container("gateway")["resources"]["requests"]  # utilization is of the request
     assert autoscaler["minReplicas"] >= 2
+
+
+def test_the_gateways_find_every_verifier_pod_through_a_headless_service():
+    (address,) = environment(main_container("gateway"))["SPECLANE_GATEWAY_VERIFIER_ADDRESSES"].split(",")
+    assert address.startswith(DNS_SCHEME)
+    host = address.removeprefix(DNS_SCHEME).rpartition(":")[0]
+    # Headless: the name resolves to each pod, not to one virtual IP in front of them all.
+    assert by_kind("Service")[host]["spec"]["clusterIP"] == "None"
+    assert host == "speclane-verifier"
+    # Several verifier pods, on several nodes, read the one model volume.
+    assert by_kind("PersistentVolumeClaim")["speclane-models"]["spec"]["accessModes"] == ["ReadWriteMany"]
+
+
+def test_the_verifier_autoscaler_scales_on_the_gauges_each_verifier_exports():
+    from verifier_service.metrics import VerifierMetrics
+
+    autoscaler = by_kind("HorizontalPodAutoscaler")["speclane-verifier"]["spec"]
+    assert autoscaler["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "Deployment",
+                                           "name": "speclane-verifier"}
+    assert "replicas" not in deployment("verifier")["spec"]  # kubectl apply would reset the autoscaler's count
+    assert 1 <= autoscaler["minReplicas"] < autoscaler["maxReplicas"]
+    scaled_on = {metric["pods"]["metric"]["name"] for metric in autoscaler["metrics"] if metric["type"] == "Pods"}
+    assert scaled_on == {"vllm_num_requests_waiting", "vllm_kv_cache_usage_perc"}
+    # The adapter's rules expose exactly those names, from series the verifier exports...
+    rules = yaml.safe_load(ADAPTER_VALUES.read_text())["rules"]["custom"]
+    exposed = {}
+    for rule in rules:
+        series = rule["seriesQuery"].partition("{")[0]
+        name = re.sub(rule["name"]["matches"], rule["name"]["as"].replace("${1}", r"\1"), series)
+        exposed[name] = series
+    assert set(exposed) == scaled_on
+    exported = {metric.name for metric in VerifierMetrics("m").registry.collect()}
+    assert set(exposed.values()) <= exported
+    # ...on the port the pod serves them on and Prometheus is told to scrape.
+    pod = deployment("verifier")["spec"]["template"]
+    port = environment(main_container("verifier"))["SPECLANE_VERIFIER_METRICS_PORT"]
+    assert pod["metadata"]["annotations"]["prometheus.io/port"] == port
+    assert {"name": "metrics", "containerPort": int(port)} in main_container("verifier")["ports"]

@@ -35,6 +35,15 @@ TARGET = target_tokens(0, 10)  # what a 10-token generation commits, drafts or n
 CLOSED = {"ended", "cancelled"}
 
 
+def in_flight(pool) -> list[int]:
+    """This gateway's sequences on each verifier, in the order the pool was given them."""
+    return [verifier.in_flight for verifier in pool._verifiers.values()]
+
+
+def serving(pool) -> list[bool]:
+    return [verifier.serving for verifier in pool._verifiers.values()]
+
+
 # Draft handling
 
 async def test_verifier_gets_drafts_untrimmed_and_usage_counts_the_verified_draft_tokens():
@@ -164,7 +173,7 @@ async def test_every_way_out_releases_the_verifier_and_ends_the_sessions(exit_pa
     verifier, drafter = FakeVerifier(), FakeDrafter()
     async with gateway([verifier], drafter) as gw:
         await exit_path(gw)
-        assert gw.pool._in_flight == [0]
+        assert in_flight(gw.pool) == [0]
         await eventually(lambda: len(verifier.outcomes) == 1 and len(drafter.outcomes) == 1)
         assert verifier.outcomes[0] in verifier_outcomes
 
@@ -176,11 +185,11 @@ async def test_concurrent_requests_go_to_the_least_busy_verifier():
     async with gateway(verifiers) as gw:
         tasks = [asyncio.ensure_future(collect(gw)) for _ in verifiers]
         await asyncio.wait_for(asyncio.gather(*(v.hanging.wait() for v in verifiers)), 2)
-        assert gw.pool._in_flight == [1, 1]
+        assert in_flight(gw.pool) == [1, 1]
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        assert gw.pool._in_flight == [0, 0]
+        assert in_flight(gw.pool) == [0, 0]
         await eventually(lambda: [v.outcomes for v in verifiers] == [["cancelled"], ["cancelled"]])
 
 
@@ -194,7 +203,7 @@ async def test_the_least_busy_verifier_counts_other_gateways_sequences():
         assert [gw.pool.busy(0), gw.pool.busy(1)] == [5, 0]
         task = asyncio.ensure_future(collect(gw))
         await asyncio.wait_for(verifiers[1].hanging.wait(), 2)
-        assert gw.pool._in_flight == [0, 1]
+        assert in_flight(gw.pool) == [0, 1]
         assert [gw.pool.busy(0), gw.pool.busy(1)] == [5, 1]
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
@@ -229,7 +238,7 @@ async def test_a_verifier_gone_at_prefill_fails_over_to_the_next_and_is_left_out
     async with gateway([gone, alive], FakeDrafter()) as gw:
         deltas = await collect(gw)
         assert tokens_of(deltas) == TARGET[:10]
-        assert gw.pool._serving == [False, True] and gw.pool._in_flight == [0, 0]
+        assert serving(gw.pool) == [False, True] and in_flight(gw.pool) == [0, 0]
         assert f'speclane:verifiers_serving{{model_name="{MODEL_NAME}"}} 1.0' in gw.metrics.render().decode()
         await collect(gw)
     assert gone.outcomes == ["UNAVAILABLE"] and len(alive.outcomes) == 2
@@ -242,7 +251,7 @@ async def test_with_every_verifier_gone_at_prefill_the_request_is_unavailable():
     async with gateway(verifiers) as gw:
         with pytest.raises(Unavailable):
             await collect(gw)
-        assert gw.pool._in_flight == [0, 0]
+        assert in_flight(gw.pool) == [0, 0]
 
 
 # The public Generate API
@@ -286,7 +295,7 @@ async def test_generate_api_refusals_carry_their_status(tiny_tokenizer, fields, 
             with pytest.raises(grpc.aio.AioRpcError) as raised:
                 [r async for r in stub.Generate(generate_request(**fields))]
             assert raised.value.code() == code
-            assert gw.pool._in_flight == [0] and ctx.limiter.in_flight == 0
+            assert in_flight(gw.pool) == [0] and ctx.limiter.in_flight == 0
 
 
 async def test_cancelling_a_generate_call_cancels_the_sessions(tiny_tokenizer):
@@ -299,7 +308,7 @@ async def test_cancelling_a_generate_call_cancels_the_sessions(tiny_tokenizer):
         call.cancel()
         await eventually(lambda: len(verifier.outcomes) == 1 and len(drafter.outcomes) == 1)
         assert verifier.outcomes == ["cancelled"] and drafter.outcomes[0] in CLOSED
-        assert gw.pool._in_flight == [0] and ctx.limiter.in_flight == 0
+        assert in_flight(gw.pool) == [0] and ctx.limiter.in_flight == 0
 
 
 # Next-round drafts
