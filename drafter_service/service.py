@@ -201,7 +201,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         ended_by = "error"
         try:
             async for request in request_iterator:
-                answers, stepping, numbers = [], [], []
+                answers, stepping = [], {}  # stepping: session number -> (session, its step's budget)
                 for entry in request.entries:
                     try:
                         kind = entry.WhichOneof("kind")
@@ -213,8 +213,9 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
                             session = sessions.get(entry.session)
                             if session is None:
                                 raise Refused(grpc.StatusCode.INVALID_ARGUMENT, "a step of no open session")
-                            stepping.append((session, self._commit(session.proposer, entry.step)))
-                            numbers.append(entry.session)
+                            if entry.session in stepping:
+                                raise Refused(grpc.StatusCode.INVALID_ARGUMENT, "one step per session per message")
+                            stepping[entry.session] = (session, self._commit(session.proposer, entry.step))
                         elif kind == "end":
                             close(entry.session, "ended")
                         else:
@@ -223,8 +224,11 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
                         close(entry.session, "refused")
                         answers.append(drafter_pb2.SessionsResponse.Entry(
                             session=entry.session, code=refused.code.value[0], detail=refused.detail))
+                # A step whose session ended later in the message (a request cancelled as it stepped) is not
+                # drafted: nothing waits for it.
+                live = [(number, step) for number, step in stepping.items() if sessions.get(number) is step[0]]
                 answers += [drafter_pb2.SessionsResponse.Entry(session=number, draft=draft)
-                            for number, draft in zip(numbers, self._draft(stepping))]
+                            for (number, _), draft in zip(live, self._draft([step for _, step in live]))]
                 if answers:
                     yield drafter_pb2.SessionsResponse(entries=answers)
             ended_by = "stream_closed"

@@ -338,3 +338,27 @@ def test_a_refused_session_gets_an_entry_saying_why_and_the_others_go_on():
     assert answers[2].code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
     assert answers[3].code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
     assert answers[0].code == 0 and answers[0].draft.token_ids == [11, 12, 13, 14]
+
+
+def test_a_session_ended_right_after_its_step_costs_the_stream_nothing():
+    """A request cancelled while its step was on its way: the step and the end go out in one message.
+    Nothing waits for that draft; the stream and its other sessions go on."""
+    async def main():
+        async with drafter() as stub:
+            call = stub.Sessions()
+            await call.write(drafter_pb2.SessionsRequest(entries=[
+                entry(0, start(REPEATED * 3, k=4)), entry(1, start(REPEATED * 3, k=4))]))
+            await call.write(drafter_pb2.SessionsRequest(entries=[
+                entry(0, step([], 15)), drafter_pb2.SessionsRequest.Entry(session=0, end=drafter_pb2.End()),
+                entry(1, step([], 15)), entry(1, step([11], 16))]))  # a second step in one message
+            refused = await call.read()
+            await call.write(drafter_pb2.SessionsRequest(entries=[entry(0, start(REPEATED * 3, k=4)),
+                                                                  entry(0, step([], 15))]))
+            after = await call.read()
+            await call.done_writing()
+            return refused, after
+
+    refused, after = asyncio.run(main())
+    # Session 1's second step ends it (one step per session per message); session 0's step gets no draft.
+    assert [(a.session, a.code) for a in refused.entries] == [(1, grpc.StatusCode.INVALID_ARGUMENT.value[0])]
+    assert [(a.session, a.code, list(a.draft.token_ids)) for a in after.entries] == [(0, 0, [11, 12, 13, 14])]

@@ -1,4 +1,4 @@
-"""Fuzzing the drafter's Session API (issue 14), through the real servicer and
+"""Fuzzing the drafter's Session and Sessions APIs, through the real servicer and
 compiled engine on a real in-process gRPC server.
 
 Each example is one session: a start (often malformed: unknown method, k of 0
@@ -14,6 +14,12 @@ Meanwhile witness sessions of a tenant of their own run the same script again
 and again, by suffix decoding and by n-gram lookup, sharing the engine's batched
 steps with the fuzzed ones: their drafts must equal those of a private engine that
 sees only the witness. Afterwards no session is left open on the engine.
+
+On one Sessions stream, messages mix starts, good and bad steps, ends and empty
+entries for a few session numbers (a second start or a second step of a session
+in one message, a step after its session ended, a session ended right after its
+step): each refusal is the contract's, in entry order, and each live step gets
+one well-formed draft.
 """
 
 import asyncio
@@ -42,6 +48,7 @@ ANSWER_SECONDS = 10.0  # any answer slower than this is a hang
 INVALID, PRECONDITION, EXHAUSTED = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION,
                                     grpc.StatusCode.RESOURCE_EXHAUSTED)
 OK = grpc.StatusCode.OK
+CODES = {code.value[0]: code for code in grpc.StatusCode}  # a Sessions refusal's code number -> its status
 ENDED = "ENDED"  # the stream had ended before a write, its status lost
 WITNESS_TENANT = "witness"
 WITNESS_PROMPT = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3, 2, 3, 8, 4, 6]
@@ -325,3 +332,106 @@ def test_sessions(drafter):
 
 async def _active_requests(engine: DraftEngine) -> int:
     return len(engine.core.active_requests())
+
+
+# -- many sessions on one Drafter.Sessions stream ----------------------------------------------------------------
+
+async def _open_sessions(stub):
+    return stub.Sessions()
+
+
+async def _exchange(call, request, reply: bool):
+    await call.write(request)
+    return await asyncio.wait_for(call.read(), ANSWER_SECONDS) if reply else None
+
+
+def check_sessions_stream(portal, stub, data) -> list[str]:
+    """Messages of starts, steps (good and bad), ends and empty entries for a few session numbers;
+    each answer (a draft, or the refusal that ended its session) is the one the contract names."""
+    Entry = drafter_pb2.SessionsRequest.Entry  # noqa: N806 - a message class
+    call = portal.call(_open_sessions, stub)
+    open_sessions: dict[int, list] = {}  # number -> [committed length, k]
+    trace = []
+    try:
+        for _ in range(data.draw(st.integers(1, 5), label="messages")):
+            entries, refusals, stepped = [], [], {}  # stepped: number -> (length after, k, incarnation)
+            for _ in range(data.draw(st.integers(1, 6), label="entries")):
+                number = data.draw(st.integers(0, 3), label="session")
+                kind = data.draw(st.sampled_from(["step"] * 4 + ["start"] * 2 + ["end", "empty", "bad step"]),
+                                 label="kind")
+
+                def refuse(code, number=number, refusals=refusals):
+                    refusals.append((number, code))
+                    open_sessions.pop(number, None)
+
+                if kind == "start":
+                    request, expected = data.draw(starts(), label="start")
+                    entries.append(Entry(session=number, start=request.start))
+                    if number in open_sessions:
+                        refuse(INVALID)
+                    elif expected != {OK}:
+                        (code,) = expected
+                        refuse(code)
+                    else:
+                        open_sessions[number] = [len(request.start.prompt_token_ids),
+                                                 request.start.params.num_speculative_tokens]
+                elif kind == "end":
+                    entries.append(Entry(session=number, end=drafter_pb2.End()))
+                    open_sessions.pop(number, None)
+                elif kind == "empty":
+                    entries.append(Entry(session=number))
+                    refuse(INVALID)
+                else:
+                    commit = data.draw(st.lists(tokens, max_size=12), label="commit")
+                    length = open_sessions.get(number, [0])[0]
+                    claimed, code = length + len(commit), None
+                    if kind == "bad step":
+                        defect = data.draw(st.sampled_from(["negative id", "length", "huge length"]), label="defect")
+                        if defect == "negative id":
+                            commit.append(data.draw(bad_tokens))
+                            claimed, code = claimed + 1, INVALID
+                        else:
+                            claimed, code = (claimed + 1, PRECONDITION) if defect == "length" else (2**64 - 1,
+                                                                                                    PRECONDITION)
+                    entries.append(Entry(session=number, step=drafter_pb2.Step(committed_token_ids=commit,
+                                                                               committed_len=claimed)))
+                    if number not in open_sessions or number in stepped:
+                        refuse(INVALID)
+                    elif code is not None:
+                        refuse(code)
+                    elif claimed > CONFIG.max_session_tokens:
+                        refuse(EXHAUSTED)
+                    else:
+                        open_sessions[number][0] = claimed
+                        stepped[number] = (claimed, open_sessions[number][1], id(open_sessions[number]))
+            # Steps whose session ended (or was refused and started again) later in the message get no draft.
+            drafted = {number: step for number, step in stepped.items()
+                       if number in open_sessions and id(open_sessions[number]) == step[2]}
+            reply = portal.call(_exchange, call, drafter_pb2.SessionsRequest(entries=entries),
+                                bool(refusals or drafted))
+            trace.append(f"{[e.WhichOneof('kind') for e in entries]} -> {len(refusals)} refused, {len(drafted)} drafts")
+            if reply is None:
+                continue
+            assert [(a.session, CODES[a.code]) for a in reply.entries if a.code] == refusals, trace
+            answered = {a.session: a.draft for a in reply.entries if not a.code}
+            assert set(answered) == set(drafted), trace
+            for number, (length, k, _) in drafted.items():
+                check_draft(answered[number], length, k, trace)
+        return trace
+    finally:
+        portal.call(_cancel, call)
+
+
+def test_many_sessions_on_one_stream(drafter):
+    portal, state = drafter
+    traces = []
+
+    @fuzz_settings(200)
+    @given(data=st.data())
+    def run(data):
+        traces.append(check_sessions_stream(portal, state.stub, data))
+
+    run()
+    assert not state.witness_failures, state.witness_failures
+    assert sum("drafts" in line and not line.endswith(" 0 drafts") for trace in traces for line in trace) > 20
+    wait_for(lambda: portal.call(_active_requests, state.engine) <= 1, what="fuzzed sessions ended")

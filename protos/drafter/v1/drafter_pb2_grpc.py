@@ -70,7 +70,9 @@ class DrafterServicer:
         sequences together, so their steps come together), and the answer to it
         carries one entry per step, so a message's cost is paid once per batch.
         The entries of a session mean what Session's messages mean; `end` ends it
-        as half-closing a Session does, and so does the stream's end.
+        as half-closing a Session does, and so does the stream's end. At most one
+        step per session per message (a second is refused); a step whose session
+        ends later in the same message gets no answer.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
