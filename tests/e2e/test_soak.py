@@ -1,4 +1,4 @@
-"""`speclane bench soak`, short: 16 clients for 45 s against a stack it starts itself
+"""`speclane bench soak`, short: 16 clients for 30 s against a stack it starts itself
 (real processes, the real model), with every check of the 10-minute soak: no failed
 request, every service alive, RSS flat after the warm-up, nothing held afterwards.
 And its discovery of a running stack's processes from /proc."""
@@ -17,9 +17,9 @@ SERVICES = ("drafter", "verifier", "gateway")
 
 def test_a_short_soak_passes_every_check(tmp_path):
     out = tmp_path / "soak"
-    # Short requests: several waves of them in 45 s, so the caches fill within the warm-up third.
+    # Short requests: several waves of them in 30 s, so the caches fill within the warm-up third.
     soak = subprocess.run([sys.executable, "-m", "speclane_cli", "bench", "soak", "--concurrency", "16",
-                           "--duration", "45s", "--max-tokens", "32", "--sample-interval", "1.5",
+                           "--duration", "30s", "--max-tokens", "32", "--sample-interval", "1",
                            "--output-dir", str(out)], capture_output=True, text=True, timeout=600)
     assert soak.returncode == 0, soak.stdout[-4000:] + soak.stderr[-4000:]
     report = json.loads((out / "soak.json").read_text())

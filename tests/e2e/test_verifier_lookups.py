@@ -24,7 +24,7 @@ def stack(model_dir, tmp_path_factory):
 
 
 def test_steps_the_verifier_drafts_itself_leave_greedy_output_unchanged(stack):
-    requests = [code_edit_messages(), *humaneval_messages(3), *sharegpt_messages(3)]
+    requests = [code_edit_messages(), *humaneval_messages(2), *sharegpt_messages(1)]
     with GenerationClient(stack.gateway.grpc_address) as client:
         for messages in requests:
             result = client.generate(messages=messages, max_tokens=64, temperature=0.0,
