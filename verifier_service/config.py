@@ -75,9 +75,11 @@ class VerifierConfig:
     trust_remote_code: bool = option(False, "let transformers run the model repository's own code")
     reference_check: str = option("refuse", "at start-up the engine's passes are compared with transformers' "
                                             "reference forward: refuse (to serve a model they differ on) or warn")
-    tuning_cache: bool = option(True, "keep start-up measurements that only choose among equal computations (on "
-                                      "a CPU, the fastest way to multiply each weight shape) in $SPECLANE_HOME/tuning, "
-                                      "keyed by the host, libraries, threads and shapes, so a restart skips them")
+    tuning_cache: bool = option(True, "keep start-up measurements (on a CPU, the fastest way to multiply each "
+                                      "weight shape; what a draft token costs a verify pass) in "
+                                      "$SPECLANE_HOME/tuning, keyed by the host, libraries, threads, model and "
+                                      "code, so a restart skips them; they decide how fast, never what is "
+                                      "computed")
     batch_wait_ms: float = option(10.0, "how long a pass waits for running sequences whose next step is on its "
                                         "way, to batch them together (a tenth of the last pass where that is "
                                         "longer); 0 starts each pass at once")

@@ -8,8 +8,10 @@ The cost also depends on the batch: a CPU pass over one sequence is bound by
 reading the weights, over 32 by compute, where a draft token costs about what
 another sequence's token does. So it is measured at a few batch sizes."""
 
+import pathlib
 import time
 
+from verifier_service import tuning_cache
 from verifier_service.sequence import Draft, GenerationParams
 
 # Batch sizes measured at start-up, and how many times each (the fastest counts: the least noisy).
@@ -48,3 +50,16 @@ def measure_token_costs(engine) -> dict[int, float]:
     return {size: measure_token_cost(engine, size, repeats=repeats, context=MEASURED_CONTEXT)
             for size, repeats in BATCH_SIZES}
 
+
+
+def stored_or_measured_token_costs(engine, key: dict, tuning_dir: pathlib.Path | None) -> tuple[dict[int, float], bool]:
+    """The costs stored under `key` (what the engine's passes depend on beyond this code, whose
+    hash joins it) by an earlier start, or measured now and stored; and whether they were measured."""
+    key = {**key, "code": tuning_cache.code_fingerprint(pathlib.Path(__file__).parent), "sizes": BATCH_SIZES,
+           "context": MEASURED_CONTEXT}
+    stored = tuning_cache.load(tuning_dir, "draft-token-costs", key)
+    if stored is not None:
+        return {int(size): cost for size, cost in stored.items()}, False
+    costs = measure_token_costs(engine)
+    tuning_cache.store(tuning_dir, "draft-token-costs", key, costs)
+    return costs, True

@@ -1,9 +1,10 @@
 """Start-up measurements kept between starts, as Triton and FlashInfer keep
 their autotuning: a result is stored under a hash of everything it depends on
-(the host's CPU, the libraries, the thread count, the shapes measured), so a
-restart on the same host reads it instead of measuring again, and any change
-to those inputs measures afresh. A result is only a choice among ways that
-compute the same thing, so a stale or missing file costs speed, never output."""
+(the host's CPU, the libraries, the thread count, the shapes or the model, the
+code), so a restart on the same host reads it instead of measuring again, and
+any change to those inputs measures afresh. A result only decides how the
+verifier goes about its work (which way to multiply, how long a draft pays),
+never what it computes, so a stale or missing file costs speed, never output."""
 
 import hashlib
 import json
@@ -31,6 +32,21 @@ def host_fingerprint() -> dict:
         fields["processor"] = platform.processor()
     fields["cpus"] = os.cpu_count()
     return fields
+
+
+def file_digest(path: pathlib.Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def code_fingerprint(package: pathlib.Path) -> str:
+    """A hash of a package's code (Python sources and built extensions): a measurement of
+    what the code does is stored under it, so any change to the code measures again."""
+    digest = hashlib.sha256()
+    for path in sorted(package.rglob("*")):
+        if path.suffix in (".py", ".so") and "__pycache__" not in path.parts:
+            digest.update(str(path.relative_to(package)).encode())
+            digest.update(path.read_bytes())
+    return digest.hexdigest()
 
 
 def _path(directory: pathlib.Path, name: str, key: dict) -> pathlib.Path:

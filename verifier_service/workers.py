@@ -5,6 +5,7 @@ broadcasts None (or dies)."""
 
 import argparse
 import json
+import pathlib
 import subprocess
 import sys
 
@@ -18,6 +19,7 @@ from speclane.config import settable_fields
 from speclane.fetch import speclane_home
 from speclane.log import configure_logging
 from speclane.net import free_port
+from verifier_service import tuning_cache
 from verifier_service.batch import Segment, StepPlan
 from verifier_service.block_manager import BlockManager
 from verifier_service.config import VerifierConfig
@@ -39,7 +41,7 @@ from verifier_service.distributed import (
     init_tensor_parallel,
     rank_device,
 )
-from verifier_service.draft_cost import measure_token_costs
+from verifier_service.draft_cost import stored_or_measured_token_costs
 from verifier_service.engine import Engine
 from verifier_service.heads.capture import HiddenStateCapture
 from verifier_service.heads.loading import load_head
@@ -60,7 +62,22 @@ def build_runner(config: VerifierConfig, device: str, tp: TensorParallel | None)
     return ModelRunner(config.model, device, resolve_dtype(config.dtype, device), tp=tp,
                        max_model_len=config.max_model_len, trust_remote_code=config.trust_remote_code,
                        batch_invariant=config.batch_invariant,
-                       tuning_dir=speclane_home() / "tuning" if config.tuning_cache else None)
+                       tuning_dir=tuning_dir(config))
+
+
+def tuning_dir(config: VerifierConfig) -> pathlib.Path | None:
+    return speclane_home() / "tuning" if config.tuning_cache else None
+
+
+def _pass_cost_key(config: VerifierConfig, runner: ModelRunner) -> dict:
+    """What a pass's cost depends on beyond the code: the host, the model and how it is served."""
+    model_config = pathlib.Path(runner.model_dir, "config.json")
+    return {"host": tuning_cache.host_fingerprint(), "torch": torch.__version__, "threads": torch.get_num_threads(),
+            "device": str(runner.device), "dtype": str(runner.dtype), "tp": runner.tp_size,
+            "model": tuning_cache.file_digest(model_config) if model_config.is_file() else runner.model_dir,
+            "batch_invariant": runner.batch_invariant, "attention": runner.backend.name,
+            "head": [config.draft.head_method, config.draft.head_model, config.head_dtype, repr(config.draft.tree)],
+            "max_batch_tokens": config.max_batch_tokens}
 
 
 def _measure_memory(runner: ModelRunner, limits: BatchLimits, block_size: int) -> Memory:
@@ -137,10 +154,13 @@ class Rank0:
             check_against_reference(runner, refuse=config.reference_check == "refuse")
         warm_up(engine)
         # Measured with or without a head: the gateway weighs every draft with it.
-        engine.draft_token_costs = (measure_token_costs(engine) if draft.draft_token_cost is None
-                                    else {1: draft.draft_token_cost})
+        if draft.draft_token_cost is None:
+            engine.draft_token_costs, measured = stored_or_measured_token_costs(
+                engine, _pass_cost_key(config, runner), tuning_dir(config))
+        else:
+            engine.draft_token_costs, measured = {1: draft.draft_token_cost}, False
         log.info("draft_token_cost", cost_by_batch_size=engine.draft_token_costs,
-                 measured=draft.draft_token_cost is None)
+                 source="set" if draft.draft_token_cost is not None else "measured" if measured else "stored")
         if draft.capture_dir:  # after the warm-up, whose prompt is no traffic
             engine.start_capture(HiddenStateCapture(draft.capture_dir, draft.capture_layers,
                                                     runner.model.config.get_text_config()))

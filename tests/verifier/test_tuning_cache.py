@@ -34,3 +34,28 @@ def test_the_host_fingerprint_names_the_cpu():
     fingerprint = tuning_cache.host_fingerprint()
     assert fingerprint["cpus"] >= 1
     assert fingerprint.get("model name") or fingerprint.get("processor") is not None
+
+
+def test_draft_token_costs_are_measured_once_per_key_and_read_back_by_batch_size(tmp_path, monkeypatch):
+    from verifier_service import draft_cost
+
+    measured = []
+    monkeypatch.setattr(draft_cost, "measure_token_costs", lambda engine: measured.append(engine) or {1: 0.06, 32: 0.5})
+    key = {"host": tuning_cache.host_fingerprint(), "model": "abc", "threads": 2}
+    assert draft_cost.stored_or_measured_token_costs("engine", key, tmp_path) == ({1: 0.06, 32: 0.5}, True)
+    assert draft_cost.stored_or_measured_token_costs("engine", key, tmp_path) == ({1: 0.06, 32: 0.5}, False)
+    assert len(measured) == 1
+    assert draft_cost.stored_or_measured_token_costs("engine", {**key, "threads": 1}, tmp_path)[1]
+    assert draft_cost.stored_or_measured_token_costs("engine", key, None)[1]  # no cache: measured every time
+    assert len(measured) == 3
+
+
+def test_the_code_fingerprint_changes_with_any_source_file(tmp_path):
+    (tmp_path / "a.py").write_text("x = 1\n")
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "b.py").write_text("y = 2\n")
+    before = tuning_cache.code_fingerprint(tmp_path)
+    (tmp_path / "notes.txt").write_text("not code")
+    assert tuning_cache.code_fingerprint(tmp_path) == before
+    (tmp_path / "sub" / "b.py").write_text("y = 3\n")
+    assert tuning_cache.code_fingerprint(tmp_path) != before
