@@ -312,16 +312,23 @@ def check_session(portal, stub, data) -> list[str]:
         portal.call(_cancel, call)
 
 
-def test_sessions(drafter):
+def fuzz(drafter, check, examples: int) -> list[list[str]]:
+    """Runs `check(portal, stub, data)` on `examples` generated examples; returns their traces."""
     portal, state = drafter
     traces = []
 
-    @fuzz_settings(300)
+    @fuzz_settings(examples)
     @given(data=st.data())
     def run(data):
-        traces.append(check_session(portal, state.stub, data))
+        traces.append(check(portal, state.stub, data))
 
     run()
+    return traces
+
+
+def test_sessions(drafter):
+    portal, state = drafter
+    traces = fuzz(drafter, check_session, 300)
     wait_for(lambda: state.witness_runs >= 2, what="witness runs")
     assert not state.witness_failures, state.witness_failures
     steps = collections.Counter(step.split(":")[0] for trace in traces for step in trace[1:])
@@ -424,14 +431,7 @@ def check_sessions_stream(portal, stub, data) -> list[str]:
 
 def test_many_sessions_on_one_stream(drafter):
     portal, state = drafter
-    traces = []
-
-    @fuzz_settings(200)
-    @given(data=st.data())
-    def run(data):
-        traces.append(check_sessions_stream(portal, state.stub, data))
-
-    run()
+    traces = fuzz(drafter, check_sessions_stream, 200)
     assert not state.witness_failures, state.witness_failures
     assert sum("drafts" in line and not line.endswith(" 0 drafts") for trace in traces for line in trace) > 20
     wait_for(lambda: portal.call(_active_requests, state.engine) <= 1, what="fuzzed sessions ended")
