@@ -26,19 +26,26 @@ SERVICE_NAME = drafter_pb2.DESCRIPTOR.services_by_name["Drafter"].full_name
 log = structlog.get_logger()
 
 
-def draft_to_proto(draft: CoreDraft, committed_len: int) -> common_pb2.Draft:
+def fill_draft(message: common_pb2.Draft, draft: CoreDraft, committed_len: int) -> None:
+    """Writes the core's draft into `message` in place (a message built apart and then set
+    into its answer would be copied again)."""
     token_ids, parents, probs, score, _, source, step_len, detours = draft
-    return common_pb2.Draft(
-        token_ids=token_ids,
-        parents=() if parents == list(range(-1, len(parents) - 1)) else parents,  # empty means a chain
-        confidences=probs,
-        score=score,
-        committed_len=committed_len,
-        source=CORE_SOURCES.get(source, ""),
-        step_len=step_len,
-        detours=[common_pb2.Detour(position=position, token_id=token, token_ids=tokens, confidences=detour_probs)
-                 for position, token, tokens, detour_probs in detours],
-    )
+    message.token_ids.extend(token_ids)
+    if parents != list(range(-1, len(parents) - 1)):  # empty means a chain
+        message.parents.extend(parents)
+    message.confidences.extend(probs)
+    message.score = score
+    message.committed_len = committed_len
+    message.source = CORE_SOURCES.get(source, "")
+    message.step_len = step_len
+    for position, token, tokens, detour_probs in detours:
+        message.detours.add(position=position, token_id=token, token_ids=tokens, confidences=detour_probs)
+
+
+def draft_to_proto(draft: CoreDraft, committed_len: int) -> common_pb2.Draft:
+    message = common_pb2.Draft()
+    fill_draft(message, draft, committed_len)
+    return message
 
 
 def _has_negative(token_ids) -> bool:
@@ -133,19 +140,17 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
                           f"{self._max_session_tokens} tokens (--max-session-tokens)")
         return budget
 
-    def _draft(self, stepping: list[tuple["_Open", StepBudget]]) -> list[common_pb2.Draft]:
-        """The drafts of a message's steps, in one call to the core."""
+    def _draft(self, stepping: list[tuple["_Open", StepBudget]], messages: list[common_pb2.Draft]) -> None:
+        """Drafts a message's steps in one call to the core, each into its answer's message."""
         if not stepping:
-            return []
+            return
         started = time.perf_counter()
         drafts = propose(self._engine, [(session.proposer, budget) for session, budget in stepping])
         self._metrics.observe_batch(drafts, time.perf_counter() - started)
-        answers = []
-        for (session, _), draft in zip(stepping, drafts):
+        for (session, _), draft, message in zip(stepping, drafts, messages):
             session.steps += 1
             session.drafted += len(draft[0])
-            answers.append(draft_to_proto(draft, session.proposer.committed_len))
-        return answers
+            fill_draft(message, draft, session.proposer.committed_len)
 
     @staticmethod
     async def _refuse(context: grpc.aio.ServicerContext, requests, refused: Refused) -> None:
@@ -178,7 +183,9 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
                     budget = self._commit(session.proposer, request.step)
                 except Refused as refused:
                     await context.abort(refused.code, refused.detail)
-                yield drafter_pb2.SessionResponse(draft=self._draft([(session, budget)])[0])
+                response = drafter_pb2.SessionResponse()
+                self._draft([(session, budget)], [response.draft])
+                yield response
             ended_by = "stream_closed"  # half-closed, or cancelled with the stream ending first
         except asyncio.CancelledError:
             ended_by = "cancelled"
@@ -201,7 +208,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         ended_by = "error"
         try:
             async for request in request_iterator:
-                answers, stepping = [], {}  # stepping: session number -> (session, its step's budget)
+                response, stepping = drafter_pb2.SessionsResponse(), {}  # stepping: number -> (session, budget)
                 for entry in request.entries:
                     try:
                         kind = entry.WhichOneof("kind")
@@ -222,15 +229,14 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
                             raise Refused(grpc.StatusCode.INVALID_ARGUMENT, "empty entry")
                     except Refused as refused:
                         close(entry.session, "refused")
-                        answers.append(drafter_pb2.SessionsResponse.Entry(
-                            session=entry.session, code=refused.code.value[0], detail=refused.detail))
+                        response.entries.add(session=entry.session, code=refused.code.value[0], detail=refused.detail)
                 # A step whose session ended later in the message (a request cancelled as it stepped) is not
                 # drafted: nothing waits for it.
                 live = [(number, step) for number, step in stepping.items() if sessions.get(number) is step[0]]
-                answers += [drafter_pb2.SessionsResponse.Entry(session=number, draft=draft)
-                            for (number, _), draft in zip(live, self._draft([step for _, step in live]))]
-                if answers:
-                    yield drafter_pb2.SessionsResponse(entries=answers)
+                self._draft([step for _, step in live], [response.entries.add(session=number).draft
+                                                         for number, _ in live])
+                if response.entries:
+                    yield response
             ended_by = "stream_closed"
         except asyncio.CancelledError:
             ended_by = "cancelled"

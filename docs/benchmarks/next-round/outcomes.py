@@ -6,11 +6,10 @@ usage: python docs/benchmarks/next-round/outcomes.py TRACES on|off   (TRACES fro
 on|off: with or without detours)"""
 
 import collections
-import dataclasses
 import pathlib
 import sys
 
-from drafter_service.engine import DraftEngine, draft_from_core
+from drafter_service.engine import DraftEngine
 from drafter_service.service import draft_to_proto
 from gateway.next_round import continuations_after, offered_draft, step_part
 from speclane.speculation import SpeculationSettings
@@ -40,8 +39,8 @@ def main() -> None:
         position, committed, offered, missed = 1, list(out[:1]), [], None
         while position < len(out):
             committed_len = len(trace.prompt) + position
-            fresh = draft_from_core(engine.core.step([seq_id], [committed])[0])
-            drafted = draft_to_proto(fresh if detours else dataclasses.replace(fresh, detours=()), committed_len)
+            fresh = engine.core.step([seq_id], [committed])[0]
+            drafted = draft_to_proto(fresh if detours else (*fresh[:7], []), committed_len)
             taken = offered_draft(offered, committed_len, committed[-1])
             if missed is not None:
                 outcomes["ran on an offer" if taken is not None else missed] += 1
