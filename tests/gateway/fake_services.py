@@ -280,9 +280,10 @@ class Gateway:
 
 @contextlib.asynccontextmanager
 async def gateway(verifiers: Sequence[FakeVerifier], drafter: FakeDrafter | None = None, *,
-                  timeout: float = 1.0, retry_seconds: float = 5.0,
+                  timeout: float = 10.0, retry_seconds: float = 5.0,
                   policy: PlannerPolicy = PlannerPolicy()) -> AsyncIterator[Gateway]:
-    """Starts the fakes and the real gateway loop over them (a DrafterClient only with a drafter)."""
+    """Starts the fakes and the real gateway loop over them (a DrafterClient only with a drafter). The
+    drafter's timeout is long unless a test is about it: a loaded CI host must not turn a step into a miss."""
     async with contextlib.AsyncExitStack() as stack:
         addresses = [await stack.enter_async_context(serve(fake.add_to)) for fake in verifiers]
         pool = VerifierPool(tuple(addresses))
