@@ -70,6 +70,16 @@ def resolve_device(
     return "cpu"
 
 
+# vllm-ascend decodes at most 16 tokens per sequence a round (its attention and graph capture sizes): a
+# step's token and 15 draft tokens.
+NPU_MAX_DRAFT_TOKENS = 15
+
+
+def draft_limit(device: str) -> int:
+    """Draft tokens a sequence's step may verify on `device` (0: no limit of the device's)."""
+    return NPU_MAX_DRAFT_TOKENS if device.startswith("npu") else 0
+
+
 def resolve_dtype(requested: str, device: str, *, cuda=torch.cuda) -> torch.dtype:
     """"auto" is fp32 on CPU (bf16 is faster on CPUs with AVX512-BF16, but its
     multi-token passes round differently from one-token steps, so speculation

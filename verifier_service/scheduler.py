@@ -30,6 +30,9 @@ class BatchLimits:
     max_tokens: int = 512  # tokens in one forward pass
     max_sequences: int = 64
     max_queue_wait: float = 30.0  # seconds a sequence may wait for KV before RESOURCE_EXHAUSTED
+    # Draft tokens one sequence's step may verify (0: no limit beyond the pass's): a device whose kernels
+    # take at most so many tokens per sequence a pass (device.draft_limit) gets its drafts cut to fit.
+    max_draft_tokens: int = 0
 
 
 @dataclass(eq=False)
@@ -136,7 +139,10 @@ class Scheduler:
         final = chunk == pending
         # A linear-attention state is kept per step node, not per prompt token: drafts go with single-token steps.
         drafts = final and (pending == 1 or not self.keeps_states)
-        draft = work.draft.trimmed(tokens_left - chunk, seq.max_draft_depth()) if drafts else Draft()
+        allowed = tokens_left - chunk
+        if self.limits.max_draft_tokens:
+            allowed = min(allowed, self.limits.max_draft_tokens)
+        draft = work.draft.trimmed(allowed, seq.max_draft_depth()) if drafts else Draft()
         base = seq.num_cached + chunk
         while not self.blocks.grow(seq.blocks, base + len(draft.token_ids)):
             room = self.blocks.reachable(seq.blocks) - base

@@ -25,6 +25,7 @@ from verifier_service.block_manager import BlockManager
 from verifier_service.config import VerifierConfig
 from verifier_service.device import (
     Memory,
+    draft_limit,
     free_memory_bytes,
     kv_cache_blocks,
     resolve_device,
@@ -63,6 +64,19 @@ def build_runner(config: VerifierConfig, device: str, tp: TensorParallel | None)
                        max_model_len=config.max_model_len, trust_remote_code=config.trust_remote_code,
                        batch_invariant=config.batch_invariant,
                        tuning_dir=tuning_dir(config))
+
+
+def batch_limits(config: VerifierConfig, device: str) -> BatchLimits:
+    """The engine's limits on a pass, with the device's own on a step's draft (warned of once, at start)."""
+    limits = BatchLimits(config.max_batch_tokens, config.max_batch_sequences, config.max_queue_wait,
+                         draft_limit(device))
+    if limits.max_draft_tokens:
+        log.warning("draft_tokens_cut", device=device, max_draft_tokens=limits.max_draft_tokens,
+                    setting="num_speculative_tokens",
+                    action=f"each step verifies at most {limits.max_draft_tokens} draft tokens of a sequence (this "
+                           f"device takes at most {limits.max_draft_tokens + 1} tokens per sequence a pass, as in "
+                           "vllm-ascend); longer drafts and trees are cut, never rejected")
+    return limits
 
 
 def tuning_dir(config: VerifierConfig) -> pathlib.Path | None:
@@ -133,7 +147,7 @@ class Rank0:
         head = (load_head(draft.head_method, draft.head_model, runner,
                           resolve_head_precision(config.head_dtype, runner.device.type, runner.dtype), draft.tree)
                 if draft.head_method else None)
-        limits = BatchLimits(config.max_batch_tokens, config.max_batch_sequences, config.max_queue_wait)
+        limits = batch_limits(config, str(runner.device))
         block_bytes = runner.kv_bytes_per_token * config.kv_block_size
         num_blocks = kv_cache_blocks(accelerator=runner.device.type != "cpu", block_bytes=block_bytes,
                                      memory=_measure_memory(runner, limits, config.kv_block_size),

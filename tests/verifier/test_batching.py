@@ -2,6 +2,8 @@
 and prefill stages share forward passes and still decode exactly as alone."""
 
 import pytest
+import structlog
+import structlog.testing
 
 from verifier_service.scheduler import BatchLimits
 from verifier_service.sequence import Draft, GenerationParams
@@ -85,3 +87,33 @@ def test_each_answer_reports_how_many_sequences_ran_when_its_pass_did(runner):
     engine.close(first)
     assert engine.run(second).num_running == 1
     engine.close(second)
+
+
+def test_a_devices_draft_limit_cuts_drafts_and_keeps_the_output(runner, hf_model):
+    """On an NPU a step verifies at most 15 draft tokens of a sequence (vllm-ascend's 16 tokens a
+    pass; 3 here): longer drafts are cut to fit, and greedy output is unchanged."""
+    passes = []
+    engine = make_engine(runner, limits=BatchLimits(max_draft_tokens=3), on_step=passes.append)
+    refs = [reference(hf_model, p, 12) for p in PROMPTS]
+    drafters = [lambda future: future[:8], lambda future: future[:6], lambda future: [wrong(t) for t in future[:5]],
+                lambda future: future[:1]]
+    seqs = run_together(engine, PROMPTS, refs, drafters, 12)
+    for seq, ref, prompt in zip(seqs, refs, PROMPTS):
+        assert seq.tokens[len(prompt):] == ref
+    # No pass verified more than 3 draft tokens a sequence (uncut, the first passes would hold 8 + 6 + 5 + 1).
+    assert all(p.num_draft_tokens <= 3 * p.num_sequences for p in passes)
+    assert any(p.num_draft_tokens == 3 * p.num_sequences for p in passes)
+
+
+@pytest.mark.parametrize("device, limit", [("npu", 15), ("npu:3", 15), ("cpu", 0), ("cuda:0", 0)])
+def test_only_an_npu_limits_a_steps_draft_and_says_so_once_at_start(tiny_model_dir, device, limit):
+    from verifier_service.config import VerifierConfig
+    from verifier_service.workers import batch_limits
+
+    with structlog.testing.capture_logs() as logs:
+        limits = batch_limits(VerifierConfig(model=tiny_model_dir), device)
+    assert limits.max_draft_tokens == limit
+    warned = [entry for entry in logs if entry["event"] == "draft_tokens_cut"]
+    assert len(warned) == (1 if limit else 0)
+    if limit:
+        assert warned[0]["setting"] == "num_speculative_tokens" and "vllm-ascend" in warned[0]["action"]
