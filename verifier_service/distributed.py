@@ -1,5 +1,5 @@
 """Tensor parallelism: N ranks, each a process holding 1/N of every layer
-(transformers' tp_plan="auto"). Rank 0 serves gRPC, schedules and samples;
+(transformers' DistributedConfig(tp_size=N): the model's own TP plan). Rank 0 serves gRPC, schedules and samples;
 it broadcasts each StepPlan and the other ranks run it in lockstep.
 
 We create the process group ourselves before transformers loads the model,

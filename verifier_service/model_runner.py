@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import structlog
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
+from transformers.distributed import DistributedConfig
 
 from verifier_service.attention import ATTENTION_NAME, PassContext, select_backend
 from verifier_service.attention import register as register_attention
@@ -99,7 +100,7 @@ class ModelRunner:
             raise UnsupportedModel(problem)
         kwargs = {"dtype": dtype, "attn_implementation": register_attention(), "trust_remote_code": trust_remote_code}
         if tp is not None:
-            kwargs["tp_plan"] = "auto"
+            kwargs["distributed_config"] = DistributedConfig(tp_size=tp.world_size)  # the model's own TP plan
         model = AutoModelForCausalLM.from_pretrained(model_dir, **kwargs)
         self.model = (model if tp is not None else model.to(self.device)).eval()
         # A pass's rows multiply up to 4x faster in the way timed fastest for their count on a CPU (cpu_linear.py).

@@ -115,23 +115,39 @@ async def _generate_with_head(port: int, prompt: list[int], k: int) -> tuple[int
         return info.tensor_parallel_size, tokens, accepted, trees
 
 
+def _llama():
+    from transformers import LlamaConfig
+
+    return LlamaConfig(vocab_size=96, hidden_size=48, intermediate_size=96, num_hidden_layers=4,
+                       num_attention_heads=6, num_key_value_heads=3, max_position_embeddings=128,
+                       initializer_range=0.5, eos_token_id=2)
+
+
+def _qwen3():
+    from transformers import Qwen3Config
+
+    return Qwen3Config(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                       num_attention_heads=8, num_key_value_heads=4, head_dim=8, max_position_embeddings=128,
+                       initializer_range=0.5, eos_token_id=2)
+
+
 @pytest.mark.e2e
-@pytest.mark.parametrize("tree", [{}, {"eagle_topk": 3, "num_draft_tokens": 6}], ids=["chains", "trees"])
-def test_three_ranks_with_an_eagle3_head_on_rank_0_give_the_plain_greedy_tokens(tmp_path, tree):
+@pytest.mark.parametrize("target, ranks, tree", [
+    (_llama, 3, {}), (_llama, 3, {"eagle_topk": 3, "num_draft_tokens": 6}),
+    (_qwen3, 4, {}),  # the production shape: Qwen3 at TP = 4
+], ids=["chains", "trees", "qwen3-tp4"])
+def test_ranks_with_an_eagle3_head_on_rank_0_give_the_plain_greedy_tokens(tmp_path, target, ranks, tree):
     """The head runs on rank 0 from the replicated hidden states; the whole
     embedding and lm_head come from the checkpoint, not the rank's shards."""
     import json
 
     import torch
-    from transformers import AutoModelForCausalLM, LlamaConfig
+    from transformers import AutoModelForCausalLM
 
     from tests.heads_support import write_random_head
 
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=96, hidden_size=48, intermediate_size=96, num_hidden_layers=4,
-                         num_attention_heads=6, num_key_value_heads=3, max_position_embeddings=128,
-                         initializer_range=0.5, eos_token_id=2)
-    model = AutoModelForCausalLM.from_config(config).eval()
+    model = AutoModelForCausalLM.from_config(target()).eval()
     model.save_pretrained(tmp_path / "target")
     head_dir = write_random_head("eagle3", tmp_path / "target", tmp_path / "head")
     prompt = [5, 9, 11, 20, 7, 30]
@@ -141,7 +157,7 @@ def test_three_ranks_with_an_eagle3_head_on_rank_0_give_the_plain_greedy_tokens(
     port = free_port()
     server = subprocess.Popen([sys.executable, "-m", "verifier_service", "--model", str(tmp_path / "target"),
                                "--device", "cpu", "--address", f"127.0.0.1:{port}", "--threads", "1",
-                               "--tensor-parallel-size", "3", "--num-gpu-blocks-override", "64",
+                               "--tensor-parallel-size", str(ranks), "--num-gpu-blocks-override", "64",
                                "--log-level", "warning",
                                "--speculative-config", json.dumps({"method": "eagle3", "model": str(head_dir), **tree}),
                                # Every head draft as deep as k, whatever this host's measured cost of a draft token.
@@ -151,6 +167,6 @@ def test_three_ranks_with_an_eagle3_head_on_rank_0_give_the_plain_greedy_tokens(
     finally:
         server.terminate()
         assert server.wait(60) == 0
-    assert tp_size == 3
+    assert tp_size == ranks
     assert tokens == expected
     assert (trees > 0) == bool(tree)
