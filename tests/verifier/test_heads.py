@@ -455,3 +455,68 @@ def test_a_head_drafts_less_when_more_sequences_share_the_verify_pass(head_engin
         head_engine.close(other)
     assert len(head_engine.verify(seq, Draft()).head_draft) == 3  # alone
     head_engine.close(seq)
+
+
+@pytest.mark.parametrize("layout", ["deepseek_mtp", "qwen3_next_mtp"])
+def test_an_mtp_head_reads_only_the_mtp_layer_of_the_targets_checkpoint(tmp_path, target_dir, layout, monkeypatch):
+    """A DeepSeek-V3 target is about 700 GB: the MTP layer is read, the target's own layers never are."""
+    import shutil
+
+    import safetensors
+
+    from verifier_service.heads import checkpoint as checkpoint_module
+
+    target = tmp_path / "target"
+    shutil.copytree(target_dir, target)
+    add_mtp_layer(target, seed=2)
+    _, config = random_head("mtp", target, seed=2)
+    deepseek = f"model.layers.{config['num_hidden_layers']}."
+    if layout == "qwen3_next_mtp":
+        prefix, renames = MTP_LAYOUTS[layout]
+        tensors = load_file(target / "model.safetensors")
+        for key in [k for k in tensors if k.startswith(deepseek)]:
+            inner = key[len(deepseek):]
+            frm = next(f for f in renames if inner.startswith(f))
+            tensors[prefix + renames[frm] + inner[len(frm):]] = tensors.pop(key)
+        save_file(tensors, target / "model.safetensors")
+    own = "mtp." if layout == "qwen3_next_mtp" else deepseek
+    read = []
+    real_open = safetensors.safe_open
+
+    class Counting:
+        def __init__(self, *args, **kwargs):
+            self._file = real_open(*args, **kwargs)
+
+        def __enter__(self):
+            self._inner = self._file.__enter__()
+            return self
+
+        def __exit__(self, *exc):
+            return self._file.__exit__(*exc)
+
+        def keys(self):
+            return self._inner.keys()
+
+        def get_tensor(self, name):
+            read.append(name)
+            return self._inner.get_tensor(name)
+
+    monkeypatch.setattr(checkpoint_module, "safe_open", Counting)
+    assert read_head(target, "deepseek_mtp", config).layout == layout
+    assert read and all(name.startswith(own) for name in read)
+    assert len(read) < len(load_file(target / "model.safetensors"))
+
+
+def test_an_mtp_layer_with_moe_experts_is_refused_by_name(tmp_path, target_dir):
+    import shutil
+    target = tmp_path / "target"
+    shutil.copytree(target_dir, target)
+    add_mtp_layer(target, seed=2)
+    _, config = random_head("mtp", target, seed=2)
+    tensors = load_file(target / "model.safetensors")
+    layer = f"model.layers.{config['num_hidden_layers']}."
+    tensors[layer + "mlp.experts.0.gate_proj.weight"] = torch.zeros(4, 4)  # as DeepSeek-V3's MTP layer has
+    tensors[layer + "mlp.gate.weight"] = torch.zeros(2, 4)
+    save_file(tensors, target / "model.safetensors")
+    with pytest.raises(CheckpointError, match="MoE experts and an MoE router; speclane's MTP head runs a dense"):
+        read_head(target, "deepseek_mtp", config)

@@ -13,6 +13,7 @@ missing or unexpected tensors is refused with their names."""
 import json
 import pathlib
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -54,13 +55,28 @@ class HeadCheckpoint:
     hidden_first: bool = False  # mtp, MiMo
 
 
-def read_tensors(directory: pathlib.Path) -> dict[str, torch.Tensor]:
+def tensor_names(directory: pathlib.Path) -> list[str]:
+    """The checkpoint's tensor names, from the safetensors headers alone (a .bin checkpoint is read whole)."""
+    files = sorted(directory.glob("*.safetensors"))
+    if not files:
+        return list(read_tensors(directory))
+    names = []
+    for path in files:
+        with safe_open(path, "pt") as f:
+            names += f.keys()
+    return names
+
+
+def read_tensors(directory: pathlib.Path, wanted: Callable[[str], bool] = lambda name: True
+                 ) -> dict[str, torch.Tensor]:
+    """The tensors whose names are `wanted`; from safetensors only those are read (an MTP layer out of
+    a target's hundreds of GB)."""
     files = sorted(directory.glob("*.safetensors"))
     if files:
         tensors = {}
         for path in files:
             with safe_open(path, "pt") as f:
-                tensors.update({key: f.get_tensor(key) for key in f.keys()})
+                tensors.update({key: f.get_tensor(key) for key in f.keys() if wanted(key)})
         return tensors
     bins = sorted(directory.glob("pytorch_model*.bin"))
     if not bins:
@@ -68,7 +84,7 @@ def read_tensors(directory: pathlib.Path) -> dict[str, torch.Tensor]:
     tensors = {}
     for path in bins:
         tensors.update(torch.load(path, map_location="cpu", weights_only=True))
-    return tensors
+    return {key: value for key, value in tensors.items() if wanted(key)}
 
 
 def _config(directory: pathlib.Path) -> dict:
@@ -122,16 +138,30 @@ def detect_layout(keys) -> str:
                           "eh_proj / mtp.fc / mtp_layers)")
 
 
-def _mtp_tensors(tensors: dict, layout: str) -> dict[str, torch.Tensor]:
-    pattern, renames, _ = _MTP_PREFIXES[layout]
-    if layout == "deepseek_mtp":  # the MTP layer is the one with eh_proj; the target's own layers stay out
-        index = min(int(m.group(1)) for k in tensors if (m := re.match(r"model\.layers\.(\d+)\.eh_proj\.", k)))
+def _mtp_prefix(names, layout: str) -> str:
+    """The pattern of the MTP layer's tensor names (DeepSeek's: the first layer with eh_proj; the
+    target's own layers stay out)."""
+    pattern = _MTP_PREFIXES[layout][0]
+    if layout == "deepseek_mtp":
+        index = min(int(m.group(1)) for k in names if (m := re.match(r"model\.layers\.(\d+)\.eh_proj\.", k)))
         pattern = rf"model\.layers\.{index}\."
+    return pattern
+
+
+# What marks an MTP layer our dense layer cannot run: (a tensor name's part, what it is).
+_UNSUPPORTED_MTP = (("mlp.experts.", "MoE experts"), ("mlp.gate.weight", "an MoE router"),
+                    ("self_attn.kv_a_proj_with_mqa.", "MLA attention"), ("linear_attn.", "linear attention"))
+
+
+def _mtp_tensors(tensors: dict, layout: str, pattern: str) -> dict[str, torch.Tensor]:
     own = {}
     for key, value in tensors.items():
         if m := re.match(pattern, key):
             own[key[m.end():]] = value
-    renamed = _renamed(own, renames)
+    if found := sorted({what for part, what in _UNSUPPORTED_MTP for key in own if part in key}):
+        raise CheckpointError(f"the {layout} layer has {' and '.join(found)}; speclane's MTP head runs a dense "
+                              "decoder layer only (DeepSeek-V3, GLM-4.5 and Qwen3-Next MTP are not supported yet)")
+    renamed = _renamed(own, _MTP_PREFIXES[layout][1])
     return {(k if k.startswith(_MTP_OWN) or k in _SHARED_WITH_TARGET else "layer." + k): v
             for k, v in renamed.items()}
 
@@ -143,29 +173,33 @@ def read_head(directory: str | pathlib.Path, method: str, target_config: dict) -
     kind = METHOD_KINDS.get(method)
     if kind is None:
         raise CheckpointError(f"method {method!r} has no head; expected one of {', '.join(METHOD_KINDS)}")
-    tensors = read_tensors(directory)
-    layout = detect_layout(tensors)
+    names = tensor_names(directory)
+    layout = detect_layout(names)
     layout_kind = "mtp" if layout.endswith("_mtp") else layout
     if layout_kind != kind:
         raise CheckpointError(f"{directory} holds a {layout} head, not one for method {method!r}")
-    config = _config(directory) if kind != "mtp" else {}
+    if kind == "mtp":  # the target's own directory: only the MTP layer is read
+        pattern = _mtp_prefix(names, layout)
+        tensors = _mtp_tensors(read_tensors(directory, lambda name: re.match(pattern, name) is not None), layout,
+                               pattern)
+        shape = _shape({}, target_config, tensors, "layer.", layout == "qwen3_next_mtp")
+        return HeadCheckpoint(kind, layout, shape, tensors, hidden_first=_MTP_PREFIXES[layout][2])
+    tensors = read_tensors(directory)
+    config = _config(directory)
     if kind == "eagle":
         tensors = _renamed(tensors, {"layers.0.": "layer."})
         return HeadCheckpoint(kind, layout, _shape(config, target_config, tensors, "layer.", False), tensors)
-    if kind == "eagle3":
-        if config.get("norm_before_fc"):
-            raise CheckpointError(f"{directory}: norm_before_fc (a norm over the aux hidden states before fc) is "
-                                  "not supported")
-        tensors = _renamed(_renamed(tensors, {"layers.0.": "midlayer."}),
-                           {"midlayer.input_layernorm.": "input_layernorm.", "midlayer.hidden_norm.": "hidden_norm."})
-        ids = (config.get("eagle_aux_hidden_state_layer_ids")  # vLLM's and speculators' place for them
-               or (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids"))
-        aux = tuple(ids) if ids else default_aux_layers(target_config["num_hidden_layers"])
-        return HeadCheckpoint(kind, layout, _shape(config, target_config, tensors, "midlayer.", False), tensors, aux,
-                              norm_before_residual=bool(config.get("norm_before_residual")))
-    tensors = _mtp_tensors(tensors, layout)
-    shape = _shape({}, target_config, tensors, "layer.", layout == "qwen3_next_mtp")
-    return HeadCheckpoint(kind, layout, shape, tensors, hidden_first=_MTP_PREFIXES[layout][2])
+    # eagle3
+    if config.get("norm_before_fc"):
+        raise CheckpointError(f"{directory}: norm_before_fc (a norm over the aux hidden states before fc) is "
+                              "not supported")
+    tensors = _renamed(_renamed(tensors, {"layers.0.": "midlayer."}),
+                       {"midlayer.input_layernorm.": "input_layernorm.", "midlayer.hidden_norm.": "hidden_norm."})
+    ids = (config.get("eagle_aux_hidden_state_layer_ids")  # vLLM's and speculators' place for them
+           or (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids"))
+    aux = tuple(ids) if ids else default_aux_layers(target_config["num_hidden_layers"])
+    return HeadCheckpoint(kind, layout, _shape(config, target_config, tensors, "midlayer.", False), tensors, aux,
+                          norm_before_residual=bool(config.get("norm_before_residual")))
 
 
 def build_head(checkpoint: HeadCheckpoint, embed_weight: torch.Tensor, lm_head_weight: torch.Tensor) -> Head:
