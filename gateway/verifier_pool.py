@@ -138,7 +138,7 @@ async def resolve(target: str) -> set[str]:
     host, _, port = target.removeprefix(DNS_SCHEME).rpartition(":")
     try:
         infos = await asyncio.get_running_loop().getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
-    except socket.gaierror:
+    except (OSError, UnicodeError):  # no answer, or a name DNS cannot carry: keep what is known
         return set()
     return {f"[{info[4][0]}]:{port}" if info[0] == socket.AF_INET6 else f"{info[4][0]}:{port}" for info in infos}
 
