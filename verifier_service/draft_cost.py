@@ -51,7 +51,6 @@ def measure_token_costs(engine) -> dict[int, float]:
             for size, repeats in BATCH_SIZES}
 
 
-
 def stored_or_measured_token_costs(engine, key: dict, tuning_dir: pathlib.Path | None) -> tuple[dict[int, float], bool]:
     """The costs stored under `key` (what the engine's passes depend on beyond this code, whose
     hash joins it) by an earlier start, or measured now and stored; and whether they were measured."""
