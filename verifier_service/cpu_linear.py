@@ -28,7 +28,6 @@ about 9 s for SmolLM2 on two cores, so their choices are kept between starts
 """
 
 import bisect
-import hashlib
 import math
 import pathlib
 import time
@@ -194,7 +193,7 @@ def ways_key(linears: list["MeasuredLinear"]) -> dict:
     """What the measured choices depend on: the host, the libraries and our
     kernel's build, the threads, and the layers' shapes in a pass's order."""
     return {"host": tuning_cache.host_fingerprint(), "torch": torch.__version__,
-            "kernels": hashlib.sha256(pathlib.Path(_cpu_kernels.__file__).read_bytes()).hexdigest(),
+            "kernels": tuning_cache.file_digest(pathlib.Path(_cpu_kernels.__file__)),
             "threads": torch.get_num_threads(), "rows": MEASURED_ROWS, "ways": [way.__name__ for way in WAYS],
             "shapes": [list(linear.weight.shape) for linear in linears]}
 
