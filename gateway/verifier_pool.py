@@ -230,7 +230,7 @@ class VerifierPool:
     def attach_metrics(self, metrics: GatewayMetrics) -> None:
         """Sequences report their timings, and /metrics the verifiers' load, to `metrics`."""
         self._metrics = metrics
-        metrics.add_verifiers_serving(lambda: sum(v.serving for v in self._verifiers.values() if not v.gone))
+        metrics.add_verifiers_serving(lambda: len(self._up()))
         metrics.add_verifier_loads(self.loads)
 
     def busy(self, number: int) -> int:
@@ -270,8 +270,12 @@ class VerifierPool:
             self._affinity.forget(number)  # a restarted verifier has an empty cache
         verifier.serving = False
 
+    def _up(self) -> list[int]:
+        """The numbers of the verifiers that take new sequences: serving, and still resolved."""
+        return [number for number, v in self._verifiers.items() if v.serving and not v.gone]
+
     def _serving_numbers(self) -> list[int]:
-        serving = [number for number, v in self._verifiers.items() if v.serving and not v.gone]
+        serving = self._up()
         if not serving:
             raise Unavailable("no verifier is serving right now; retry shortly")
         return serving
@@ -299,7 +303,7 @@ class VerifierPool:
     async def num_serving(self) -> int:
         """How many verifiers answer their health check with SERVING right now."""
         await self.check()
-        return sum(v.serving and not v.gone for v in self._verifiers.values())
+        return len(self._up())
 
     async def refresh_loads(self, timeout_seconds: float = 5.0) -> None:
         """Asks every verifier for its load; one that does not answer is left out (and logged once)."""
@@ -327,7 +331,7 @@ class VerifierPool:
     async def ready(self) -> bool:
         """True when at least one verifier reports SERVING."""
         await self.check()
-        return any(v.serving and not v.gone for v in self._verifiers.values())
+        return bool(self._up())
 
     async def wait_ready(self, poll_seconds: float = 0.5) -> None:
         while True:
