@@ -55,36 +55,37 @@ class HeadCheckpoint:
     hidden_first: bool = False  # mtp, MiMo
 
 
-def tensor_names(directory: pathlib.Path) -> list[str]:
-    """The checkpoint's tensor names, from the safetensors headers alone (a .bin checkpoint is read whole)."""
-    files = sorted(directory.glob("*.safetensors"))
-    if not files:
-        return list(read_tensors(directory))
-    names = []
-    for path in files:
-        with safe_open(path, "pt") as f:
-            names += f.keys()
-    return names
+class _Tensors:
+    """A checkpoint's tensors: their names from the safetensors headers alone, and the
+    tensors themselves read only where wanted (an MTP layer out of a target's hundreds
+    of GB). A .bin checkpoint has no such headers: it is read whole, once."""
 
+    def __init__(self, directory: pathlib.Path):
+        self._files = sorted(directory.glob("*.safetensors"))
+        self._loaded: dict[str, torch.Tensor] | None = None
+        if not self._files:
+            bins = sorted(directory.glob("pytorch_model*.bin"))
+            if not bins:
+                raise CheckpointError(f"{directory} has no *.safetensors or pytorch_model*.bin file")
+            self._loaded = {}
+            for path in bins:
+                self._loaded.update(torch.load(path, map_location="cpu", weights_only=True))
+            self.names = list(self._loaded)
+            return
+        self.names = []
+        for path in self._files:
+            with safe_open(path, "pt") as f:
+                self.names += f.keys()
 
-def read_tensors(directory: pathlib.Path, wanted: Callable[[str], bool] = lambda name: True
-                 ) -> dict[str, torch.Tensor]:
-    """The tensors whose names are `wanted`; from safetensors only those are read (an MTP layer out of
-    a target's hundreds of GB)."""
-    files = sorted(directory.glob("*.safetensors"))
-    if files:
+    def read(self, wanted: Callable[[str], bool] = lambda name: True) -> dict[str, torch.Tensor]:
+        """The tensors whose names are `wanted`."""
+        if self._loaded is not None:
+            return {key: value for key, value in self._loaded.items() if wanted(key)}
         tensors = {}
-        for path in files:
+        for path in self._files:
             with safe_open(path, "pt") as f:
                 tensors.update({key: f.get_tensor(key) for key in f.keys() if wanted(key)})
         return tensors
-    bins = sorted(directory.glob("pytorch_model*.bin"))
-    if not bins:
-        raise CheckpointError(f"{directory} has no *.safetensors or pytorch_model*.bin file")
-    tensors = {}
-    for path in bins:
-        tensors.update(torch.load(path, map_location="cpu", weights_only=True))
-    return {key: value for key, value in tensors.items() if wanted(key)}
 
 
 def _config(directory: pathlib.Path) -> dict:
@@ -173,18 +174,17 @@ def read_head(directory: str | pathlib.Path, method: str, target_config: dict) -
     kind = METHOD_KINDS.get(method)
     if kind is None:
         raise CheckpointError(f"method {method!r} has no head; expected one of {', '.join(METHOD_KINDS)}")
-    names = tensor_names(directory)
-    layout = detect_layout(names)
+    checkpoint = _Tensors(directory)
+    layout = detect_layout(checkpoint.names)
     layout_kind = "mtp" if layout.endswith("_mtp") else layout
     if layout_kind != kind:
         raise CheckpointError(f"{directory} holds a {layout} head, not one for method {method!r}")
     if kind == "mtp":  # the target's own directory: only the MTP layer is read
-        pattern = _mtp_prefix(names, layout)
-        tensors = _mtp_tensors(read_tensors(directory, lambda name: re.match(pattern, name) is not None), layout,
-                               pattern)
+        pattern = _mtp_prefix(checkpoint.names, layout)
+        tensors = _mtp_tensors(checkpoint.read(lambda name: re.match(pattern, name) is not None), layout, pattern)
         shape = _shape({}, target_config, tensors, "layer.", layout == "qwen3_next_mtp")
         return HeadCheckpoint(kind, layout, shape, tensors, hidden_first=_MTP_PREFIXES[layout][2])
-    tensors = read_tensors(directory)
+    tensors = checkpoint.read()
     config = _config(directory)
     if kind == "eagle":
         tensors = _renamed(tensors, {"layers.0.": "layer."})
