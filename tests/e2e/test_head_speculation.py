@@ -93,7 +93,7 @@ def eagle3_stack(model_dir, tmp_path_factory):
 def test_the_shipped_eagle3_head_keeps_greedy_output_and_is_accepted(eagle3_stack, prompts):
     # Hybrid before eagle3: once a prompt has been answered, the drafter's global tree holds that very
     # output, and hybrid rightly verifies its suffix drafts alone.
-    totals = assert_lossless(eagle3_stack.gateway.grpc_address, prompts, ["hybrid", "eagle3"], 4)
+    totals = assert_lossless(eagle3_stack.gateway.grpc_address, prompts[::2], ["hybrid", "eagle3"], 4)
     eagle3 = totals["eagle3"]
     # A trained head: more than one token per verify step on average.
     tokens = sum(usage.accepted_tokens + usage.verify_steps for usage in eagle3)
