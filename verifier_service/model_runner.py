@@ -14,6 +14,7 @@ from transformers.distributed import DistributedConfig
 
 from verifier_service.attention import ATTENTION_NAME, PassContext, select_backend
 from verifier_service.attention import register as register_attention
+from verifier_service.attention.ascend import unsupported as ascend_unsupported
 from verifier_service.attention.mla import is_mla, latent_geometry, serve_latent
 from verifier_service.batch import StepPlan, pass_inputs
 from verifier_service.batch_invariant import make_invariant
@@ -52,9 +53,12 @@ LINEAR_ATTENTION = "linear_attention"
 _GATED_DELTANET_MODELS = ("qwen3_next", "qwen3_5_text")
 
 
-def unsupported(text_config, tp_size: int = 1) -> str | None:
-    """Why the engine cannot serve this decoder correctly, in one line, or None."""
+def unsupported(text_config, tp_size: int = 1, device_type: str = "cpu") -> str | None:
+    """Why the engine cannot serve this decoder correctly (on this kind of device), in one line, or None."""
     name = getattr(text_config, "model_type", "this model")
+    problem = ascend_unsupported(text_config) if device_type == "npu" else None
+    if problem:
+        return problem
     kinds = set(getattr(text_config, "layer_types", None) or ())
     if name in _GATED_DELTANET_MODELS:
         if tp_size > 1 and LINEAR_ATTENTION in kinds:
@@ -95,7 +99,7 @@ class ModelRunner:
         self.dtype = dtype
         self.tp = tp
         problem = unsupported(AutoConfig.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
-                              .get_text_config(), tp.world_size if tp is not None else 1)
+                              .get_text_config(), tp.world_size if tp is not None else 1, self.device.type)
         if problem:
             raise UnsupportedModel(problem)
         kwargs = {"dtype": dtype, "attn_implementation": register_attention(), "trust_remote_code": trust_remote_code}
@@ -113,7 +117,7 @@ class ModelRunner:
         heads = text_config.num_attention_heads // self.tp_size
         self.batch_invariant = make_invariant(batch_invariant, self.model, self.device, dtype, tp is not None,
                                               (heads, g.kv_heads, g.key_dim))
-        self.backend = select_backend(self.device, dtype, self.batch_invariant, heads, g.key_dim)
+        self.backend = select_backend(self.device, dtype, self.batch_invariant, heads, g.kv_heads, g.key_dim)
         self.kv_bytes_per_token = g.bytes_per_token(dtype)
         self.cache: PagedKVCache | None = None  # allocated once the KV budget is known (allocate_cache)
         for module in self.model.modules():
@@ -157,7 +161,8 @@ class ModelRunner:
         """A message from rank 0 (on a follower rank, every message)."""
         if isinstance(message, AllocateCache):
             self.cache = self.states = None  # the old memory goes first
-            self.cache = PagedKVCache(self.geometry, message.num_blocks, message.block_size, self.dtype, self.device)
+            self.cache = PagedKVCache(self.geometry, message.num_blocks, message.block_size, self.dtype, self.device,
+                                      split=self.backend.split_kv)
             if self.linear_layers:
                 self.states = LinearStates(self.linear_layers, max(message.num_state_slots, 1), self.dtype,
                                            self.device)

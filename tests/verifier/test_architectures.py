@@ -11,6 +11,7 @@ import functools
 import os
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import grpc
 import pytest
@@ -20,17 +21,21 @@ from transformers import AutoModelForCausalLM
 from protos.common.v1 import common_pb2
 from protos.verifier.v1 import verifier_pb2, verifier_pb2_grpc
 from speclane.net import free_port
+from verifier_service.attention import ascend, select_backend
 from verifier_service.attention import backend as attention_backend
+from verifier_service.attention.ascend import AscendAttention
+from verifier_service.attention.ascend import unsupported as ascend_unsupported
 from verifier_service.batch import Segment, StateCommit, StepPlan
 from verifier_service.block_manager import BlockManager, BlockTable, MoveSlots, slot
 from verifier_service.engine import Engine
 from verifier_service.linear_attention import LinearStates
-from verifier_service.model_runner import ModelRunner, UnsupportedModel
+from verifier_service.model_runner import ModelRunner, UnsupportedModel, unsupported
 from verifier_service.sampling import SamplingParams
 from verifier_service.self_check import check_against_reference
 from verifier_service.sequence import Draft, GenerationParams
 
-from .architectures import REFUSED, SERVED, save_tiny
+from .architectures import REFUSED, SERVED, save_tiny, tiny_config
+from .npu_emulation import npu_fused_infer_attention_score
 
 BLOCK = 4  # several blocks per sequence, so block tables are exercised
 PROMPT = [(7 * i) % 90 + 3 for i in range(13)]
@@ -69,6 +74,44 @@ def test_prefill_decode_and_tree_verify_passes_equal_transformers(model, calls, 
     padded = getattr(runner.backend, "padded", runner.backend)  # the CPU's kernel leaves prompts and trees to SDPA
     if padded.name == "torch-sdpa":  # segments padded into one call, or each length bucket in its own
         monkeypatch.setattr(padded, "call_pairs", float("inf") if calls == "one call" else 0)
+    assert_passes_equal_transformers(runner, reference)
+
+
+# The architectures whose attention the Ascend backend serves (the rest it refuses at start).
+ASCEND_SERVED = sorted(t for t in SERVED if not ascend_unsupported(tiny_config(t, SERVED[t])))
+
+
+@pytest.mark.parametrize("model_type", ASCEND_SERVED)
+def test_the_ascend_backend_on_an_emulation_of_its_operator_gives_transformers_logits(model_type, tmp_path):
+    """EMULATION: torch_npu's fused attention replaced by tests/verifier/npu_emulation.py."""
+    runner = ModelRunner(save_tiny(model_type, tmp_path), "cpu", torch.float32)
+    heads = runner.model.config.get_text_config().num_attention_heads
+    runner.backend = AscendAttention(heads, runner.geometry.kv_heads, npu_fused_infer_attention_score)
+    runner.allocate_cache(64, BLOCK, num_state_slots=2)
+    assert runner.cache.kv is None  # keys and values apart, as the operator reads them
+    reference = AutoModelForCausalLM.from_pretrained(runner.model_dir, dtype=torch.float32,
+                                                     attn_implementation="eager").eval()
+    assert_passes_equal_transformers(runner, reference)
+
+
+@pytest.mark.parametrize("model_type,words", [("gemma2", "softcapping"), ("gpt_oss", "sinks"),
+                                              ("deepseek_v3", "MLA")])
+def test_what_the_ascend_operator_cannot_attend_is_refused_on_an_npu_only(model_type, words):
+    config = tiny_config(model_type, SERVED[model_type])
+    assert unsupported(config) is None
+    reason = unsupported(config, device_type="npu")
+    assert words in reason and model_type in reason and "\n" not in reason
+
+
+def test_an_npu_attends_through_the_ascend_operator_unless_passes_must_be_batch_invariant(monkeypatch):
+    monkeypatch.setattr(ascend, "_fused_infer_attention_score", lambda: npu_fused_infer_attention_score)
+    npu = SimpleNamespace(type="npu")  # torch.device("npu") needs torch_npu
+    backend = select_backend(npu, torch.bfloat16, False, 8, 2, 64)
+    assert (backend.name, backend.split_kv, backend.kv_heads) == ("ascend-fia", True, 2)
+    assert select_backend(npu, torch.bfloat16, True, 8, 2, 64).name == "batch-invariant"
+
+
+def assert_passes_equal_transformers(runner, reference):
     blocks = BlockManager(64, BLOCK, enable_prefix_caching=False)
     a, b = table_for(blocks, 32), table_for(blocks, 32)
     other = [(5 * i) % 90 + 3 for i in range(6)]

@@ -9,9 +9,10 @@ the device's backend (backend.py). Each device's backend:
 
 - CPU, fp32: cpu_paged.CpuPagedAttention, a kernel reading the blocks in place
   for decodes and short chains, torch_sdpa's padded calls for the rest.
-- Other dtypes on a CPU, CUDA and Ascend: torch_sdpa.TorchAttention, padded
-  SDPA calls per layer (segments of similar lengths in one), until they get
-  kernels of their own.
+- Ascend: ascend.AscendAttention, torch_npu's fused inference attention
+  over the block tables (tested on a CPU against an emulation of the operator).
+- Other dtypes on a CPU, and CUDA: torch_sdpa.TorchAttention, padded SDPA
+  calls per layer (segments of similar lengths in one).
 - --batch-invariant: invariant.InvariantAttention on any device.
 """
 
@@ -20,6 +21,7 @@ from dataclasses import dataclass
 import torch
 from transformers import AttentionInterface
 
+from verifier_service.attention.ascend import AscendAttention
 from verifier_service.attention.backend import AttentionBackend, LayerCall
 from verifier_service.attention.cpu_paged import CpuPagedAttention
 from verifier_service.attention.invariant import InvariantAttention
@@ -42,11 +44,13 @@ class PassContext:
     linear: LinearLayout | None = None
 
 
-def select_backend(device: torch.device, dtype: torch.dtype, batch_invariant: bool, heads: int,
+def select_backend(device: torch.device, dtype: torch.dtype, batch_invariant: bool, heads: int, kv_heads: int,
                    key_dim: int) -> AttentionBackend:
-    """heads: a layer's query heads (on this rank); key_dim: its head dimension."""
+    """heads, kv_heads: a layer's query and key-value heads (on this rank); key_dim: its head dimension."""
     if batch_invariant:
         return InvariantAttention()
+    if device.type == "npu":
+        return AscendAttention(heads, kv_heads)
     if device.type == "cpu" and dtype == torch.float32:
         return CpuPagedAttention(heads, key_dim)
     return TorchAttention(heads * key_dim)

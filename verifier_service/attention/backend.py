@@ -36,6 +36,7 @@ class LayerCall:
 
 class AttentionBackend(Protocol):
     name: str
+    split_kv: bool  # reads keys and values from tensors of their own (PagedKVCache(split=True))
 
     def prepare(self, segments: tuple[Segment, ...], inputs: PassInputs, block_size: int,
                 device: torch.device) -> object: ...

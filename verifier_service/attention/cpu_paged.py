@@ -57,6 +57,7 @@ class Metadata:
 
 class CpuPagedAttention:
     name = "cpu-paged"
+    split_kv = False
 
     def __init__(self, heads: int, key_dim: int):
         self.padded = TorchAttention(heads * key_dim)

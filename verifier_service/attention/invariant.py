@@ -30,6 +30,7 @@ class Metadata:
 
 class InvariantAttention:
     name = "batch-invariant"
+    split_kv = False
 
     def prepare(self, segments: tuple[Segment, ...], inputs: PassInputs, block_size: int,
                 device: torch.device) -> Metadata:

@@ -102,6 +102,7 @@ def group_segments(shapes: list[tuple[int, int]], call_pairs: float) -> list[lis
 
 class TorchAttention:
     name = "torch-sdpa"
+    split_kv = False
 
     def __init__(self, query_width: int):
         self.call_pairs = CALL_COST / query_width  # query_width: heads x head dimension of a layer's queries

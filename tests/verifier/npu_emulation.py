@@ -1,0 +1,71 @@
+"""EMULATION, not the NPU: torch_npu's `npu_fused_infer_attention_score` in plain
+torch, as its documentation describes the arguments speclane passes (the
+paged, TND-layout form vllm-ascend calls). It checks those arguments as the
+operator states it requires them (dtypes, shapes, the compressed causal mask
+of sparse modes 3 and 4), so a test of verifier_service/attention/ascend.py on
+a CPU tests the argument building; what the real kernel computes it cannot
+vouch for.
+
+Semantics emulated (one batch entry b at a time):
+- query [T, heads, dim] packed; entry b's queries are rows
+  actual_seq_lengths[b - 1] .. actual_seq_lengths[b] (cumulative ends);
+- key/value [blocks, block_size, kv_heads x dim]; entry b's first
+  actual_seq_lengths_kv[b] keys are the rows of its blocks block_table[b] in order;
+- query heads h = j * (heads / kv_heads) + g attend kv head j;
+- sparse_mode 3: causal, aligned to the bottom right (query i of n sees keys
+  up to kv_len - n + i); 4: the same band cut to `pre_tokens` keys before the
+  query and `next_tokens` after; 0: atten_mask [B or 1, 1, n, kv_len], True/1
+  hides a key;
+- returns (attention_out [T, heads, dim], softmax_lse).
+"""
+
+import torch
+
+CAUSAL_MASK_SIZE = 2048
+INT_MAX = 2147483647
+
+
+def npu_fused_infer_attention_score(query, key, value, *, num_heads, num_key_value_heads, input_layout, scale,
+                                    sparse_mode=0, atten_mask=None, pre_tokens=INT_MAX, next_tokens=INT_MAX,
+                                    block_table=None, block_size=0, actual_seq_lengths=None,
+                                    actual_seq_lengths_kv=None):
+    assert input_layout == "TND" and query.dim() == 3 and query.shape[1] == num_heads
+    assert block_table is not None and block_table.dtype == torch.int32 and block_table.dim() == 2
+    assert key.dim() == 3 and key.shape == value.shape and key.shape[1] == block_size
+    assert key.is_contiguous() and value.is_contiguous()
+    batch = block_table.shape[0]
+    assert len(actual_seq_lengths) == len(actual_seq_lengths_kv) == batch
+    assert list(actual_seq_lengths) == sorted(actual_seq_lengths) and actual_seq_lengths[-1] == query.shape[0]
+    if sparse_mode in (3, 4):
+        expected = torch.triu(torch.ones(CAUSAL_MASK_SIZE, CAUSAL_MASK_SIZE, dtype=torch.bool), diagonal=1)
+        assert atten_mask.shape == expected.shape and atten_mask.dtype == torch.int8
+        assert torch.equal(atten_mask.bool().cpu(), expected)
+    else:
+        assert sparse_mode == 0 and atten_mask is not None and atten_mask.dtype == torch.bool
+    dim = query.shape[2]
+    group = num_heads // num_key_value_heads
+    out = torch.empty_like(query)
+    lse = torch.empty(query.shape[0], num_heads, 1, dtype=torch.float32)
+    first = 0
+    for b in range(batch):
+        end, context = actual_seq_lengths[b], actual_seq_lengths_kv[b]
+        n = end - first
+        blocks = block_table[b, :-(-context // block_size)].long()
+        k = key[blocks].reshape(-1, num_key_value_heads, dim)[:context].repeat_interleave(group, dim=1)
+        v = value[blocks].reshape(-1, num_key_value_heads, dim)[:context].repeat_interleave(group, dim=1)
+        q = query[first:end]
+        scores = torch.einsum("qhd,khd->hqk", q.float(), k.float()) * scale
+        query_at = torch.arange(n)[:, None] + context - n
+        key_at = torch.arange(context)[None, :]
+        if sparse_mode == 0:
+            assert atten_mask.shape[-2:] == (n, context) and atten_mask.dim() == 4
+            hidden = atten_mask[min(b, atten_mask.shape[0] - 1), 0].cpu()
+        else:
+            hidden = key_at > query_at
+            if sparse_mode == 4:
+                hidden |= (key_at < query_at - pre_tokens) | (key_at > query_at + next_tokens)
+        scores = scores.masked_fill(hidden[None].to(scores.device), float("-inf"))
+        lse[first:end] = torch.logsumexp(scores, dim=-1).transpose(0, 1)[..., None]
+        out[first:end] = torch.einsum("hqk,khd->qhd", torch.softmax(scores, dim=-1), v.float()).to(query.dtype)
+        first = end
+    return out, lse
