@@ -182,11 +182,18 @@ def fastest_ways(seconds: list[list[float]]) -> tuple[int, ...]:
 
 
 def replace_linears(model: nn.Module, replacement) -> None:
-    """Replaces every nn.Linear in `model` with replacement(linear)."""
+    """Replaces every plain nn.Linear in `model` with replacement(linear)."""
     targets = [(parent, name, child) for parent in model.modules()
-               for name, child in parent.named_children() if type(child) is nn.Linear]
+               for name, child in parent.named_children() if is_plain_linear(child)]
     for parent, name, child in targets:
         setattr(parent, name, replacement(child))
+
+
+def is_plain_linear(module: nn.Module) -> bool:
+    """An nn.Linear that multiplies its own float weight. A quantized checkpoint's layers (an int8 weight, or
+    compressed-tensors' quantizing forward on a float one) keep the forward transformers gave them."""
+    return (type(module) is nn.Linear and module.weight.is_floating_point()
+            and not hasattr(module, "quantization_scheme"))
 
 
 def ways_key(linears: list["MeasuredLinear"]) -> dict:
