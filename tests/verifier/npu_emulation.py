@@ -1,5 +1,6 @@
-"""EMULATION, not the NPU: torch_npu's `npu_fused_infer_attention_score` in plain
-torch, as its documentation describes the arguments speclane passes (the
+"""EMULATION, not the NPU: torch_npu's `npu_fused_infer_attention_score` (and
+`npu_rms_norm`, at the end) in plain torch, as its documentation describes the
+arguments speclane passes (the
 paged, TND-layout form vllm-ascend calls). It checks those arguments as the
 operator states it requires them (dtypes, shapes, the compressed causal mask
 of sparse modes 3 and 4), so a test of verifier_service/attention/ascend.py on
@@ -69,3 +70,10 @@ def npu_fused_infer_attention_score(query, key, value, *, num_heads, num_key_val
         out[first:end] = torch.einsum("hqk,khd->qhd", torch.softmax(scores, dim=-1), v.float()).to(query.dtype)
         first = end
     return out, lse
+
+
+def npu_rms_norm(x, gamma, epsilon=1e-6):
+    """x / rms(x) x gamma over the last dimension, in fp32, out in x's dtype; returns (y, rstd)."""
+    assert gamma.shape == x.shape[-1:]
+    rstd = torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + epsilon)
+    return (x.float() * rstd * gamma.float()).to(x.dtype), rstd
