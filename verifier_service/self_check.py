@@ -1,5 +1,6 @@
 """The last guard against wrong logits: at start-up the engine's own passes
-(a prefill, then a tree verify, through the paged cache) are compared with
+(a prefill, a tree verify, then a chain verify, through the paged cache: each
+kind of call a backend makes) are compared with
 transformers' reference forward (eager attention over the whole sequence) of
 the same tokens. A model whose attention needs something the engine does not
 do (a new mask kind, a state outside the KV cache) differs there, and is
@@ -16,6 +17,7 @@ log = structlog.get_logger()
 
 _PROMPT_LEN = 24  # longer than the windows of tiny test models, short enough to cost nothing
 _TREE = (-1, -1, 0, 2, 2)  # two branches, one of them forking
+_CHAIN = 3  # draft tokens after the last prompt token: fewer queries than keys, causal
 
 
 def tolerance(dtype: torch.dtype, scale: float) -> float:
@@ -27,11 +29,12 @@ def tolerance(dtype: torch.dtype, scale: float) -> float:
 
 def largest_difference(runner: ModelRunner) -> tuple[float, float]:
     """(the largest absolute difference between the engine's logits and the
-    reference's over a prefill's last row and a tree's rows, the reference's
-    largest absolute logit). Uses the cache's first blocks, before any request."""
+    reference's over a prefill's last row, a tree's rows and a chain's, the
+    reference's largest absolute logit). Uses the cache's first blocks, before any request."""
     vocab = runner.vocab_size
     prompt = [(i * 7919 + 11) % vocab for i in range(_PROMPT_LEN)]
     tree = [(i * 104729 + 3) % vocab for i in range(len(_TREE))]
+    chain = [(i * 7907 + 5) % vocab for i in range(_CHAIN)]
     size = runner.cache.block_size
     table = BlockTable()
     if BlockManager(runner.cache.num_blocks, size, False).allocate(table, [], _PROMPT_LEN + len(_TREE) + 1) is None:
@@ -39,11 +42,14 @@ def largest_difference(runner: ModelRunner) -> tuple[float, float]:
     blocks = tuple(table.blocks)
     prefill, _ = runner.run(StepPlan((), tuple(prompt[:-1]), (Segment(blocks, 0, _PROMPT_LEN - 1, ()),)))
     verify, _ = runner.run(StepPlan((), (prompt[-1], *tree), (Segment(blocks, _PROMPT_LEN - 1, 1, _TREE),)))
+    chained, _ = runner.run(StepPlan((), (prompt[-1], *chain), (Segment(blocks, _PROMPT_LEN - 1, 1,
+                                                                          tuple(range(-1, _CHAIN - 1))),)))
     paths, sequences = [[]], []
     for i, parent in enumerate(_TREE):
         paths.append((paths[parent + 1] if parent >= 0 else []) + [i])
-    sequences = [prompt[:-1]] + [prompt + [tree[i] for i in path] for path in paths]
-    ours = torch.cat([prefill, verify])
+    sequences = ([prompt[:-1]] + [prompt + [tree[i] for i in path] for path in paths]
+                 + [prompt + chain[:n] for n in range(_CHAIN + 1)])
+    ours = torch.cat([prefill, verify, chained])
     reference = torch.stack([_reference_logits(runner.model, tokens) for tokens in sequences])
     return (ours - reference).abs().max().item(), reference.abs().max().item()
 

@@ -92,6 +92,7 @@ def test_the_ascend_backend_on_an_emulation_of_its_operator_gives_transformers_l
     assert fused or model_type in ("gemma3_text", "qwen3_next", "qwen3_5_text")  # norms of the (1 + weight) form
     runner.allocate_cache(64, BLOCK, num_state_slots=2)
     assert runner.cache.kv is None  # keys and values apart, as the operator reads them
+    check_against_reference(runner)  # what a verifier on an NPU runs at start: passes here
     reference = AutoModelForCausalLM.from_pretrained(runner.model_dir, dtype=torch.float32,
                                                      attn_implementation="eager").eval()
     assert_passes_equal_transformers(runner, reference)
