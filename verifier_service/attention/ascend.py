@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from verifier_service.attention.backend import LayerCall, slot_mapping
-from verifier_service.attention.torch_sdpa import _group
+from verifier_service.attention.torch_sdpa import padded_group
 from verifier_service.batch import PassInputs, Segment
 from verifier_service.kv_cache import PagedKVCache
 from verifier_service.tree import is_chain
@@ -152,7 +152,7 @@ def _window(call: LayerCall) -> dict[str, int]:
 
 
 def _tree_call(seg: Segment, offset: int, positions: torch.Tensor, block_size: int, device: torch.device) -> TreeCall:
-    group = _group([seg], [offset], positions, block_size, device)  # the same visibility the CPU's backend uses
+    group = padded_group([seg], [offset], positions, block_size, device)  # the visibility the padded path uses
     table = torch.tensor([seg.block_table], dtype=torch.int32, device=device)
     return TreeCall(slice(offset, offset + seg.num_tokens), table, seg.start + seg.num_tokens,
                     ~group.visible[:, None], group.query_positions[0], group.key_positions[0])

@@ -118,8 +118,8 @@ class TorchAttention:
         which = list(which)
         shapes = [(segments[i].num_tokens, segments[i].start + segments[i].num_tokens) for i in which]
         positions = inputs.positions[0]
-        return [_group([segments[which[m]] for m in members], [inputs.offsets[which[m]] for m in members], positions,
-                       block_size, device) for members in group_segments(shapes, self.call_pairs)]
+        return [padded_group([segments[which[m]] for m in members], [inputs.offsets[which[m]] for m in members],
+                             positions, block_size, device) for members in group_segments(shapes, self.call_pairs)]
 
     def attend(self, metadata: Metadata, call: LayerCall, query: torch.Tensor, cache: PagedKVCache) -> torch.Tensor:
         if metadata.whole:
@@ -185,8 +185,9 @@ def _gather(cache: torch.Tensor, key_blocks: torch.Tensor, block_size: int, batc
     return blocks.view(batch, padded, *cache.shape[1:])[:, :context].transpose(1, 2)
 
 
-def _group(segments: list[Segment], offsets: list[int], positions: torch.Tensor, block_size: int,
-           device: torch.device) -> Group:
+def padded_group(segments: list[Segment], offsets: list[int], positions: torch.Tensor, block_size: int,
+                 device: torch.device) -> Group:
+    """One padded call's layout and visibility for `segments` (the Ascend backend builds a tree's mask with it)."""
     num_tokens = positions.shape[0]
     batch = len(segments)
     longest = max(seg.num_tokens for seg in segments)
