@@ -199,9 +199,8 @@ def is_plain_linear(module: nn.Module) -> bool:
 def ways_key(linears: list["MeasuredLinear"]) -> dict:
     """What the measured choices depend on: the host, the libraries and our
     kernel's build, the threads, and the layers' shapes in a pass's order."""
-    return {"host": tuning_cache.host_fingerprint(), "torch": torch.__version__,
-            "kernels": tuning_cache.file_digest(pathlib.Path(_cpu_kernels.__file__)),
-            "threads": torch.get_num_threads(), "rows": MEASURED_ROWS, "ways": [way.__name__ for way in WAYS],
+    return {**tuning_cache.runtime_key(), "kernels": tuning_cache.file_digest(pathlib.Path(_cpu_kernels.__file__)),
+            "rows": MEASURED_ROWS, "ways": [way.__name__ for way in WAYS],
             "shapes": [list(linear.weight.shape) for linear in linears]}
 
 

@@ -14,6 +14,7 @@ import platform
 import tempfile
 
 import structlog
+import torch
 
 log = structlog.get_logger()
 
@@ -32,6 +33,11 @@ def host_fingerprint() -> dict:
         fields["processor"] = platform.processor()
     fields["cpus"] = os.cpu_count()
     return fields
+
+
+def runtime_key() -> dict:
+    """What every measurement of a pass depends on beyond the code and its inputs: the CPU, torch, its threads."""
+    return {"host": host_fingerprint(), "torch": torch.__version__, "threads": torch.get_num_threads()}
 
 
 def file_digest(path: pathlib.Path) -> str:
