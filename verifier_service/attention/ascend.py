@@ -20,6 +20,7 @@ backend on a CPU against a pure-torch emulation of the operator's documented
 semantics (tests/verifier/npu_emulation.py); it has not run on a real NPU.
 """
 
+import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -58,7 +59,7 @@ class TreeCall:
 class Metadata:
     slot_mapping: torch.Tensor
     num_tokens: int
-    rows: torch.Tensor | None  # the pass rows of the causal call; None: all of them, in order
+    rows: torch.Tensor | None  # the pass rows of the causal call where trees take others; None: all, in order
     block_table: torch.Tensor  # [segments, blocks] int32 of the causal call's segments
     query_ends: list[int]  # actual_seq_lengths: cumulative
     contexts: list[int]  # actual_seq_lengths_kv
@@ -107,14 +108,10 @@ class AscendAttention:
         width = max((len(seg.block_table) for seg, _ in causal), default=0)
         table = torch.tensor([list(seg.block_table) + [0] * (width - len(seg.block_table)) for seg, _ in causal],
                              dtype=torch.int32, device=device).view(len(causal), width)
-        ends, total = [], 0
-        for seg, _ in causal:
-            total += seg.num_tokens
-            ends.append(total)
-        rows = [r for seg, offset in causal for r in range(offset, offset + seg.num_tokens)]
-        in_order = rows == list(range(inputs.positions.shape[1]))
-        return Metadata(slot_mapping(segments, block_size, device), inputs.positions.shape[1],
-                        None if in_order else torch.tensor(rows, dtype=torch.long, device=device), table, ends,
+        rows = (torch.tensor([r for seg, offset in causal for r in range(offset, offset + seg.num_tokens)],
+                             dtype=torch.long, device=device) if trees else None)
+        return Metadata(slot_mapping(segments, block_size, device), inputs.positions.shape[1], rows, table,
+                        list(itertools.accumulate(seg.num_tokens for seg, _ in causal)),
                         [seg.start + seg.num_tokens for seg, _ in causal], trees, self._causal_mask)
 
     def attend(self, metadata: Metadata, call: LayerCall, query: torch.Tensor, cache: PagedKVCache) -> torch.Tensor:
@@ -124,19 +121,18 @@ class AscendAttention:
         values = cache.values[call.layer].view(blocks, cache.block_size, -1)
         common = dict(num_heads=self.heads, num_key_value_heads=self.kv_heads, input_layout="TND",
                       scale=call.scaling, block_size=cache.block_size)
-        out = None
+        window = _window(call)
+
+        def causal(q: torch.Tensor) -> torch.Tensor:
+            return self.fia(q, keys, values, block_table=metadata.block_table, actual_seq_lengths=metadata.query_ends,
+                            actual_seq_lengths_kv=metadata.contexts, atten_mask=metadata.causal_mask,
+                            sparse_mode=BAND if window else CAUSAL, **window, **common)[0]
+
+        if not metadata.trees:  # one call attends every row of the pass, in order
+            return causal(query)
+        out = query.new_empty(query.shape)
         if metadata.query_ends:
-            window = _window(call)
-            q = query if metadata.rows is None else query.index_select(0, metadata.rows)
-            attended, _ = self.fia(q, keys, values, block_table=metadata.block_table,
-                                   actual_seq_lengths=metadata.query_ends, actual_seq_lengths_kv=metadata.contexts,
-                                   atten_mask=metadata.causal_mask, sparse_mode=BAND if window else CAUSAL,
-                                   **window, **common)
-            if metadata.rows is None:  # every row of the pass, in order
-                return attended
-            out = query.new_empty(query.shape)
-            out[metadata.rows] = attended
-        out = query.new_empty(query.shape) if out is None else out
+            out[metadata.rows] = causal(query.index_select(0, metadata.rows))
         for tree in metadata.trees:
             attended, _ = self.fia(query[tree.rows], keys, values, block_table=tree.block_table,
                                    actual_seq_lengths=[tree.rows.stop - tree.rows.start],
