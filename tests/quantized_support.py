@@ -3,7 +3,6 @@ W8A8 preset (int8 weights per output channel, int8 activations per token, quanti
 at run time), the format llm-compressor writes and vLLM serves."""
 
 import pathlib
-import shutil
 
 import torch
 from compressed_tensors.compressors import ModelCompressor
@@ -17,8 +16,7 @@ from compressed_tensors.quantization.utils import calculate_qparams
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 
-def save_w8a8_llama(path: pathlib.Path, vocab_size: int = 96, tokenizer_from: pathlib.Path | None = None,
-                    tokenizer_files: tuple[str, ...] = ()) -> pathlib.Path:
+def save_w8a8_llama(path: pathlib.Path, vocab_size: int = 96) -> pathlib.Path:
     """A random 2-layer Llama quantized W8A8 (lm_head left in float, as llm-compressor's recipes do)."""
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -39,6 +37,4 @@ def save_w8a8_llama(path: pathlib.Path, vocab_size: int = 96, tokenizer_from: pa
     compressor.compress_model(model)
     model.save_pretrained(path)
     compressor.update_config(path)
-    for name in tokenizer_files:
-        shutil.copy(tokenizer_from / name, path / name)
     return path

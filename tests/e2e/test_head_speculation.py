@@ -5,7 +5,6 @@ token. EAGLE and MTP run on a tiny random target carrying SmolLM2's tokenizer
 SmolLM2 with the heads we ship for it, named by method alone, as a user would."""
 
 import json
-import shutil
 
 import pytest
 import torch
@@ -13,12 +12,11 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 
 from gateway.client import GenerationClient
 from tests.e2e.prompts import code_edit_messages, humaneval_messages, sharegpt_messages
-from tests.e2e.stack import start_stack
+from tests.e2e.stack import copy_tokenizer, start_stack
 from tests.heads_support import add_mtp_layer, write_random_head
 
 pytestmark = pytest.mark.e2e
 MAX_TOKENS = 32
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json")
 
 
 @pytest.fixture(scope="module")
@@ -35,8 +33,7 @@ def tiny_target(model_dir, tmp_path_factory):
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
                          initializer_range=0.3, bos_token_id=1, eos_token_id=2, tie_word_embeddings=True)
     AutoModelForCausalLM.from_config(config).save_pretrained(path)
-    for name in TOKENIZER_FILES:
-        shutil.copy(model_dir / name, path / name)
+    copy_tokenizer(model_dir, path)
     add_mtp_layer(path, seed=1)
     return path
 

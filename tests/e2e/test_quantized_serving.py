@@ -6,16 +6,15 @@ import pytest
 
 from gateway.client import GenerationClient
 from tests.e2e.prompts import code_edit_messages, humaneval_messages
-from tests.e2e.stack import start_stack
+from tests.e2e.stack import copy_tokenizer, start_stack
 from tests.quantized_support import save_w8a8_llama
 
 pytestmark = pytest.mark.e2e
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json")
 
 
 def test_a_w8a8_checkpoint_speculates_losslessly(model_dir, tmp_path):
-    target = save_w8a8_llama(tmp_path / "w8a8", vocab_size=49152, tokenizer_from=model_dir,
-                             tokenizer_files=TOKENIZER_FILES)
+    target = save_w8a8_llama(tmp_path / "w8a8", vocab_size=49152)
+    copy_tokenizer(model_dir, target)
     stack = start_stack(target, tmp_path)
     try:
         with GenerationClient(stack.gateway.grpc_address) as client:
