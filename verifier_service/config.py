@@ -25,6 +25,8 @@ ENV_PREFIX = "SPECLANE_VERIFIER_"
 DEVICE_PATTERN = re.compile(r"^(auto|cpu|cuda(:\d+)?|npu(:\d+)?)$")
 DTYPES = ("float32", "bfloat16", "float16")  # torch dtype names
 BATCH_INVARIANT_MODES = ("auto", "on", "off")
+FLEX_ATTENTION, TORCH_SDPA = "FLEX_ATTENTION", "TORCH_SDPA"
+ATTENTION_BACKENDS = ("auto", FLEX_ATTENTION, TORCH_SDPA)  # vLLM's names
 HEAD_INT8 = "int8"  # a head's linear weights in int8 over bf16 activations (heads/int8.py)
 MAX_SEED = 2**64  # torch seeds are uint64
 DEFAULT_MAX_DRAFT_TOKENS = 256
@@ -50,6 +52,10 @@ class VerifierConfig:
                                           "pass holds, so that speculation never changes a greedy output: auto (on "
                                           "for bfloat16/float16 where the start-up check finds this platform's "
                                           "kernels allow it), on (refuse to start where they do not) or off")
+    attention_backend: str = option("auto", "auto (a CPU: our paged kernel in fp32, else TORCH_SDPA; an NPU: "
+                                            "torch_npu's fused attention; CUDA: TORCH_SDPA), FLEX_ATTENTION "
+                                            "(compiled on CUDA) or TORCH_SDPA (vLLM's flag and names). A named one "
+                                            "turns --batch-invariant auto off (docs/design/verifier-engine.md)")
     threads: int = option(0, "torch intra-op CPU threads per rank; 0: the cores this process may run on, shared "
                              "among the ranks (as vLLM's CPU build takes every core)")
     tensor_parallel_size: int = option(1, "ranks the model is split over (gloo on CPU, nccl on CUDA, hccl on "
@@ -118,9 +124,12 @@ class VerifierConfig:
         if not DEVICE_PATTERN.match(self.device):
             raise ValueError(f"device must be auto, cpu, cuda[:N] or npu[:N], got {self.device!r}")
         for name, allowed in (("dtype", ("auto", *DTYPES)), ("head_dtype", ("auto", *DTYPES, HEAD_INT8)),
-                              ("batch_invariant", BATCH_INVARIANT_MODES)):
+                              ("batch_invariant", BATCH_INVARIANT_MODES),
+                              ("attention_backend", ATTENTION_BACKENDS)):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}")
+        if self.attention_backend != "auto" and self.batch_invariant == "on":
+            raise ValueError("--batch-invariant on attends through its own backend; leave --attention-backend auto")
         if self.threads < 0:
             raise ValueError("threads must be >= 0")
         if self.tensor_parallel_size < 1:

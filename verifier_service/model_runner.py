@@ -94,7 +94,7 @@ class ModelRunner:
 
     def __init__(self, model_dir: str, device: str, dtype: torch.dtype, *, tp: TensorParallel | None = None,
                  max_model_len: int = 0, trust_remote_code: bool = False, batch_invariant: str = "auto",
-                 tuning_dir: pathlib.Path | None = None):
+                 tuning_dir: pathlib.Path | None = None, attention_backend: str = "auto"):
         self.model_dir = model_dir
         self.device = torch.device(device)
         self.dtype = dtype
@@ -118,9 +118,15 @@ class ModelRunner:
         self.geometry = kv_geometry(text_config, self.tp_size)
         g = self.geometry
         heads = text_config.num_attention_heads // self.tp_size
+        if attention_backend != "auto" and batch_invariant == "auto":
+            batch_invariant = "off"  # a named backend attends as it does, not as invariant passes would
         self.batch_invariant = make_invariant(batch_invariant, self.model, self.device, dtype, tp is not None,
                                               (heads, g.kv_heads, g.key_dim))
-        self.backend = select_backend(self.device, dtype, self.batch_invariant, heads, g.kv_heads, g.key_dim)
+        try:
+            self.backend = select_backend(self.device, dtype, self.batch_invariant, heads, g.kv_heads, g.key_dim,
+                                          latent=g.value_dim == 0, choice=attention_backend)
+        except ValueError as error:
+            raise UnsupportedModel(str(error)) from error
         self.kv_bytes_per_token = g.bytes_per_token(dtype)
         self.cache: PagedKVCache | None = None  # allocated once the KV budget is known (allocate_cache)
         for module in self.model.modules():

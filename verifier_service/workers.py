@@ -62,7 +62,7 @@ def build_runner(config: VerifierConfig, device: str, tp: TensorParallel | None)
         device = rank_device(device, tp.rank)
     return ModelRunner(config.model, device, resolve_dtype(config.dtype, device), tp=tp,
                        max_model_len=config.max_model_len, trust_remote_code=config.trust_remote_code,
-                       batch_invariant=config.batch_invariant,
+                       batch_invariant=config.batch_invariant, attention_backend=config.attention_backend,
                        tuning_dir=tuning_dir(config))
 
 

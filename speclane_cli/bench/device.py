@@ -27,6 +27,8 @@ import time
 
 import torch
 
+from verifier_service.config import ATTENTION_BACKENDS
+
 # Real models' shapes (their config.json fields), so that no download is needed.
 SHAPES: dict[str, dict] = {
     "smollm2-135m": dict(model_type="llama", hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
@@ -54,6 +56,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--drafts", default="3,7", help="draft lengths of the verify passes")
     parser.add_argument("--batch-invariant", default="auto", choices=["auto", "on", "off"],
                         help="the verifier's --batch-invariant (auto: on for 16-bit dtypes on one device)")
+    parser.add_argument("--attention-backend", default="auto", choices=ATTENTION_BACKENDS,
+                        help="the verifier's --attention-backend (a named one turns --batch-invariant auto off)")
     parser.add_argument("--profile", default="", help="write torch.profiler's table of 4 decode steps of each "
                         "model at 1 sequence to files named <this><model>.txt")
     parser.add_argument("--json", default="", help="also write the results to this file, after every model")
@@ -107,7 +111,7 @@ def engine_rates(runner, batch: int, steps: int, drafts: list[int], profile: str
 
     # Steps run: a warm-up, the host-share passes, and steps + 2 for decode and each draft length; a rejected
     # draft commits one token, an accepted one more (the budget trims drafts at the end).
-    budget = 2 * (2 + 8 + (steps + 2) * (1 + len(drafts)))
+    budget = 2 * (2 + 8 + (steps + 3) * (1 + len(drafts)))
     per_seq = PROMPT_LEN + budget + max(drafts) + 1 + BLOCK
     engine = Engine(runner, BlockManager(batch * -(-per_seq // BLOCK), BLOCK, False),
                     BatchLimits(max_tokens=max(batch * PROMPT_LEN, 8192), max_sequences=batch, max_queue_wait=3600))
@@ -158,6 +162,7 @@ def engine_rates(runner, batch: int, steps: int, drafts: list[int], profile: str
         with open(profile, "w") as f:
             f.write(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30, max_name_column_width=60))
     for k in drafts:
+        timed_steps(1, k)  # warm: a pass of a new size may compile (FlexAttention) or plan (cuDNN) first
         verify = timed_steps(steps + 1, k) - timed_steps(1, k)
         row[f"verify_k{k}_step_ms"] = round(verify / steps * 1e3, 3)
         row[f"verify_k{k}_vs_decode"] = round(verify / decode, 3)
@@ -186,14 +191,16 @@ def transformers_rate(model, batch: int, steps: int, vocab: int) -> float:
 
 
 def measure(name: str, device: torch.device, dtype: torch.dtype, batches: list[int], steps: int,
-            drafts: list[int], bandwidth: float, profile: str = "", batch_invariant: str = "auto") -> dict:
+            drafts: list[int], bandwidth: float, profile: str = "", batch_invariant: str = "auto",
+            attention_backend: str = "auto") -> dict:
     from verifier_service.model_runner import ModelRunner
     from verifier_service.self_check import largest_difference, tolerance
 
     with tempfile.TemporaryDirectory() as path:
         started = time.perf_counter()
         weight_bytes = build_model(SHAPES[name], path, device, dtype)
-        runner = ModelRunner(path, str(device), dtype, batch_invariant=batch_invariant)
+        runner = ModelRunner(path, str(device), dtype, batch_invariant=batch_invariant,
+                             attention_backend=attention_backend)
         load_s = time.perf_counter() - started
     runner.allocate_cache(64, BLOCK)
     difference, scale = largest_difference(runner)
@@ -239,7 +246,7 @@ def run(args) -> int:
     for name in args.models.split(","):
         results["models"].append(measure(name, device, dtype, [int(b) for b in args.batches.split(",")],
                                          args.steps, [int(k) for k in args.drafts.split(",")], bandwidth,
-                                         args.profile, args.batch_invariant))
+                                         args.profile, args.batch_invariant, args.attention_backend))
         print(json.dumps(results["models"][-1]), flush=True)
         if args.json:
             os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)

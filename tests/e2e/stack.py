@@ -139,17 +139,19 @@ TEST_THREADS = 1
 
 def start_stack(model_dir: pathlib.Path, log_dir: pathlib.Path, speculative_config: str = "",
                 tls_dir: pathlib.Path | None = None, num_verifiers: int = 1, dtype: str = "auto",
-                speculation_debug: str = "", gateway_per_verifier: bool = False) -> Stack:
+                speculation_debug: str = "", gateway_per_verifier: bool = False,
+                verifier_options: dict | None = None) -> Stack:
     """With `tls_dir` (made by `speclane certs`): mTLS between the services, TLS on the
     gateway's gRPC port and HTTPS, each service with its own certificate. `speculation_debug`
     (--speculation-debug) goes to the verifier and the gateway alike. With `gateway_per_verifier`
-    each verifier gets a gateway of its own, all sharing the drafter (a router then picks the gateway)."""
+    each verifier gets a gateway of its own, all sharing the drafter (a router then picks the gateway).
+    `verifier_options`: more VerifierConfig fields for every verifier."""
     drafter = DrafterConfig(address=f"127.0.0.1:{free_port()}", **tls_fields(tls_dir, "drafter"))
     # As `speclane serve`: the verifier loads the head a head method names.
     verifier, *more_verifiers = (
         VerifierConfig(model=str(model_dir), model_name="smollm2-135m-instruct", address=f"127.0.0.1:{free_port()}",
                        speculative_config=speculative_config, speculation_debug=speculation_debug, dtype=dtype,
-                       threads=TEST_THREADS,
+                       threads=TEST_THREADS, **(verifier_options or {}),
                        **tls_fields(tls_dir, "verifier"))
         for _ in range(num_verifiers))
     gateway_tls = tls_fields(tls_dir, "gateway")

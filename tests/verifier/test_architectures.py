@@ -104,6 +104,34 @@ def test_the_ascend_backend_on_an_emulation_of_its_operator_gives_transformers_l
     assert_passes_equal_transformers(runner, reference)
 
 
+@pytest.mark.parametrize("model_type", sorted(t for t in SERVED if t != "deepseek_v3"))
+def test_the_flex_attention_backend_gives_transformers_logits(model_type, tmp_path):
+    """FlexAttention in eager mode (on CUDA the same call is compiled): its mask and score functions decide
+    what each query sees over the whole cache, so a wrong one shows here as wrong logits."""
+    runner = ModelRunner(save_tiny(model_type, tmp_path), "cpu", torch.float32, attention_backend="FLEX_ATTENTION")
+    assert runner.backend.name == "flex-attention"
+    runner.allocate_cache(64, BLOCK, num_state_slots=2)
+    check_against_reference(runner)
+    reference = AutoModelForCausalLM.from_pretrained(runner.model_dir, dtype=torch.float32,
+                                                     attn_implementation="eager").eval()
+    assert_passes_equal_transformers(runner, reference)
+
+
+def test_flex_attention_is_refused_where_it_cannot_attend(tmp_path):
+    with pytest.raises(UnsupportedModel, match="MLA's latent cache"):
+        ModelRunner(save_tiny("deepseek_v3", tmp_path), "cpu", torch.float32, attention_backend="FLEX_ATTENTION")
+    with pytest.raises(ValueError, match="on an NPU"):
+        select_backend(SimpleNamespace(type="npu"), torch.bfloat16, False, 8, 2, 64, choice="FLEX_ATTENTION")
+
+
+def test_flex_attention_is_compiled_on_cuda_and_chosen_there_by_name():
+    cuda = SimpleNamespace(type="cuda")
+    backend = select_backend(cuda, torch.bfloat16, False, 8, 2, 64, choice="FLEX_ATTENTION")
+    assert (backend.name, backend.split_kv, backend.compiled) == ("flex-attention", True, True)
+    assert not select_backend(torch.device("cpu"), torch.float32, False, 8, 2, 64, choice="FLEX_ATTENTION").compiled
+    assert select_backend(cuda, torch.bfloat16, False, 8, 2, 64).name == "torch-sdpa"  # until it has run on a GPU
+
+
 @pytest.mark.parametrize("model_type,words", [("gemma2", "softcapping"), ("gpt_oss", "sinks"),
                                               ("deepseek_v3", "MLA")])
 def test_what_the_ascend_operator_cannot_attend_is_refused_on_an_npu_only(model_type, words):

@@ -39,6 +39,8 @@ def test_a_packaged_model_name_is_a_model():
     ({"kv_cache_space": -1}, "kv_cache_space"),
     ({"gpu_memory_utilization": 0}, "gpu_memory_utilization"),
     ({"reference_check": "maybe"}, "reference_check"),
+    ({"attention_backend": "FLASH_ATTN"}, "attention_backend must be one of"),
+    ({"attention_backend": "FLEX_ATTENTION", "batch_invariant": "on"}, "leave --attention-backend auto"),
     ({"max_batch_tokens": 0}, "max_batch_tokens"),
     ({"max_queue_wait": -1}, "max_queue_wait"),
     ({"metrics_port": 70000}, "metrics_port"),
@@ -75,8 +77,9 @@ def test_vllm_memory_and_seed_flags(tiny_model_dir):
     parser = argparse.ArgumentParser()
     add_arguments(parser, VerifierConfig, ENV_PREFIX)
     config = from_namespace(VerifierConfig, parser.parse_args(
-        ["--model", tiny_model_dir, "--gpu-memory-utilization", "0.9", "--seed", "1234"]))
-    assert (config.gpu_memory_utilization, config.seed) == (0.9, 1234)
+        ["--model", tiny_model_dir, "--gpu-memory-utilization", "0.9", "--seed", "1234",
+         "--attention-backend", "FLEX_ATTENTION"]))
+    assert (config.gpu_memory_utilization, config.seed, config.attention_backend) == (0.9, 1234, "FLEX_ATTENTION")
 
 
 @pytest.mark.parametrize("model, name", [

@@ -14,6 +14,11 @@ the device's backend (backend.py). Each device's backend:
 - Other dtypes on a CPU, and CUDA: torch_sdpa.TorchAttention, padded SDPA
   calls per layer (segments of similar lengths in one).
 - --batch-invariant: invariant.InvariantAttention on any device.
+
+--attention-backend names one instead (vLLM's flag and names): TORCH_SDPA,
+or FLEX_ATTENTION, flex.FlexAttention, one FlexAttention call per layer over
+the cache in place, compiled on CUDA. It is CUDA's backend in waiting: it has
+not run on a GPU yet, so the one that has stays the default there.
 """
 
 from dataclasses import dataclass
@@ -24,8 +29,10 @@ from transformers import AttentionInterface
 from verifier_service.attention.ascend import AscendAttention
 from verifier_service.attention.backend import AttentionBackend, LayerCall
 from verifier_service.attention.cpu_paged import CpuPagedAttention
+from verifier_service.attention.flex import FlexAttention
 from verifier_service.attention.invariant import InvariantAttention
 from verifier_service.attention.torch_sdpa import TorchAttention
+from verifier_service.config import FLEX_ATTENTION, TORCH_SDPA
 from verifier_service.kv_cache import PagedKVCache
 from verifier_service.linear_attention import LinearLayout, LinearStates
 
@@ -45,8 +52,16 @@ class PassContext:
 
 
 def select_backend(device: torch.device, dtype: torch.dtype, batch_invariant: bool, heads: int, kv_heads: int,
-                   key_dim: int) -> AttentionBackend:
-    """heads, kv_heads: a layer's query and key-value heads (on this rank); key_dim: its head dimension."""
+                   key_dim: int, latent: bool = False, choice: str = "auto") -> AttentionBackend:
+    """heads, kv_heads: a layer's query and key-value heads (on this rank); key_dim: its head dimension;
+    latent: MLA's latent cache; choice: --attention-backend. Raises ValueError for a choice that cannot serve."""
+    if choice == FLEX_ATTENTION:
+        if latent or device.type == "npu":
+            raise ValueError(f"--attention-backend {FLEX_ATTENTION} cannot attend "
+                             + ("MLA's latent cache" if latent else "on an NPU") + "; use auto")
+        return FlexAttention(heads, kv_heads, compiled=device.type == "cuda")
+    if choice == TORCH_SDPA:
+        return TorchAttention(heads * key_dim)
     if batch_invariant:
         return InvariantAttention()
     if device.type == "npu":
