@@ -507,7 +507,9 @@ def test_an_mtp_head_reads_only_the_mtp_layer_of_the_targets_checkpoint(tmp_path
     assert len(read) < len(load_file(target / "model.safetensors"))
 
 
-def test_an_mtp_layer_with_moe_experts_is_refused_by_name(tmp_path, target_dir):
+def test_an_mtp_layer_the_target_architecture_does_not_have_is_refused_by_name(tmp_path, target_dir):
+    """MoE tensors make the block the target architecture's own layer (test_native_mtp.py): on a Llama target
+    they match no module and are named; a linear-attention MTP layer is refused before anything is built."""
     import shutil
     target = tmp_path / "target"
     shutil.copytree(target_dir, target)
@@ -515,8 +517,12 @@ def test_an_mtp_layer_with_moe_experts_is_refused_by_name(tmp_path, target_dir):
     _, config = random_head("mtp", target, seed=2)
     tensors = load_file(target / "model.safetensors")
     layer = f"model.layers.{config['num_hidden_layers']}."
-    tensors[layer + "mlp.experts.0.gate_proj.weight"] = torch.zeros(4, 4)  # as DeepSeek-V3's MTP layer has
-    tensors[layer + "mlp.gate.weight"] = torch.zeros(2, 4)
+    tensors[layer + "mlp.gate.weight"] = torch.zeros(2, 32)  # an MoE router, which Llama's layers have not
     save_file(tensors, target / "model.safetensors")
-    with pytest.raises(CheckpointError, match="MoE experts and an MoE router; speclane's MTP head runs a dense"):
+    checkpoint = read_head(target, "deepseek_mtp", config)
+    with pytest.raises(CheckpointError, match=r"unexpected \['layer.mlp.gate.weight'\]"):
+        build_head(checkpoint, torch.zeros(VOCAB, 32), torch.zeros(VOCAB, 32))
+    tensors[layer + "linear_attn.in_proj_qkvz.weight"] = torch.zeros(4, 4)
+    save_file(tensors, target / "model.safetensors")
+    with pytest.raises(CheckpointError, match="linear attention; MTP layers are served with full attention only"):
         read_head(target, "deepseek_mtp", config)

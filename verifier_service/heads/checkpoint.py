@@ -25,6 +25,7 @@ from verifier_service.heads.eagle3 import Eagle3Head, default_aux_layers
 from verifier_service.heads.head import Head
 from verifier_service.heads.layer import LayerShape
 from verifier_service.heads.mtp import MtpHead
+from verifier_service.heads.native_layer import fused_experts
 from verifier_service.heads.shipped import METHOD_KINDS
 
 # Tensors a checkpoint may carry that a head takes from the target instead.
@@ -53,6 +54,7 @@ class HeadCheckpoint:
     aux_layers: tuple[int, ...] = ()  # eagle3
     norm_before_residual: bool = False  # eagle3
     hidden_first: bool = False  # mtp, MiMo
+    native_config: dict | None = field(default=None, repr=False)  # mtp: the target's config, run as its own layer
 
 
 class _Tensors:
@@ -149,22 +151,36 @@ def _mtp_prefix(names, layout: str) -> str:
     return pattern
 
 
-# What marks an MTP layer our dense layer cannot run: (a tensor name's part, what it is).
-_UNSUPPORTED_MTP = (("mlp.experts.", "MoE experts"), ("mlp.gate.weight", "an MoE router"),
-                    ("self_attn.kv_a_proj_with_mqa.", "MLA attention"), ("linear_attn.", "linear attention"))
+# What marks an MTP layer our dense layer cannot run, which the target architecture's own layer class then runs
+# (native_layer.py): (a tensor name's part, what it is).
+_NATIVE_MTP = (("mlp.experts.", "MoE experts"), ("mlp.gate.weight", "an MoE router"),
+               ("self_attn.kv_a_proj_with_mqa.", "MLA attention"))
 
 
-def _mtp_tensors(tensors: dict, layout: str, pattern: str) -> dict[str, torch.Tensor]:
+def _mtp_tensors(tensors: dict, layout: str, pattern: str) -> tuple[dict[str, torch.Tensor], bool]:
+    """The MTP layer's tensors under our names, and whether its block runs as the target's own layer class."""
     own = {}
     for key, value in tensors.items():
         if m := re.match(pattern, key):
             own[key[m.end():]] = value
-    if found := sorted({what for part, what in _UNSUPPORTED_MTP for key in own if part in key}):
-        raise CheckpointError(f"the {layout} layer has {' and '.join(found)}; speclane's MTP head runs a dense "
-                              "decoder layer only (DeepSeek-V3, GLM-4.5 and Qwen3-Next MTP are not supported yet)")
+    if any("linear_attn." in key for key in own):
+        raise CheckpointError(f"the {layout} layer has linear attention; MTP layers are served with full "
+                              "attention only")
+    native = any(part in key for part, _ in _NATIVE_MTP for key in own)
     renamed = _renamed(own, _MTP_PREFIXES[layout][1])
-    return {(k if k.startswith(_MTP_OWN) or k in _SHARED_WITH_TARGET else "layer." + k): v
+    ours = {(k if k.startswith(_MTP_OWN) or k in _SHARED_WITH_TARGET else "layer." + k): v
             for k, v in renamed.items()}
+    return (fused_experts(ours, "layer.") if native else ours), native
+
+
+def _native_shape(target: dict, plus_one: bool) -> LayerShape:
+    """What MtpHead reads of the shape (its norms' width and epsilon) for a block transformers' class runs."""
+    heads = target["num_attention_heads"]
+    return LayerShape(hidden_size=target["hidden_size"], num_heads=heads,
+                      num_kv_heads=target.get("num_key_value_heads") or heads,
+                      head_dim=target.get("head_dim") or target["hidden_size"] // heads,
+                      intermediate_size=target.get("intermediate_size", 0),
+                      rms_norm_eps=float(target.get("rms_norm_eps", 1e-6)), norm_plus_one=plus_one)
 
 
 def read_head(directory: str | pathlib.Path, method: str, target_config: dict) -> HeadCheckpoint:
@@ -181,9 +197,13 @@ def read_head(directory: str | pathlib.Path, method: str, target_config: dict) -
         raise CheckpointError(f"{directory} holds a {layout} head, not one for method {method!r}")
     if kind == "mtp":  # the target's own directory: only the MTP layer is read
         pattern = _mtp_prefix(checkpoint.names, layout)
-        tensors = _mtp_tensors(checkpoint.read(lambda name: re.match(pattern, name) is not None), layout, pattern)
-        shape = _shape({}, target_config, tensors, "layer.", layout == "qwen3_next_mtp")
-        return HeadCheckpoint(kind, layout, shape, tensors, hidden_first=_MTP_PREFIXES[layout][2])
+        tensors, native = _mtp_tensors(checkpoint.read(lambda name: re.match(pattern, name) is not None), layout,
+                                       pattern)
+        plus_one = layout == "qwen3_next_mtp"
+        shape = (_native_shape(target_config, plus_one) if native
+                 else _shape({}, target_config, tensors, "layer.", plus_one))
+        return HeadCheckpoint(kind, layout, shape, tensors, hidden_first=_MTP_PREFIXES[layout][2],
+                              native_config=target_config if native else None)
     tensors = checkpoint.read()
     config = _config(directory)
     if kind == "eagle":
@@ -215,7 +235,7 @@ def build_head(checkpoint: HeadCheckpoint, embed_weight: torch.Tensor, lm_head_w
     else:
         own_head = "head.weight" in tensors
         head = MtpHead(checkpoint.shape, embed_weight, None if own_head else lm_head_weight, vocab,
-                       checkpoint.hidden_first)
+                       checkpoint.hidden_first, checkpoint.native_config)
     expected = head.state_dict()
     missing, unexpected = sorted(set(expected) - set(tensors)), sorted(set(tensors) - set(expected))
     if missing or unexpected:

@@ -64,15 +64,17 @@ class HeadKV:
         if self.keys is not None and length < len(self):
             self.keys, self.values = self.keys[:, :length], self.values[:, :length]
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-        """Appends the n new rows' k, v [kv_heads, n, d] and attends q [heads, n, d] over the cache."""
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+               scale: float | None = None) -> torch.Tensor:
+        """Appends the n new rows' k, v [kv_heads, n, d] and attends q [heads, n, d] over the cache
+        (scale: SDPA's, 1 / sqrt(d) when None)."""
         # The cache and the attention over it stay fp32 under a bf16 head: CPU attention over a bf16
         # cache took 3x as long, and the cache is small next to the weights bf16 halves.
         keys, values = self.append(k.float(), v.float())
         if mask is None:
             mask = self.attention_mask(q.shape[1], q.device)
         return F.scaled_dot_product_attention(q.float()[None], keys[None], values[None], attn_mask=mask,
-                                              enable_gqa=k.shape[0] != q.shape[0])[0]
+                                              scale=scale, enable_gqa=k.shape[0] != q.shape[0])[0]
 
 
 class KVBatch:
@@ -83,10 +85,11 @@ class KVBatch:
     def __init__(self, caches: list[HeadKV], sizes: list[int]):
         self.caches, self.sizes = caches, sizes
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+               scale: float | None = None) -> torch.Tensor:
         if mask is not None:
             raise ValueError("a batch of sequences attends causally: masks are per sequence")
-        return torch.cat([cache.attend(*rows, None) for cache, *rows in
+        return torch.cat([cache.attend(*rows, None, scale) for cache, *rows in
                           zip(self.caches, q.split(self.sizes, 1), k.split(self.sizes, 1), v.split(self.sizes, 1))], 1)
 
 
