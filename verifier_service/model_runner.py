@@ -23,6 +23,7 @@ from verifier_service.distributed import TensorParallel
 from verifier_service.kv_cache import KVGeometry, PagedKVCache
 from verifier_service.linear_attention import LinearStates, is_linear_attention
 from verifier_service.npu_ops import fuse_rms_norms, npu_rms_norm
+from verifier_service.quantization import quantizer_missing, unsupported_checkpoint
 
 log = structlog.get_logger()
 
@@ -99,14 +100,20 @@ class ModelRunner:
         self.device = torch.device(device)
         self.dtype = dtype
         self.tp = tp
-        problem = unsupported(AutoConfig.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
-                              .get_text_config(), tp.world_size if tp is not None else 1, self.device.type)
+        config = AutoConfig.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
+        problem = (unsupported_checkpoint(model_dir, self.device.type)
+                   or unsupported(config.get_text_config(), tp.world_size if tp is not None else 1, self.device.type))
         if problem:
             raise UnsupportedModel(problem)
         kwargs = {"dtype": dtype, "attn_implementation": register_attention(), "trust_remote_code": trust_remote_code}
         if tp is not None:
             kwargs["distributed_config"] = DistributedConfig(tp_size=tp.world_size)  # the model's own TP plan
-        model = AutoModelForCausalLM.from_pretrained(model_dir, **kwargs)
+        try:
+            model = AutoModelForCausalLM.from_pretrained(model_dir, **kwargs)
+        except ImportError as missing:  # a quantizer's package (GPTQ, AWQ, bitsandbytes)
+            if not getattr(config, "quantization_config", None):
+                raise
+            raise UnsupportedModel(quantizer_missing(config, missing)) from missing
         self.model = (model if tp is not None else model.to(self.device)).eval()
         if self.device.type == "npu":
             fuse_rms_norms(self.model, npu_rms_norm())
