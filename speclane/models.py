@@ -216,3 +216,11 @@ def pull(name: str) -> pathlib.Path:
         bar.update()
     log.info("model_pulled", model=name, path=str(target))
     return target
+
+
+def copy_tokenizer(model_dir: pathlib.Path, path: pathlib.Path) -> None:
+    """Gives a random-weight model with `model_dir`'s vocabulary that model's tokenizer and chat template, so it
+    is served (tests' tiny targets, the device benchmark's real shapes)."""
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json"):
+        if (model_dir / name).is_file():
+            shutil.copy(model_dir / name, path / name)

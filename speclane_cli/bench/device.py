@@ -14,19 +14,24 @@ configs (SmolLM2-135M, Qwen2.5-0.5B, Qwen3-8B), each measured for
   pass: what a draft token costs there, so what speculation can gain.
 
 Random weights make acceptance meaningless, so speculation's own rates come
-from the CPU benchmarks; this one measures the engine under them. Decode
+from the CPU benchmarks; this one measures the engine under them. With
+--stack each model is also served through the whole stack and measured over
+its HTTP API with none, ngram and suffix (device_stack.py). Decode
 rates are differences, (tokens after n steps - after 1) / time, for both
 engines, so prefill and warm-up stay out.
 """
 
+import gc
 import json
 import os
+import pathlib
 import statistics
 import tempfile
 import time
 
 import torch
 
+from speclane_cli.bench import device_stack
 from verifier_service.config import ATTENTION_BACKENDS
 
 # Real models' shapes (their config.json fields), so that no download is needed.
@@ -60,6 +65,7 @@ def add_arguments(parser) -> None:
                         help="the verifier's --attention-backend (a named one turns --batch-invariant auto off)")
     parser.add_argument("--profile", default="", help="write torch.profiler's table of 4 decode steps of each "
                         "model at 1 sequence to files named <this><model>.txt")
+    device_stack.add_arguments(parser)
     parser.add_argument("--json", default="", help="also write the results to this file, after every model")
 
 
@@ -190,21 +196,22 @@ def transformers_rate(model, batch: int, steps: int, vocab: int) -> float:
     return batch * steps / (timed(steps + 1) - timed(1))
 
 
-def measure(name: str, device: torch.device, dtype: torch.dtype, batches: list[int], steps: int,
-            drafts: list[int], bandwidth: float, profile: str = "", batch_invariant: str = "auto",
+def measure(name: str, shape: dict, path: str, device: torch.device, dtype: torch.dtype, batches: list[int],
+            steps: int, drafts: list[int], bandwidth: float, profile: str = "", batch_invariant: str = "auto",
             attention_backend: str = "auto") -> dict:
+    """Builds the model of `shape` in `path` and measures the engine on it in process."""
     from verifier_service.model_runner import ModelRunner
     from verifier_service.self_check import largest_difference, tolerance
 
-    with tempfile.TemporaryDirectory() as path:
-        started = time.perf_counter()
-        weight_bytes = build_model(SHAPES[name], path, device, dtype)
-        runner = ModelRunner(path, str(device), dtype, batch_invariant=batch_invariant,
-                             attention_backend=attention_backend)
-        load_s = time.perf_counter() - started
+    started = time.perf_counter()
+    weight_bytes = build_model(shape, path, device, dtype)
+    runner = ModelRunner(path, str(device), dtype, batch_invariant=batch_invariant,
+                         attention_backend=attention_backend)
+    load_s = time.perf_counter() - started
     runner.allocate_cache(64, BLOCK)
     difference, scale = largest_difference(runner)
-    result = {"model": name, "weight_gb": round(weight_bytes / 1e9, 3), "build_and_load_s": round(load_s, 1),
+    result = {"model": name, "vocab_size": shape["vocab_size"], "weight_gb": round(weight_bytes / 1e9, 3),
+              "build_and_load_s": round(load_s, 1),
               "attention_backend": runner.backend.name,
               "reference_check": {"max_logit_difference": round(difference, 5),
                                   "allowed": round(tolerance(dtype, scale), 5)},
@@ -228,26 +235,47 @@ def measure(name: str, device: torch.device, dtype: torch.dtype, batches: list[i
     if 1 in rates and len(rates) > 1:
         result["largest_batch_vs_one"] = round(rates[max(rates)] / rates[1], 2)
     del runner
+    gc.collect()  # the model's memory goes back before the next model, or the served one, takes the device
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return result
 
 
 def run(args) -> int:
+    from speclane.models import copy_tokenizer, resolve_model
+    from speclane_cli.bench.client import served_models
     from verifier_service.device import resolve_device
 
     device = torch.device(resolve_device(args.device))
     dtype = getattr(torch, args.dtype)
     bandwidth = copy_bandwidth(device)
+    tokenizer = resolve_model(args.tokenizer) if args.stack else None
     results = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else str(device),
                "torch": torch.__version__, "dtype": args.dtype, "copy_bandwidth_gb_s": round(bandwidth / 1e9, 1),
                "prompt_tokens": PROMPT_LEN, "steps": args.steps, "models": []}
     print(json.dumps({key: value for key, value in results.items() if key != "models"}), flush=True)
     for name in args.models.split(","):
-        results["models"].append(measure(name, device, dtype, [int(b) for b in args.batches.split(",")],
-                                         args.steps, [int(k) for k in args.drafts.split(",")], bandwidth,
-                                         args.profile, args.batch_invariant, args.attention_backend))
-        print(json.dumps(results["models"][-1]), flush=True)
+        shape = dict(SHAPES[name])
+        if tokenizer is not None:  # served models need a tokenizer: its vocabulary replaces theirs
+            shape["vocab_size"] = json.loads((tokenizer / "config.json").read_text())["vocab_size"]
+        with tempfile.TemporaryDirectory() as path:
+            result = measure(name, shape, path, device, dtype, [int(b) for b in args.batches.split(",")],
+                             args.steps, [int(k) for k in args.drafts.split(",")], bandwidth, args.profile,
+                             args.batch_invariant, args.attention_backend)
+            if tokenizer is not None:
+                copy_tokenizer(tokenizer, pathlib.Path(path))
+                extra = ["--attention-backend", args.attention_backend, "--batch-invariant", args.batch_invariant]
+                log_dir = pathlib.Path(os.path.dirname(os.path.abspath(args.json)) if args.json else path)
+                process, url = device_stack.serve(pathlib.Path(path), str(device), args.dtype,
+                                                  log_dir / f"serve-{name}.log", extra)
+                try:
+                    result["stack"] = device_stack.stack_rates(
+                        url, served_models(url)[0], [int(c) for c in args.stack_concurrency.split(",")],
+                        args.stack_methods.split(","), args.stack_max_tokens)
+                finally:
+                    device_stack.stop(process)
+        results["models"].append(result)
+        print(json.dumps(result), flush=True)
         if args.json:
             os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
             with open(args.json, "w") as f:

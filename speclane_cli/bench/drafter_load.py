@@ -31,6 +31,7 @@ from queue import Empty
 
 import grpc
 
+from gateway.planner import suffix_budget
 from protos.conventions import CHANNEL_OPTIONS
 from protos.drafter.v1 import drafter_pb2, drafter_pb2_grpc
 from speclane.speculation import SpeculationSettings, settings_to_proto
@@ -52,6 +53,10 @@ def add_arguments(parser) -> None:
     group.add_argument("--warmup-seconds", type=float, default=3.0, help="seconds per level before measuring")
     group.add_argument("--client-processes", type=int, default=1, help="processes generating the load")
     group.add_argument("--method", default="suffix", choices=("suffix", "ngram"))
+    group.add_argument("--draft-token-cost", type=float, default=None,
+                       help="send each suffix step the budget a gateway's planner sends at this draft-token cost "
+                            "(gateway.planner.suffix_budget; SmolLM2 with 32 sequences measured 0.24-0.37 here); "
+                            "unset: the session's budget, what a gateway sends a verifier with no measured cost")
     group.add_argument("--drafter-args", default="", help="extra flags for the drafter process")
     group.add_argument("--output-dir", default="", help="write results.json and results.md here")
 
@@ -94,9 +99,9 @@ class _Replay:
         self.number, self.prompt, self.response = number, prompt, response
         self.committed_len, self.position, self.send = len(prompt), 1, response[:1]  # the prefill's token
 
-    def step(self) -> drafter_pb2.Step:
+    def step(self, budget: dict) -> drafter_pb2.Step:
         self.committed_len += len(self.send)
-        return drafter_pb2.Step(committed_token_ids=self.send, committed_len=self.committed_len)
+        return drafter_pb2.Step(committed_token_ids=self.send, committed_len=self.committed_len, **budget)
 
     def answered(self, draft) -> None:
         accepted = common_prefix(list(draft.token_ids[:draft.step_len or None]), self.response[self.position:])
@@ -104,8 +109,8 @@ class _Replay:
         self.position += len(self.send)
 
 
-async def _verifier(stub, items, sequences: int, params, interval: float, first_delay: float, measure_from: float,
-                    stop_at: float, latencies: list[float], counts: dict) -> None:
+async def _verifier(stub, items, sequences: int, params, budget: dict, interval: float, first_delay: float,
+                    measure_from: float, stop_at: float, latencies: list[float], counts: dict) -> None:
     """A verifier's `sequences` sequences on one Sessions stream, as a gateway runs them: every
     `interval` seconds (a pass) each steps, all in one message; a finished one makes way for the next."""
     Entry = drafter_pb2.SessionsRequest.Entry  # noqa: N806 - a message class
@@ -125,7 +130,7 @@ async def _verifier(stub, items, sequences: int, params, interval: float, first_
             entries.append(Entry(session=number, start=drafter_pb2.Start(
                 sequence_id=str(number), prompt_token_ids=prompt, params=params, tenant="bench",
                 num_lookahead_tokens=min(params.num_speculative_tokens + 1, 64))))
-        entries += [Entry(session=replay.number, step=replay.step()) for replay in running]
+        entries += [Entry(session=replay.number, step=replay.step(budget)) for replay in running]
         sent = clock()
         await call.write(drafter_pb2.SessionsRequest(entries=entries))
         answers = await call.read()
@@ -144,10 +149,16 @@ async def _verifier(stub, items, sequences: int, params, interval: float, first_
 
 
 def _client(address: str, streams: list, verifiers: int, offset: int, sequences: int, interval: float, method: str,
-            warmup: float, seconds: float, queue) -> None:
+            draft_token_cost: float | None, warmup: float, seconds: float, queue) -> None:
     """One load process: `verifiers` verifiers, their first passes spread over one interval."""
     async def main():
-        params = settings_to_proto(SpeculationSettings(method=method).with_draft_length(None))  # as a gateway does
+        settings = SpeculationSettings(method=method).with_draft_length(None)
+        params = settings_to_proto(settings)  # as a gateway does
+        budget = {}
+        if draft_token_cost is not None and method == "suffix":  # the planner's, as the gateway's loop calls it
+            factor, min_prob = suffix_budget(draft_token_cost, settings.suffix_decoding_max_spec_factor,
+                                             settings.suffix_decoding_min_token_prob)
+            budget = dict(max_spec_factor=factor, min_token_prob=min_prob)
         latencies, counts = [], {"drafted": 0}
         async with grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS) as channel:
             stub = drafter_pb2_grpc.DrafterStub(channel)
@@ -155,7 +166,8 @@ def _client(address: str, streams: list, verifiers: int, offset: int, sequences:
             measure_from, stop_at = now + warmup, now + warmup + seconds
             numbered = list(enumerate(streams))
             tasks = [_verifier(stub, itertools.islice(itertools.cycle(numbered), (offset + v) * 7919, None), sequences,
-                               params, interval, interval * v / verifiers, measure_from, stop_at, latencies, counts)
+                               params, budget, interval, interval * v / verifiers, measure_from, stop_at, latencies,
+                               counts)
                      for v in range(verifiers)]
             await asyncio.gather(*tasks)
         queue.put((latencies, counts["drafted"]))
@@ -171,7 +183,8 @@ def run_level(address: str, drafter_pid: int, streams: list, verifiers: int, arg
     queue = context.Queue()
     share = [verifiers // processes + (p < verifiers % processes) for p in range(processes)]
     workers = [context.Process(target=_client, args=(address, streams, share[p], sum(share[:p]), args.sequences,
-                                                     interval, args.method, args.warmup_seconds, args.seconds, queue))
+                                                     interval, args.method, args.draft_token_cost,
+                                                     args.warmup_seconds, args.seconds, queue))
                for p in range(processes)]
     for worker in workers:
         worker.start()

@@ -32,3 +32,26 @@ def test_the_device_bench_reports_rates_limits_and_draft_costs(invariant, tmp_pa
     assert one["share_of_weight_read_limit"] == pytest.approx(
         one["decode_tokens_per_s"] / model["weight_read_limit_tokens_per_s"], abs=1e-3)
     assert "aten::" in (tmp_path / "profile-tiny.txt").read_text()
+
+
+@pytest.mark.e2e
+def test_the_device_bench_serves_each_model_through_the_stack_with_each_method(tmp_path, monkeypatch):
+    """--stack: the random model, given SmolLM2's tokenizer and vocabulary, served by `speclane serve` and
+    measured over the HTTP API at each concurrency with each method."""
+    monkeypatch.setitem(device.SHAPES, "tiny", TINY)
+    out = tmp_path / "device.json"
+    assert main(["bench", "device", "--models", "tiny", "--device", "cpu", "--dtype", "float32", "--batches", "1",
+                 "--steps", "2", "--drafts", "2", "--stack", "--stack-concurrency", "1,2", "--stack-max-tokens", "12",
+                 "--json", str(out)]) == 0
+    model = json.loads(out.read_text())["models"][0]
+    assert model["vocab_size"] == 49152  # the tokenizer's
+    rows = {(row["concurrency"], row["method"]): row for row in model["stack"]}
+    assert set(rows) == {(c, m) for c in (1, 2) for m in ("none", "ngram", "suffix")}
+    for (concurrency, method), row in rows.items():
+        assert row["tokens_per_s"] > 0
+        if method == "none":
+            assert row["tokens_per_step"] < 1.2  # one token a step (and the prefill's)
+        else:
+            assert row["vs_none"] == pytest.approx(row["tokens_per_s"] / rows[concurrency, "none"]["tokens_per_s"],
+                                                   abs=1e-3)
+    assert (tmp_path / "serve-tiny.log").is_file()

@@ -4,7 +4,6 @@ import contextlib
 import dataclasses
 import os
 import pathlib
-import shutil
 import signal
 import ssl
 import subprocess
@@ -124,12 +123,6 @@ class Stack:
                 except subprocess.TimeoutExpired:
                     process.kill()
                     process.wait()
-
-
-def copy_tokenizer(model_dir: pathlib.Path, path: pathlib.Path) -> None:
-    """Gives a tiny random target with SmolLM2's vocabulary SmolLM2's tokenizer and chat template, so it is served."""
-    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json"):
-        shutil.copy(model_dir / name, path / name)
 
 
 # The suite runs several stacks and itself on a small host: a verifier that took every core would

@@ -11,8 +11,9 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from gateway.client import GenerationClient
+from speclane.models import copy_tokenizer
 from tests.e2e.prompts import code_edit_messages, humaneval_messages, sharegpt_messages
-from tests.e2e.stack import copy_tokenizer, start_stack
+from tests.e2e.stack import start_stack
 from tests.heads_support import add_mtp_layer, write_random_head
 
 pytestmark = pytest.mark.e2e

@@ -5,8 +5,9 @@ exactly what it decodes alone."""
 import pytest
 
 from gateway.client import GenerationClient
+from speclane.models import copy_tokenizer
 from tests.e2e.prompts import code_edit_messages, humaneval_messages
-from tests.e2e.stack import copy_tokenizer, start_stack
+from tests.e2e.stack import start_stack
 from tests.quantized_support import save_w8a8_llama
 
 pytestmark = pytest.mark.e2e
