@@ -183,15 +183,19 @@ class Engine:
         forward_seconds = time.perf_counter() - started
         # Every client's sequences: a gateway sizes its drafts by this load, not by its own share of it.
         num_running = len(self.scheduler.admitted)
+        # Every row's argmax, copied to the host once for the pass rather than once per sequence (on an
+        # accelerator each copy waits for the device): the greedy sequences with no logit controls use them.
+        argmax = torch.argmax(logits, dim=-1).tolist() if any(map(_plain_greedy, picked)) else None
         row = token = 0
         answered: list[tuple[Scheduled, StepResult]] = []
         for entry in picked:
             rows = logits[row: row + entry.segment.num_logit_rows]
+            targets = argmax[row: row + entry.segment.num_logit_rows] if argmax and _plain_greedy(entry) else None
             row += entry.segment.num_logit_rows
             fed = None if features is None else features[token: token + entry.segment.num_tokens]
             token += entry.segment.num_tokens
             try:
-                result = self._settle(entry, rows, fed, forward_seconds, num_running)
+                result = self._settle(entry, rows, targets, fed, forward_seconds, num_running)
             except Exception as exc:  # noqa: BLE001 - fail this step alone: left queued, it would fail every pass
                 self._fail(entry.work, exc)
                 continue
@@ -230,9 +234,10 @@ class Engine:
         self.close(work.seq)
         work.done(exc)
 
-    def _settle(self, entry: Scheduled, rows: torch.Tensor, features: torch.Tensor | None,
-                forward_seconds: float, num_running: int) -> StepResult | None:
-        """Judges the step and commits its tokens; its result (None for a prompt chunk: more to come)."""
+    def _settle(self, entry: Scheduled, rows: torch.Tensor, targets: list[int] | None,
+                features: torch.Tensor | None, forward_seconds: float, num_running: int) -> StepResult | None:
+        """Judges the step and commits its tokens; its result (None for a prompt chunk: more to come).
+        `targets`: the rows' argmax where the pass computed it (_plain_greedy)."""
         seq, segment, draft = entry.work.seq, entry.segment, entry.draft
         if self.capture is not None and not seq.num_generated:
             self.capture.add(seq, features[: segment.num_pending])
@@ -243,7 +248,7 @@ class Engine:
             seq.num_cached += segment.num_pending
             self.blocks.commit(seq.blocks, seq.tokens, seq.num_cached)
             return None
-        verdict = self._judge(seq, draft, rows)
+        verdict = self._judge(seq, draft, rows, targets)
         num_top = seq.params.logprobs
         logprobs = None if num_top is None else committed_logprobs(rows, verdict, num_top)
         base = seq.num_cached + segment.num_pending  # KV row of draft node 0
@@ -331,17 +336,19 @@ class Engine:
         for work in asking:
             work.draft = work.seq.own_draft()  # as deep as the sequence's budget allows (_draft_heads)
 
-    def _judge(self, seq: Sequence, draft: Draft, rows: torch.Tensor) -> Verdict:
+    def _judge(self, seq: Sequence, draft: Draft, rows: torch.Tensor, targets: list[int] | None) -> Verdict:
         """Accepts against the request's distribution: `rows` are raw logits, and
         greedy is the argmax after the logit controls, as in vLLM."""
         tokens, parents = list(draft.token_ids), draft.tree_parents
+        if targets is not None:
+            return verify_greedy(tokens, targets, parents)
         sampling = seq.params.sampling
         if seq.logits_processor is not None:
             rows = seq.logits_processor(rows, seq.tokens, tokens, parents)
         if seq.grammar is not None:
             rows = rows.masked_fill(~seq.grammar.row_masks(tokens, parents).to(rows.device), float("-inf"))
         if sampling.greedy:
-            return verify_greedy(tokens, rows, parents)
+            return verify_greedy(tokens, torch.argmax(rows, dim=-1).tolist(), parents)
         proposals = draft.proposal_probs
         if draft.proposals:
             sparse = [(p.token_ids, p.probs) for p in draft.proposals]
@@ -375,3 +382,10 @@ def _drafts_on_demand(seq: Sequence) -> bool:
 def _fed_tokens(entry: Scheduled) -> list[int]:
     seq, segment = entry.work.seq, entry.segment
     return [*seq.tokens[seq.num_cached: seq.num_cached + segment.num_pending], *entry.draft.token_ids]
+
+
+def _plain_greedy(entry: Scheduled) -> bool:
+    """A step judged by its rows' raw argmax: greedy, no logit controls, no grammar, and logits wanted."""
+    seq = entry.work.seq
+    return (entry.segment.wants_logits and seq.params.sampling.greedy and seq.logits_processor is None
+            and seq.grammar is None)

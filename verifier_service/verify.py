@@ -32,11 +32,11 @@ def _children(draft: Sequence[int], parents) -> list[list[int]]:
     return children(chain_parents(len(draft)) if parents is None else parents)
 
 
-def verify_greedy(draft: Sequence[int], logits: torch.Tensor, parents=None) -> Verdict:
-    """Walks down from the root while some child equals the target's argmax;
-    emits the argmax where no child does (a correction, or a bonus at a leaf)."""
+def verify_greedy(draft: Sequence[int], targets: Sequence[int], parents=None) -> Verdict:
+    """Walks down from the root while some child equals the target's argmax
+    (`targets`: of each row, as one host copy for the pass's rows); emits the
+    argmax where no child does (a correction, or a bonus at a leaf)."""
     kids = _children(draft, parents)
-    targets = torch.argmax(logits, dim=-1).tolist()
     path: list[int] = []
     row = 0
     while True:
