@@ -13,7 +13,7 @@ import torch
 from protos.conventions import chain_parents
 from verifier_service.sampling import sample
 from verifier_service.sequence import TokenLogprob
-from verifier_service.tree import children
+from verifier_service.tree import children, is_chain
 
 
 @dataclass(frozen=True)
@@ -66,6 +66,8 @@ def verify_sampled(
     as the target's (for one-hot q: accept with p(x), else draw from p without
     the rejected tokens).
     """
+    if parents is None or is_chain(parents):
+        return _verify_chain_sampled(draft, probs, generator, proposals)
     kids = _children(draft, parents)
     path: list[int] = []
     row = 0
@@ -88,6 +90,32 @@ def verify_sampled(
         else:
             return Verdict([draft[i] for i in path] + [sample(p, generator)], len(path), path)
         row = path[-1] + 1
+
+
+def _verify_chain_sampled(draft: Sequence[int], probs: torch.Tensor, generator: torch.Generator,
+                          proposals: torch.Tensor | None) -> Verdict:
+    """verify_sampled's rule on a chain with every decision made on the device and one copy to the host (the
+    tree walk copies a decision per node tried, each waiting for the device): every draft token's acceptance
+    is drawn at once, the first rejection found, and the emitted token drawn from that row's residual, or
+    from the bonus row when none is rejected. Independent uniforms make it the same distribution as the
+    one-at-a-time walk."""
+    k, device = len(draft), probs.device
+    tokens, rows = torch.tensor(list(draft), dtype=torch.long, device=device), torch.arange(k, device=device)
+    accept = probs[rows, tokens] if proposals is None else probs[rows, tokens] / proposals[rows, tokens]
+    rejected = torch.rand(k, generator=generator, device=device) >= accept
+    # The first rejected position; the bonus row (k) where none is: argmax finds the first True.
+    first = torch.cat([rejected, rejected.new_ones(1)]).int().argmax()
+    if proposals is None:
+        residual = probs[:k].clone()
+        residual[rows, tokens] = 0.0
+    else:
+        residual = (probs[:k] - proposals).clamp_min(0.0)
+    candidates = torch.cat([residual, probs[k:k + 1]])
+    final = candidates[first]
+    final = torch.where(final.sum() > 0, final, probs[first])  # p == q up to rounding leaves no residual
+    token = torch.multinomial(final, 1, generator=generator)[0]
+    accepted, emitted = torch.stack([first, token]).tolist()
+    return Verdict([*draft[:accepted], emitted], accepted, list(range(accepted)))
 
 
 def dense_proposals(
