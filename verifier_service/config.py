@@ -54,8 +54,10 @@ class VerifierConfig:
                                           "kernels allow it), on (refuse to start where they do not) or off")
     attention_backend: str = option("auto", "auto (a CPU: our paged kernel in fp32, else TORCH_SDPA; an NPU: "
                                             "torch_npu's fused attention; CUDA: TORCH_SDPA), FLEX_ATTENTION "
-                                            "(compiled on CUDA) or TORCH_SDPA (vLLM's flag and names). A named one "
-                                            "turns --batch-invariant auto off (docs/design/verifier-engine.md)")
+                                            "(compiled on CUDA; elsewhere eager, scoring every cache slot: for "
+                                            "tests with a small cache) or TORCH_SDPA (vLLM's flag and names). A "
+                                            "named one turns --batch-invariant auto off "
+                                            "(docs/design/verifier-engine.md)")
     threads: int = option(0, "torch intra-op CPU threads per rank; 0: the cores this process may run on, shared "
                              "among the ranks (as vLLM's CPU build takes every core)")
     tensor_parallel_size: int = option(1, "ranks the model is split over (gloo on CPU, nccl on CUDA, hccl on "

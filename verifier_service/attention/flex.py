@@ -1,5 +1,6 @@
-"""Attention through FlexAttention (torch.nn.attention.flex_attention): the
-CUDA backend, over the paged cache in place.
+"""Attention through FlexAttention (torch.nn.attention.flex_attention) over the
+paged cache in place: CUDA's backend in waiting (--attention-backend
+FLEX_ATTENTION), not its default until it has run on a GPU.
 
 Why FlexAttention rather than FlashInfer: it ships with torch (no wheel per
 CUDA and torch version to match), the same call runs on a CPU (so its masks
@@ -19,11 +20,13 @@ query sees: the keys cached before the pass, the pass's own tokens causally,
 and in a draft tree only a node's ancestors. On CUDA the call is compiled
 (FlexAttention's Triton kernel); elsewhere it runs in eager mode, which
 computes every (query, slot) score and applies the same mask function: right,
-and slow beyond small caches, so it is a choice on a CPU only by name.
+and slow beyond small caches, so on a CPU it is for tests.
 
-MLA's latent cache is attended by torch_sdpa (select_backend): its keys and
-values are expanded from the latent rows per read, which a view of the whole
-cache cannot do.
+MLA's latent cache is refused (select_backend): its keys and values are
+expanded from the latent rows per read, which a view of the whole cache cannot
+do. The block lists are built on the host, a Python loop over each query
+block's segments' tables; at large batches of long contexts that is host time
+a vectorized build on the device (as vLLM's) would save.
 """
 
 from collections.abc import Callable
