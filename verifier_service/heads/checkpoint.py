@@ -151,10 +151,9 @@ def _mtp_prefix(names, layout: str) -> str:
     return pattern
 
 
-# What marks an MTP layer our dense layer cannot run, which the target architecture's own layer class then runs
-# (native_layer.py): (a tensor name's part, what it is).
-_NATIVE_MTP = (("mlp.experts.", "MoE experts"), ("mlp.gate.weight", "an MoE router"),
-               ("self_attn.kv_a_proj_with_mqa.", "MLA attention"))
+# Parts of tensor names that mark an MTP layer our dense layer cannot run (MoE experts, an MoE router, MLA
+# attention), which the target architecture's own layer class then runs (native_layer.py).
+_NATIVE_MTP = ("mlp.experts.", "mlp.gate.weight", "self_attn.kv_a_proj_with_mqa.")
 
 
 def _mtp_tensors(tensors: dict, layout: str, pattern: str) -> tuple[dict[str, torch.Tensor], bool]:
@@ -166,7 +165,7 @@ def _mtp_tensors(tensors: dict, layout: str, pattern: str) -> tuple[dict[str, to
     if any("linear_attn." in key for key in own):
         raise CheckpointError(f"the {layout} layer has linear attention; MTP layers are served with full "
                               "attention only")
-    native = any(part in key for part, _ in _NATIVE_MTP for key in own)
+    native = any(part in key for part in _NATIVE_MTP for key in own)
     renamed = _renamed(own, _MTP_PREFIXES[layout][1])
     ours = {(k if k.startswith(_MTP_OWN) or k in _SHARED_WITH_TARGET else "layer." + k): v
             for k, v in renamed.items()}
