@@ -61,15 +61,23 @@ class Child:
         self.process, self.restart_at = None, now + delay
 
     def stop(self) -> None:
-        if self.process is None or self.process.poll() is not None:
-            return
-        self.process.send_signal(signal.SIGTERM)
-        try:
-            self.process.wait(STOP_TIMEOUT_SECONDS)
-        except subprocess.TimeoutExpired:
+        if self.process is not None and not terminate(self.process, STOP_TIMEOUT_SECONDS):
             log.warning("service_killed", service=self.name)
-            self.process.kill()
-            self.process.wait()
+
+
+def terminate(process: subprocess.Popen, timeout: float) -> bool:
+    """SIGTERM, then SIGKILL if it has not exited within `timeout` seconds; whether it exited on its own
+    (or had already)."""
+    if process.poll() is not None:
+        return True
+    process.send_signal(signal.SIGTERM)
+    try:
+        process.wait(timeout)
+        return True
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+        return False
 
 
 def supervise(children: list[Child], stopping: Callable[[], bool], on_tick: Callable[[], None] = lambda: None,

@@ -50,3 +50,34 @@ def add_mtp_layer(target_dir: pathlib.Path, seed: int = 0) -> None:
         own = next((to + key[len(frm):] for frm, to in names.items() if key.startswith(frm)), key)
         tensors[prefix + own] = value.contiguous()
     save_file(tensors, path, metadata={"format": "pt"})
+
+
+def count_tensor_reads(monkeypatch) -> list[str]:
+    """The names of the tensors the head checkpoint reader reads from here on (the list fills as it reads)."""
+    import safetensors
+
+    from verifier_service.heads import checkpoint as checkpoint_module
+
+    read: list[str] = []
+    real_open = safetensors.safe_open
+
+    class Counting:
+        def __init__(self, *args, **kwargs):
+            self._file = real_open(*args, **kwargs)
+
+        def __enter__(self):
+            self._inner = self._file.__enter__()
+            return self
+
+        def __exit__(self, *exc):
+            return self._file.__exit__(*exc)
+
+        def keys(self):
+            return self._inner.keys()
+
+        def get_tensor(self, name):
+            read.append(name)
+            return self._inner.get_tensor(name)
+
+    monkeypatch.setattr(checkpoint_module, "safe_open", Counting)
+    return read

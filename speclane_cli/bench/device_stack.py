@@ -14,7 +14,6 @@ what a trained model gains. Requests ignore EOS, so every one decodes
 import asyncio
 import os
 import pathlib
-import signal
 import subprocess
 import sys
 import uuid
@@ -23,6 +22,7 @@ from speclane.net import free_port, wait_http_ok
 from speclane_cli.bench.client import closed_loop
 from speclane_cli.bench.stats import summarize
 from speclane_cli.bench.workloads import load_workload
+from speclane_cli.supervisor import terminate
 
 METHODS = ("none", "ngram", "suffix")
 
@@ -56,12 +56,7 @@ def serve(model_dir: pathlib.Path, device: str, dtype: str, log_path: pathlib.Pa
 
 
 def stop(process: subprocess.Popen) -> None:
-    process.send_signal(signal.SIGTERM)
-    try:
-        process.wait(60)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        process.wait()
+    terminate(process, 60)
 
 
 def stack_rates(url: str, model_name: str, concurrencies: list[int], methods: list[str], max_tokens: int) -> list:

@@ -8,13 +8,14 @@ import contextlib
 import dataclasses
 import os
 import pathlib
-import signal
 import subprocess
 import sys
 import urllib.parse
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
+
+from speclane_cli.supervisor import terminate
 
 SERVICE_MODULES = {"gateway": "gateway", "verifier": "verifier_service", "drafter": "drafter_service"}
 _STOP_TIMEOUT_SECONDS = 30
@@ -38,13 +39,7 @@ class Services:
     def stop(self) -> None:
         """Stops what this command started, gateway first (as `speclane serve` does)."""
         for process in reversed(self.processes.values()):
-            if process.poll() is None:
-                process.send_signal(signal.SIGTERM)
-                try:
-                    process.wait(_STOP_TIMEOUT_SECONDS)
-                except subprocess.TimeoutExpired:
-                    process.kill()
-                    process.wait()
+            terminate(process, _STOP_TIMEOUT_SECONDS)
 
 
 def start_stack(configs: dict, log_dir: pathlib.Path) -> Services:

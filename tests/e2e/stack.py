@@ -18,7 +18,7 @@ from gateway.config import GatewayConfig
 from speclane.config import to_argv
 from speclane.net import free_port, http_ok, wait_http_ok
 from speclane.tls import TlsFiles, channel, issued
-from speclane_cli.supervisor import die_with_parent
+from speclane_cli.supervisor import die_with_parent, terminate
 from verifier_service.config import VerifierConfig
 
 _START_TIMEOUT_SECONDS = 180
@@ -116,13 +116,8 @@ class Stack:
     def stop(self) -> None:
         for name in (*self.gateway_names, *self.verifier_names, "drafter"):
             process = self.processes.get(name)
-            if process is not None and process.poll() is None:
-                process.send_signal(signal.SIGTERM)
-                try:
-                    process.wait(30)
-                except subprocess.TimeoutExpired:
-                    process.kill()
-                    process.wait()
+            if process is not None:
+                terminate(process, 30)
 
 
 # The suite runs several stacks and itself on a small host: a verifier that took every core would

@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import verifier_service.sequence as sequence_module
-from tests.heads_support import add_mtp_layer, random_head, write_random_head
+from tests.heads_support import add_mtp_layer, count_tensor_reads, random_head, write_random_head
 from tests.verifier.conftest import VOCAB, make_engine, save_tiny_llama
 from tests.verifier.test_engine import SAMPLING_PROMPT, SAMPLING_TRIALS, exact_second_token, p_value
 from verifier_service.device import HeadPrecision
@@ -462,9 +462,6 @@ def test_an_mtp_head_reads_only_the_mtp_layer_of_the_targets_checkpoint(tmp_path
     """A DeepSeek-V3 target is about 700 GB: the MTP layer is read, the target's own layers never are."""
     import shutil
 
-    import safetensors
-
-    from verifier_service.heads import checkpoint as checkpoint_module
 
     target = tmp_path / "target"
     shutil.copytree(target_dir, target)
@@ -480,28 +477,7 @@ def test_an_mtp_head_reads_only_the_mtp_layer_of_the_targets_checkpoint(tmp_path
             tensors[prefix + renames[frm] + inner[len(frm):]] = tensors.pop(key)
         save_file(tensors, target / "model.safetensors")
     own = "mtp." if layout == "qwen3_next_mtp" else deepseek
-    read = []
-    real_open = safetensors.safe_open
-
-    class Counting:
-        def __init__(self, *args, **kwargs):
-            self._file = real_open(*args, **kwargs)
-
-        def __enter__(self):
-            self._inner = self._file.__enter__()
-            return self
-
-        def __exit__(self, *exc):
-            return self._file.__exit__(*exc)
-
-        def keys(self):
-            return self._inner.keys()
-
-        def get_tensor(self, name):
-            read.append(name)
-            return self._inner.get_tensor(name)
-
-    monkeypatch.setattr(checkpoint_module, "safe_open", Counting)
+    read = count_tensor_reads(monkeypatch)
     assert read_head(target, "deepseek_mtp", config).layout == layout
     assert read and all(name.startswith(own) for name in read)
     assert len(read) < len(load_file(target / "model.safetensors"))

@@ -10,14 +10,13 @@ import json
 import pathlib
 
 import pytest
-import safetensors
 import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
+from tests.heads_support import count_tensor_reads
 from tests.verifier.architectures import save_tiny
 from tests.verifier.conftest import make_engine
-from verifier_service.heads import checkpoint as checkpoint_module
 from verifier_service.heads.checkpoint import build_head, read_head
 from verifier_service.heads.layer import HeadKV
 from verifier_service.heads.loading import load_head
@@ -67,28 +66,7 @@ def target(request, tmp_path_factory) -> tuple[pathlib.Path, str, str]:
 def test_only_the_mtp_layer_is_read_and_its_block_is_the_architectures_own(target, monkeypatch):
     path, model_type, prefix = target
     config = json.loads((path / "config.json").read_text())
-    read = []
-    real_open = safetensors.safe_open
-
-    class Counting:
-        def __init__(self, *args, **kwargs):
-            self._file = real_open(*args, **kwargs)
-
-        def __enter__(self):
-            self._inner = self._file.__enter__()
-            return self
-
-        def __exit__(self, *exc):
-            return self._file.__exit__(*exc)
-
-        def keys(self):
-            return self._inner.keys()
-
-        def get_tensor(self, name):
-            read.append(name)
-            return self._inner.get_tensor(name)
-
-    monkeypatch.setattr(checkpoint_module, "safe_open", Counting)
+    read = count_tensor_reads(monkeypatch)
     checkpoint = read_head(path, "mtp", config)
     assert read and all(name.startswith(prefix) for name in read)
     assert checkpoint.native_config is not None
