@@ -61,8 +61,8 @@ def test_every_key_a_query_sees_is_in_a_block_listed_for_its_queries(window):
     assert not (seen_blocks & ~listed).any()
     # ... and a list holds only the blocks of its queries' own segments (a window drops early ones).
     for b in range(len(counts)):
-        own = {block for seg in set(metadata.segment_rows[b * QUERY_BLOCK:(b + 1) * QUERY_BLOCK])
-               for block in metadata.block_tables[seg]}
+        own = {block for seg in set(metadata.segment[b * QUERY_BLOCK:(b + 1) * QUERY_BLOCK].tolist())
+               for block in metadata.tables[seg].tolist() if block >= 0}
         listed_here = set(indices[b, :counts[b]].tolist())
         assert listed_here == own if window is None else listed_here <= own
     if window:

@@ -24,9 +24,7 @@ and slow beyond small caches, so on a CPU it is for tests.
 
 MLA's latent cache is refused (select_backend): its keys and values are
 expanded from the latent rows per read, which a view of the whole cache cannot
-do. The block lists are built on the host, a Python loop over each query
-block's segments' tables; at large batches of long contexts that is host time
-a vectorized build on the device (as vLLM's) would save.
+do.
 """
 
 from collections.abc import Callable
@@ -50,9 +48,7 @@ class Metadata:
     slot_mapping: torch.Tensor
     num_tokens: int
     block_size: int
-    block_tables: list[tuple[int, ...]]  # each segment's blocks up to its context
-    segment_rows: list[int]  # the segment of every pass row (host copy, for the block lists)
-    starts: list[int]
+    tables: torch.Tensor  # [segments, most blocks] each segment's blocks up to its context, -1 beyond
     segment: torch.Tensor  # [T] the segment of each pass row
     local_query: torch.Tensor  # [T] a row's index among its segment's new tokens
     positions: torch.Tensor  # [T]
@@ -67,7 +63,7 @@ class Metadata:
     def block_mask(self, window: int | None, cache: PagedKVCache, compiled: bool) -> BlockMask:
         if window not in self.block_masks:
             if self.inverse_tables is None:
-                self.inverse_tables = _inverse_tables(self.block_tables, cache.num_blocks, self.start.device)
+                self.inverse_tables = _inverse_tables(self.tables, cache.num_blocks)
             slots = cache.num_blocks * cache.block_size
             mask_mod = self.mask_mod(window)
             if not compiled:
@@ -77,29 +73,37 @@ class Metadata:
 
                 def mask_mod(b, h, q, kv):
                     return seen[q, kv]
+            counts, indices = self._kv_blocks(window, cache.num_blocks)
             self.block_masks[window] = BlockMask.from_kv_blocks(
-                *self._kv_blocks(window, cache.num_blocks), BLOCK_SIZE=(QUERY_BLOCK, self.block_size),
+                counts[None, None], indices[None, None], BLOCK_SIZE=(QUERY_BLOCK, self.block_size),
                 mask_mod=mask_mod, seq_lengths=(self.num_tokens, slots), compute_q_blocks=False)
         return self.block_masks[window]
 
     def _kv_blocks(self, window: int | None, num_blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """kv_num_blocks [1, 1, query blocks] and kv_indices [1, 1, query blocks, most]: every cache block a
-        segment with rows in a query block may read (under a window, from the first block its queries reach)."""
-        lists = []
-        for first in range(0, self.num_tokens, QUERY_BLOCK):
-            blocks: dict[int, None] = {}
-            for seg in dict.fromkeys(self.segment_rows[first:first + QUERY_BLOCK]):
-                # A segment's earliest query is at position `start`: under a window it reaches back window - 1.
-                skip = max(0, self.starts[seg] - window + 1) // self.block_size if window else 0
-                blocks.update(dict.fromkeys(self.block_tables[seg][skip:]))
-            lists.append(list(blocks))
-        most = max(len(b) for b in lists)
-        device = self.start.device
-        indices = torch.tensor([b + [0] * (most - len(b)) for b in lists], dtype=torch.int32, device=device)
-        # As wide as the cache has blocks, as create_block_mask makes it (FlexAttention's CPU kernel asserts it).
-        indices = F.pad(indices, (0, num_blocks - most))
-        counts = torch.tensor([len(b) for b in lists], dtype=torch.int32, device=device)
-        return counts[None, None], indices[None, None]
+        """kv_num_blocks [query blocks] and kv_indices [query blocks, num_blocks] (as wide as the cache has
+        blocks, as create_block_mask makes it; FlexAttention's CPU kernel asserts it): every cache block a
+        segment with rows in a query block may read, each once (segments share prefix-cached blocks), under a
+        window from the first block its queries reach. Built on the device, with no loop over blocks."""
+        tables, device = self.tables, self.tables.device
+        num_segments, widest = tables.shape
+        rows = torch.arange(0, self.num_tokens, QUERY_BLOCK, device=device)
+        first = self.segment[rows]  # a query block's segments are a run: its first row's to its last row's
+        last = self.segment[(rows + QUERY_BLOCK - 1).clamp(max=self.num_tokens - 1)]
+        ids = torch.arange(num_segments, device=device)
+        member = (ids[None, :] >= first[:, None]) & (ids[None, :] <= last[:, None])  # [query blocks, segments]
+        live = tables >= 0
+        if window:  # a segment's earliest query is at position `start`: a window reaches back window - 1
+            skip = (self.start - window + 1).clamp(min=0) // self.block_size
+            live &= torch.arange(widest, device=device)[None, :] >= skip[:, None]
+        # Each query block's blocks marked in a row of the cache's width (a dump column for what is not read).
+        read = (member[:, :, None] & live[None]).view(len(rows), -1)
+        columns = torch.where(read, tables.clamp(min=0).view(1, -1), num_blocks)
+        used = torch.zeros(len(rows), num_blocks + 1, dtype=torch.bool, device=device)
+        used.scatter_(1, columns, True)
+        used = used[:, :num_blocks]
+        # The marked blocks first, in block order: a stable sort of the marks.
+        indices = torch.sort(used.to(torch.int8), dim=1, descending=True, stable=True).indices
+        return used.sum(1, dtype=torch.int32), indices.to(torch.int32)
 
     def mask_mod(self, window: int | None) -> Callable:
         inverse, segment, local_query, positions = self.inverse_tables, self.segment, self.local_query, self.positions
@@ -154,10 +158,12 @@ class FlexAttention:
         def tensor(values) -> torch.Tensor:
             return torch.tensor(values, dtype=torch.long, device=device)
 
+        used = [seg.block_table[:-(-(seg.start + seg.num_tokens) // block_size)] for seg in segments]
+        widest_table = max(len(table) for table in used)
         return Metadata(
             slot_mapping(segments, block_size, device), len(segment_rows), block_size,
-            [tuple(seg.block_table[:-(-(seg.start + seg.num_tokens) // block_size)]) for seg in segments],
-            segment_rows, [seg.start for seg in segments], tensor(segment_rows), tensor(local), positions,
+            tensor([list(table) + [-1] * (widest_table - len(table)) for table in used]),
+            tensor(segment_rows), tensor(local), positions,
             tensor([seg.start for seg in segments]), tensor([seg.start + seg.num_tokens for seg in segments]),
             tensor(list(inputs.offsets)), tensor(tree_row), torch.cat(tree_seen))
 
@@ -196,9 +202,10 @@ def _softcap(softcap: float | None) -> Callable | None:
     return capped
 
 
-def _inverse_tables(block_tables: list[tuple[int, ...]], num_blocks: int, device: torch.device) -> torch.Tensor:
+def _inverse_tables(tables: torch.Tensor, num_blocks: int) -> torch.Tensor:
     """[segments, num_blocks]: the logical block each physical block holds for each segment, -1 where none."""
-    inverse = torch.full((len(block_tables), num_blocks), -1, dtype=torch.long)
-    for i, table in enumerate(block_tables):
-        inverse[i, list(table)] = torch.arange(len(table))
-    return inverse.to(device)
+    num_segments, widest = tables.shape
+    inverse = torch.full((num_segments, num_blocks + 1), -1, dtype=torch.long, device=tables.device)
+    logical = torch.arange(widest, device=tables.device).expand(num_segments, -1)
+    inverse.scatter_(1, torch.where(tables >= 0, tables, num_blocks), logical)  # padding into a dump column
+    return inverse[:, :num_blocks]
