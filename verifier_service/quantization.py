@@ -25,5 +25,7 @@ def unsupported_checkpoint(model_dir: str, device_type: str) -> str | None:
 
 def quantizer_missing(config, error: ImportError) -> str:
     """The refusal for a quantized checkpoint whose quantizer's package transformers did not find."""
-    method = (getattr(config, "quantization_config", None) or {}).get("quant_method", "quantized")
+    quantization = getattr(config, "quantization_config", None) or {}
+    method = (quantization.get("quant_method") if isinstance(quantization, dict)
+              else getattr(quantization, "quant_method", None)) or "quantized"
     return f"{method} checkpoint: {str(error).strip().splitlines()[0]}"
