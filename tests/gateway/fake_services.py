@@ -27,6 +27,9 @@ from speclane.speculation import SpeculationSettings
 from tests.gateway.fakes import MODEL_NAME, make_context
 
 PROMPT = [5, 6, 7]
+# A verify step long enough that the gateway's next-round offer reaches it before it ends even on a loaded host
+# (at 20 ms, one offer in a run came late under the full suite).
+OFFER_STEP_SECONDS = 0.1
 _request_ids = itertools.count()
 
 

@@ -15,6 +15,7 @@ from protos.common.v1 import common_pb2
 from protos.gateway.v1 import gateway_pb2
 from speclane.speculation import MAX_BATCH_SIZE, SpeculationSettings
 from tests.gateway.fake_services import (
+    OFFER_STEP_SECONDS,
     PROMPT,
     FakeDrafter,
     FakeVerifier,
@@ -319,7 +320,7 @@ def lookahead(max_tokens: int = 30, k: int = 3):
 
 async def test_next_round_drafts_let_the_verifier_go_on_without_a_verify():
     # The drafter drafts k + 1 + k = 7 target tokens: k to verify, the bonus, the next k.
-    verifier, drafter = FakeVerifier(accept=8, step_seconds=0.02), FakeDrafter(draft_len=7)
+    verifier, drafter = FakeVerifier(accept=8, step_seconds=OFFER_STEP_SECONDS), FakeDrafter(draft_len=7)
     async with gateway([verifier], drafter, policy=PlannerPolicy()) as gw:
         deltas = await collect(gw, lookahead())
     assert tokens_of(deltas) == target_tokens(0, 30)
@@ -343,7 +344,7 @@ async def test_next_round_drafts_let_the_verifier_go_on_without_a_verify():
 async def test_a_step_cut_short_by_the_drafters_budget_still_offers_the_path_beyond_it():
     """Suffix decoding's budget ends a step's draft where its match is short; the
     draft goes on past it (step_len), and the step after runs on that offer."""
-    verifier, drafter = FakeVerifier(accept=8, step_seconds=0.02), FakeDrafter(draft_len=7)
+    verifier, drafter = FakeVerifier(accept=8, step_seconds=OFFER_STEP_SECONDS), FakeDrafter(draft_len=7)
     drafter.step_len = 2
     async with gateway([verifier], drafter, policy=PlannerPolicy()) as gw:
         deltas = await collect(gw, lookahead())
@@ -358,7 +359,7 @@ async def test_a_step_cut_short_by_the_drafters_budget_still_offers_the_path_bey
 async def test_with_the_break_even_cut_a_step_cut_short_by_the_budget_still_offers_k_tokens():
     """The step verifies the drafter's 2 tokens; the offer after it is the next
     step's draft, held to the cut's limit (k while drafts land), not to 2."""
-    verifier, drafter = FakeVerifier(accept=8, step_seconds=0.02), FakeDrafter(draft_len=7)
+    verifier, drafter = FakeVerifier(accept=8, step_seconds=OFFER_STEP_SECONDS), FakeDrafter(draft_len=7)
     drafter.step_len = 2
     policy = PlannerPolicy(draft_token_costs=((1, 0.2),))
     async with gateway([verifier], drafter, policy=policy) as gw:
@@ -371,7 +372,7 @@ async def test_with_the_break_even_cut_a_step_cut_short_by_the_budget_still_offe
 
 @pytest.mark.parametrize("miss", ["draft rejected", "bonus guessed wrong"])
 async def test_a_next_round_miss_falls_back_to_a_verify_and_loses_nothing(miss):
-    verifier = FakeVerifier(accept=2 if miss == "draft rejected" else 8, step_seconds=0.02)
+    verifier = FakeVerifier(accept=2 if miss == "draft rejected" else 8, step_seconds=OFFER_STEP_SECONDS)
     drafter = FakeDrafter(draft_len=7)
     drafter.wrong_bonus = miss == "bonus guessed wrong"
     async with gateway([verifier], drafter, policy=PlannerPolicy()) as gw:
@@ -386,7 +387,7 @@ async def test_a_detour_lets_the_verifier_go_on_after_a_rejected_draft_token(rig
     """The drafter's second draft token is wrong and its detour there offers the
     target's token: each step is rejected there, and the one after runs on the
     detour's draft. A detour for another token never runs, and loses nothing."""
-    verifier, drafter = FakeVerifier(accept=1, step_seconds=0.02), FakeDrafter(draft_len=3)
+    verifier, drafter = FakeVerifier(accept=1, step_seconds=OFFER_STEP_SECONDS), FakeDrafter(draft_len=3)
     drafter.detour_at, drafter.detour_token = 1, None if right else 998
     async with gateway([verifier], drafter, policy=PlannerPolicy()) as gw:
         deltas = await collect(gw, lookahead())
@@ -411,7 +412,7 @@ async def test_with_next_round_lookup_the_verifier_starts_a_step_no_offer_foresa
     """Every offer misses (each draft is rejected after 2 tokens); with lookups on,
     the verifier starts each such step with a draft it looked up itself, and the
     loop then offers continuations after that draft rather than sending a Verify."""
-    verifier, drafter = FakeVerifier(accept=2, step_seconds=0.02), FakeDrafter(draft_len=7)
+    verifier, drafter = FakeVerifier(accept=2, step_seconds=OFFER_STEP_SECONDS), FakeDrafter(draft_len=7)
     async with gateway([verifier], drafter, policy=PlannerPolicy(lookup=mode)) as gw:
         deltas = await collect(gw, lookahead())
     assert tokens_of(deltas) == target_tokens(0, 30)
