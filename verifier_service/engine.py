@@ -185,12 +185,13 @@ class Engine:
         num_running = len(self.scheduler.admitted)
         # Every row's argmax, copied to the host once for the pass rather than once per sequence (on an
         # accelerator each copy waits for the device): the greedy sequences with no logit controls use them.
-        argmax = torch.argmax(logits, dim=-1).tolist() if any(map(_plain_greedy, picked)) else None
+        plain = [_plain_greedy(entry) for entry in picked]
+        argmax = torch.argmax(logits, dim=-1).tolist() if any(plain) else None
         row = token = 0
         answered: list[tuple[Scheduled, StepResult]] = []
-        for entry in picked:
+        for entry, plain_greedy in zip(picked, plain):
             rows = logits[row: row + entry.segment.num_logit_rows]
-            targets = argmax[row: row + entry.segment.num_logit_rows] if argmax and _plain_greedy(entry) else None
+            targets = argmax[row: row + entry.segment.num_logit_rows] if plain_greedy else None
             row += entry.segment.num_logit_rows
             fed = None if features is None else features[token: token + entry.segment.num_tokens]
             token += entry.segment.num_tokens

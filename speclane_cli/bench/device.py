@@ -243,7 +243,6 @@ def measure(name: str, shape: dict, path: str, device: torch.device, dtype: torc
 
 def run(args) -> int:
     from speclane.models import copy_tokenizer, resolve_model
-    from speclane_cli.bench.client import served_models
     from verifier_service.device import resolve_device
 
     device = torch.device(resolve_device(args.device))
@@ -264,16 +263,9 @@ def run(args) -> int:
                              args.batch_invariant, args.attention_backend)
             if tokenizer is not None:
                 copy_tokenizer(tokenizer, pathlib.Path(path))
-                extra = ["--attention-backend", args.attention_backend, "--batch-invariant", args.batch_invariant]
                 log_dir = pathlib.Path(os.path.dirname(os.path.abspath(args.json)) if args.json else path)
-                process, url = device_stack.serve(pathlib.Path(path), str(device), args.dtype,
-                                                  log_dir / f"serve-{name}.log", extra)
-                try:
-                    result["stack"] = device_stack.stack_rates(
-                        url, served_models(url)[0], [int(c) for c in args.stack_concurrency.split(",")],
-                        args.stack_methods.split(","), args.stack_max_tokens)
-                finally:
-                    device_stack.stop(process)
+                result["stack"] = device_stack.served_rates(pathlib.Path(path), str(device),
+                                                            log_dir / f"serve-{name}.log", args)
         results["models"].append(result)
         print(json.dumps(result), flush=True)
         if args.json:

@@ -19,7 +19,7 @@ import sys
 import uuid
 
 from speclane.net import free_port, wait_http_ok
-from speclane_cli.bench.client import closed_loop
+from speclane_cli.bench.client import closed_loop, served_models
 from speclane_cli.bench.stats import summarize
 from speclane_cli.bench.workloads import load_workload
 from speclane_cli.supervisor import terminate
@@ -37,6 +37,18 @@ def add_arguments(group) -> None:
     group.add_argument("--tokenizer", default="smollm2-135m-instruct",
                        help="packaged model name or directory whose tokenizer and chat template the random models "
                             "get (their vocabularies are cut to its size)")
+
+
+def served_rates(model_dir: pathlib.Path, device: str, log_path: pathlib.Path, args) -> list:
+    """The model in `model_dir` (with a tokenizer) served with the bench's dtype and verifier settings, and
+    its rows (stack_rates)."""
+    extra = ["--attention-backend", args.attention_backend, "--batch-invariant", args.batch_invariant]
+    process, url = serve(model_dir, device, args.dtype, log_path, extra)
+    try:
+        return stack_rates(url, served_models(url)[0], [int(c) for c in args.stack_concurrency.split(",")],
+                           args.stack_methods.split(","), args.stack_max_tokens)
+    finally:
+        stop(process)
 
 
 def serve(model_dir: pathlib.Path, device: str, dtype: str, log_path: pathlib.Path, extra: list[str]):
@@ -74,10 +86,10 @@ def stack_rates(url: str, model_name: str, concurrencies: list[int], methods: li
             if stats.failed:
                 raise RuntimeError(f"{method} at concurrency {concurrency}: {stats.failed} requests failed: "
                                    f"{stats.errors}")
-            steps = stats.verify_steps or None
+            per_step = stats.tokens_per_step
             rows.append({"concurrency": concurrency, "method": method, "tokens_per_s": round(stats.throughput_tps, 1),
-                         "tokens_per_step": round(stats.mean_output_tokens * stats.requests / steps, 2) if steps
-                         else None, "mean_tpot_ms": round(stats.mean_tpot_ms or 0, 2)})
+                         "tokens_per_step": None if per_step is None else round(per_step, 2),
+                         "mean_tpot_ms": round(stats.mean_tpot_ms or 0, 2)})
             print(rows[-1], flush=True)
     for row in rows:
         none = next((r for r in rows if r["concurrency"] == row["concurrency"] and r["method"] == "none"), None)
