@@ -72,7 +72,8 @@ class PassInputs:
     offsets: tuple[int, ...]  # each segment's first row
 
 
-def pass_inputs(plan: StepPlan, device: torch.device) -> PassInputs:
+def pass_layout(plan: StepPlan) -> tuple[list[int], tuple[int, ...], list[int]]:
+    """The pass's positions, each segment's first row, and the rows whose logits are kept (in segment order)."""
     positions: list[int] = []
     offsets: list[int] = []
     rows: list[int] = []
@@ -82,6 +83,11 @@ def pass_inputs(plan: StepPlan, device: torch.device) -> PassInputs:
         if seg.wants_logits:
             first = offsets[-1] + seg.num_pending - 1
             rows += range(first, first + seg.num_logit_rows)
+    return positions, tuple(offsets), rows
+
+
+def pass_inputs(plan: StepPlan, device: torch.device) -> PassInputs:
+    positions, offsets, rows = pass_layout(plan)
     return PassInputs(torch.tensor([plan.input_ids], dtype=torch.long, device=device),
                       torch.tensor([positions], dtype=torch.long, device=device),
-                      torch.tensor(rows, dtype=torch.long, device=device), tuple(offsets))
+                      torch.tensor(rows, dtype=torch.long, device=device), offsets)

@@ -53,11 +53,16 @@ class VerifierConfig:
                                           "for bfloat16/float16 where the start-up check finds this platform's "
                                           "kernels allow it), on (refuse to start where they do not) or off")
     attention_backend: str = option("auto", "auto (a CPU: our paged kernel in fp32, else TORCH_SDPA; an NPU: "
-                                            "torch_npu's fused attention; CUDA: TORCH_SDPA), FLEX_ATTENTION "
-                                            "(compiled on CUDA; elsewhere eager, scoring every cache slot: for "
-                                            "tests with a small cache) or TORCH_SDPA (vLLM's flag and names). A "
-                                            "named one turns --batch-invariant auto off "
-                                            "(docs/design/verifier-engine.md)")
+                                            "torch_npu's fused attention; CUDA: FLEX_ATTENTION, TORCH_SDPA for "
+                                            "MLA), FLEX_ATTENTION (compiled on CUDA; elsewhere eager, scoring every "
+                                            "cache slot: for tests with a small cache) or TORCH_SDPA (vLLM's flag "
+                                            "and names). FLEX_ATTENTION, named or chosen, turns --batch-invariant "
+                                            "auto off (docs/design/verifier-engine.md)")
+    enforce_eager: bool = option(False, "on CUDA, run every pass eagerly instead of replaying CUDA graphs of "
+                                        "FlexAttention passes (vLLM's flag)")
+    cuda_graph_sizes: str = option("", "comma-separated token counts of the passes captured as CUDA graphs (a "
+                                       "pass pads to the next); empty: 1,2,4,8,16,24,32,48,64,96,128,192,256,384,"
+                                       "512 up to --max-batch-tokens")
     threads: int = option(0, "torch intra-op CPU threads per rank; 0: the cores this process may run on, shared "
                              "among the ranks (as vLLM's CPU build takes every core)")
     tensor_parallel_size: int = option(1, "ranks the model is split over (gloo on CPU, nccl on CUDA, hccl on "
@@ -132,6 +137,9 @@ class VerifierConfig:
                 raise ValueError(f"{name} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}")
         if self.attention_backend != "auto" and self.batch_invariant == "on":
             raise ValueError("--batch-invariant on attends through its own backend; leave --attention-backend auto")
+        if not re.fullmatch(r"(\s*[1-9]\d*\s*(,|$))*", self.cuda_graph_sizes):
+            raise ValueError(f"cuda_graph_sizes must be comma-separated positive integers, got "
+                             f"{self.cuda_graph_sizes!r}")
         if self.threads < 0:
             raise ValueError("threads must be >= 0")
         if self.tensor_parallel_size < 1:

@@ -38,7 +38,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from verifier_service import _cpu_kernels, tuning_cache
+from verifier_service import tuning_cache
+from verifier_service.device import cpu_kernels
 
 log = structlog.get_logger()
 
@@ -78,7 +79,7 @@ def by_kernel(x: torch.Tensor, linear: "MeasuredLinear") -> torch.Tensor:
     rows = x.numel() // linear.in_features
     x_rows = x.reshape(rows, linear.in_features).contiguous()
     out = x.new_empty(rows, linear.out_features)
-    _cpu_kernels.linear(x_rows.data_ptr(), linear.weight.data_ptr(), out.data_ptr(), rows, linear.in_features,
+    cpu_kernels().linear(x_rows.data_ptr(), linear.weight.data_ptr(), out.data_ptr(), rows, linear.in_features,
                         linear.out_features, torch.get_num_threads())
     return out.view(*x.shape[:-1], linear.out_features)
 
@@ -199,7 +200,7 @@ def is_plain_linear(module: nn.Module) -> bool:
 def ways_key(linears: list["MeasuredLinear"]) -> dict:
     """What the measured choices depend on: the host, the libraries and our
     kernel's build, the threads, and the layers' shapes in a pass's order."""
-    return {**tuning_cache.runtime_key(), "kernels": tuning_cache.file_digest(pathlib.Path(_cpu_kernels.__file__)),
+    return {**tuning_cache.runtime_key(), "kernels": tuning_cache.file_digest(pathlib.Path(cpu_kernels().__file__)),
             "rows": MEASURED_ROWS, "ways": [way.__name__ for way in WAYS],
             "shapes": [list(linear.weight.shape) for linear in linears]}
 

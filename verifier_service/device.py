@@ -23,6 +23,16 @@ class DeviceError(RuntimeError):
     """The requested device does not exist on this host."""
 
 
+def cpu_kernels() -> ModuleType:
+    """Our C++ CPU kernels (csrc/, built by `make install`), imported where a CPU pass first uses them: a GPU or
+    NPU host runs without building them."""
+    try:
+        return importlib.import_module("verifier_service._cpu_kernels")
+    except ImportError as missing:
+        raise ImportError("verifier_service._cpu_kernels is not built: run `make install` "
+                          "(or `pip install -e .`) on this host") from missing
+
+
 def _import_npu(import_module: Callable[[str], ModuleType]) -> ModuleType | None:
     """torch_npu if it imports, else None (any failure means no usable NPU)."""
     try:

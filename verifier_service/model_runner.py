@@ -12,13 +12,16 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 from transformers.distributed import DistributedConfig
 
-from verifier_service.attention import ATTENTION_NAME, PassContext, select_backend
+from verifier_service.attention import ATTENTION_NAME, PassContext, chosen_backend, select_backend
 from verifier_service.attention import register as register_attention
 from verifier_service.attention.ascend import unsupported as ascend_unsupported
+from verifier_service.attention.flex import FlexAttention
+from verifier_service.attention.flex import metadata as flex_metadata
 from verifier_service.attention.mla import is_mla, latent_geometry, serve_latent
 from verifier_service.batch import StepPlan, pass_inputs
 from verifier_service.batch_invariant import make_invariant
 from verifier_service.cpu_linear import add_measured_linears, measures_linear_ways
+from verifier_service.cuda_graphs import PassGraphs
 from verifier_service.distributed import TensorParallel
 from verifier_service.kv_cache import KVGeometry, PagedKVCache
 from verifier_service.linear_attention import LinearStates, is_linear_attention
@@ -95,7 +98,8 @@ class ModelRunner:
 
     def __init__(self, model_dir: str, device: str, dtype: torch.dtype, *, tp: TensorParallel | None = None,
                  max_model_len: int = 0, trust_remote_code: bool = False, batch_invariant: str = "auto",
-                 tuning_dir: pathlib.Path | None = None, attention_backend: str = "auto"):
+                 tuning_dir: pathlib.Path | None = None, attention_backend: str = "auto",
+                 cuda_graph_sizes: tuple[int, ...] = ()):
         self.model_dir = model_dir
         self.device = torch.device(device)
         self.dtype = dtype
@@ -125,6 +129,8 @@ class ModelRunner:
         self.geometry = kv_geometry(text_config, self.tp_size)
         g = self.geometry
         heads = text_config.num_attention_heads // self.tp_size
+        attention_backend = chosen_backend(attention_backend, self.device.type, g.value_dim == 0, batch_invariant,
+                                           g.key_dim)
         if attention_backend != "auto" and batch_invariant == "auto":
             batch_invariant = "off"  # a named backend attends as it does, not as invariant passes would
         self.batch_invariant = make_invariant(batch_invariant, self.model, self.device, dtype, tp is not None,
@@ -145,18 +151,33 @@ class ModelRunner:
         self.state_bytes_per_slot = LinearStates.bytes_per_slot(self.linear_layers, dtype)
         self.states: LinearStates | None = None  # allocated with the cache where the model has linear layers
         # Hidden states a draft head reads (indices into transformers' hidden_states); () when no head.
-        self.feature_layers: tuple[int, ...] = ()
+        self._feature_layers: tuple[int, ...] = ()
         # The output layer's width (it may pad the tokenizer's vocabulary); sharded under TP, gathered in logits.
         self.vocab_size: int = (text_config.vocab_size if tp is not None
                                 else self.model.get_output_embeddings().weight.shape[0])
         self.max_context_len: int = min(text_config.max_position_embeddings, max_model_len or float("inf"))
+        graphable = (self.device.type == "cuda" and isinstance(self.backend, FlexAttention) and tp is None
+                     and not self.linear_layers)
+        self.graphs = (PassGraphs(self.padded_forward, cuda_graph_sizes, self.max_context_len, self.device)
+                       if cuda_graph_sizes and graphable else None)
         eos = _as_ids(self.model.generation_config.eos_token_id) + _as_ids(text_config.eos_token_id)
         self.eos_token_ids: tuple[int, ...] = tuple(dict.fromkeys(eos))
         log.info("model_loaded", model=os.path.basename(os.path.normpath(model_dir)), device=str(self.device),
                  dtype=str(dtype).removeprefix("torch."), vocab_size=self.vocab_size,
                  max_context_len=self.max_context_len, eos_token_ids=list(self.eos_token_ids),
                  tensor_parallel_size=self.tp_size, rank=tp.rank if tp else 0, weight_layout_bytes=layout_bytes,
-                 batch_invariant=self.batch_invariant, attention_backend=self.backend.name)
+                 batch_invariant=self.batch_invariant, attention_backend=self.backend.name,
+                 cuda_graph_sizes=list(self.graphs.sizes) if self.graphs else [])
+
+    @property
+    def feature_layers(self) -> tuple[int, ...]:
+        return self._feature_layers
+
+    @feature_layers.setter
+    def feature_layers(self, layers: tuple[int, ...]) -> None:
+        self._feature_layers = layers
+        if self.graphs is not None:
+            self.graphs.drop()  # their outputs were captured without these features
 
     def allocate_cache(self, num_blocks: int, block_size: int, num_state_slots: int = 0) -> None:
         """(Re)allocates the KV cache (and linear-attention states) on every rank."""
@@ -177,8 +198,14 @@ class ModelRunner:
         """A message from rank 0 (on a follower rank, every message)."""
         if isinstance(message, AllocateCache):
             self.cache = self.states = None  # the old memory goes first
-            self.cache = PagedKVCache(self.geometry, message.num_blocks, message.block_size, self.dtype, self.device,
-                                      split=self.backend.split_kv)
+            if self.graphs is not None:
+                self.graphs.drop()
+            # With graphs, one block more: the scratch the padding rows of a captured pass write to.
+            scratch = 1 if self.graphs is not None else 0
+            self.cache = PagedKVCache(self.geometry, message.num_blocks + scratch, message.block_size, self.dtype,
+                                      self.device, split=self.backend.split_kv)
+            if self.graphs is not None:
+                self.graphs.reset(message.block_size, message.num_blocks * message.block_size)
             if self.linear_layers:
                 self.states = LinearStates(self.linear_layers, max(message.num_state_slots, 1), self.dtype,
                                            self.device)
@@ -194,6 +221,9 @@ class ModelRunner:
             states.commit(plan.state_commits)
         if not plan.segments:
             return torch.empty(0, self.vocab_size), None
+        size = self.graphs.size_for(plan) if self.graphs is not None else None
+        if size is not None:
+            return self.graphs.run(plan, size)
         inputs = pass_inputs(plan, self.device)
         linear = states.layout(plan.segments, inputs.offsets) if states is not None else None
         metadata = self.backend.prepare(plan.segments, inputs, cache.block_size, self.device)
@@ -201,10 +231,20 @@ class ModelRunner:
         out = self.model(input_ids=inputs.input_ids, position_ids=inputs.positions, use_cache=False,
                          logits_to_keep=inputs.logit_rows, speclane_pass=context,
                          output_hidden_states=bool(self.feature_layers))
-        features = None
-        if self.feature_layers:
-            features = torch.cat([out.hidden_states[i][0] for i in self.feature_layers], dim=-1).float()
-        return out.logits[0].float(), features
+        return out.logits[0].float(), self._features(out)
+
+    def padded_forward(self, fields: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """A captured pass (cuda_graphs.py): the model over padded fields on the device, logits of every row."""
+        context = PassContext(self.cache, self.backend, flex_metadata(fields, self.cache.block_size))
+        out = self.model(input_ids=fields["input_ids"][None], position_ids=fields["positions"][None],
+                         use_cache=False, logits_to_keep=0, speclane_pass=context,
+                         output_hidden_states=bool(self.feature_layers))
+        return out.logits[0].float(), self._features(out)
+
+    def _features(self, out) -> torch.Tensor | None:
+        if not self.feature_layers:
+            return None
+        return torch.cat([out.hidden_states[i][0] for i in self.feature_layers], dim=-1).float()
 
 
 def _serve_linear_layer(layer: torch.nn.Module) -> None:

@@ -23,6 +23,7 @@ from verifier_service import tuning_cache
 from verifier_service.batch import Segment, StepPlan
 from verifier_service.block_manager import BlockManager
 from verifier_service.config import VerifierConfig
+from verifier_service.cuda_graphs import capture_sizes
 from verifier_service.device import (
     Memory,
     draft_limit,
@@ -63,7 +64,9 @@ def build_runner(config: VerifierConfig, device: str, tp: TensorParallel | None)
     return ModelRunner(config.model, device, resolve_dtype(config.dtype, device), tp=tp,
                        max_model_len=config.max_model_len, trust_remote_code=config.trust_remote_code,
                        batch_invariant=config.batch_invariant, attention_backend=config.attention_backend,
-                       tuning_dir=tuning_dir(config))
+                       tuning_dir=tuning_dir(config),
+                       cuda_graph_sizes=() if config.enforce_eager else capture_sizes(config.cuda_graph_sizes,
+                                                                                      config.max_batch_tokens))
 
 
 def batch_limits(config: VerifierConfig, device: str) -> BatchLimits:

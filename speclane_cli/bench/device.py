@@ -33,6 +33,7 @@ import torch
 
 from speclane_cli.bench import device_stack
 from verifier_service.config import ATTENTION_BACKENDS
+from verifier_service.cuda_graphs import capture_sizes
 
 # Real models' shapes (their config.json fields), so that no download is needed.
 SHAPES: dict[str, dict] = {
@@ -50,6 +51,7 @@ SHAPES: dict[str, dict] = {
 }
 BLOCK = 16
 PROMPT_LEN = 128
+GRAPH_TOKENS = 512  # the verifier's default --max-batch-tokens: passes up to it replay from CUDA graphs
 
 
 def add_arguments(parser) -> None:
@@ -63,6 +65,8 @@ def add_arguments(parser) -> None:
                         help="the verifier's --batch-invariant (auto: on for 16-bit dtypes on one device)")
     parser.add_argument("--attention-backend", default="auto", choices=ATTENTION_BACKENDS,
                         help="the verifier's --attention-backend (a named one turns --batch-invariant auto off)")
+    parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (as the verifier's flag)")
+    parser.add_argument("--cuda-graph-sizes", default="", help="the verifier's flag: tokens of the captured passes")
     parser.add_argument("--profile", default="", help="write torch.profiler's table of 4 decode steps of each "
                         "model at 1 sequence to files named <this><model>.txt")
     device_stack.add_arguments(parser)
@@ -166,7 +170,9 @@ def engine_rates(runner, batch: int, steps: int, drafts: list[int], profile: str
         with profiler(activities=activities) as prof:
             timed_steps(4, 0)
         with open(profile, "w") as f:
-            f.write(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30, max_name_column_width=60))
+            # Replayed graphs leave the host little to show: on a GPU the device's kernels are what to read.
+            order = "self_cuda_time_total" if runner.device.type == "cuda" else "self_cpu_time_total"
+            f.write(prof.key_averages().table(sort_by=order, row_limit=30, max_name_column_width=60))
     for k in drafts:
         timed_steps(1, k)  # warm: a pass of a new size may compile (FlexAttention) or plan (cuDNN) first
         verify = timed_steps(steps + 1, k) - timed_steps(1, k)
@@ -187,18 +193,20 @@ def transformers_rate(model, batch: int, steps: int, vocab: int) -> float:
         _sync(model.device)
         started = time.perf_counter()
         model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                       do_sample=False, cache_implementation="static", pad_token_id=0)
+                       do_sample=False, cache_implementation="static", max_cache_len=ids.shape[1] + steps + 1,
+                       pad_token_id=0)
         _sync(model.device)
         return time.perf_counter() - started
 
-    # On CUDA, generate compiles a static cache's decode step, once per cache size: both sizes warm first.
-    timed(1), timed(steps + 1)
+    # On CUDA, generate compiles a static cache's decode step, once per cache size: one size for both calls,
+    # compiled before the timed ones.
+    timed(steps + 1)
     return batch * steps / (timed(steps + 1) - timed(1))
 
 
 def measure(name: str, shape: dict, path: str, device: torch.device, dtype: torch.dtype, batches: list[int],
             steps: int, drafts: list[int], bandwidth: float, profile: str = "", batch_invariant: str = "auto",
-            attention_backend: str = "auto") -> dict:
+            attention_backend: str = "auto", cuda_graph_sizes: tuple[int, ...] = ()) -> dict:
     """Builds the model of `shape` in `path` and measures the engine on it in process."""
     from verifier_service.model_runner import ModelRunner
     from verifier_service.self_check import largest_difference, tolerance
@@ -206,18 +214,20 @@ def measure(name: str, shape: dict, path: str, device: torch.device, dtype: torc
     started = time.perf_counter()
     weight_bytes = build_model(shape, path, device, dtype)
     runner = ModelRunner(path, str(device), dtype, batch_invariant=batch_invariant,
-                         attention_backend=attention_backend)
+                         attention_backend=attention_backend, cuda_graph_sizes=cuda_graph_sizes)
     load_s = time.perf_counter() - started
     runner.allocate_cache(64, BLOCK)
     difference, scale = largest_difference(runner)
     result = {"model": name, "vocab_size": shape["vocab_size"], "weight_gb": round(weight_bytes / 1e9, 3),
               "build_and_load_s": round(load_s, 1),
               "attention_backend": runner.backend.name,
+              "cuda_graph_sizes": list(runner.graphs.sizes) if runner.graphs else [],
               "reference_check": {"max_logit_difference": round(difference, 5),
                                   "allowed": round(tolerance(dtype, scale), 5)},
               "weight_read_limit_tokens_per_s": round(bandwidth / weight_bytes, 1), "batches": []}
     for batch in batches:
         row = engine_rates(runner, batch, steps, drafts, f"{profile}{name}.txt" if profile and batch == 1 else "")
+        print(json.dumps({name: row}), flush=True)  # before transformers' compilation, which may run long
         served = runner.model.config._attn_implementation
         runner.model.set_attn_implementation("sdpa")
         try:
@@ -260,7 +270,8 @@ def run(args) -> int:
         with tempfile.TemporaryDirectory() as path:
             result = measure(name, shape, path, device, dtype, [int(b) for b in args.batches.split(",")],
                              args.steps, [int(k) for k in args.drafts.split(",")], bandwidth, args.profile,
-                             args.batch_invariant, args.attention_backend)
+                             args.batch_invariant, args.attention_backend,
+                             () if args.enforce_eager else capture_sizes(args.cuda_graph_sizes, GRAPH_TOKENS))
             if tokenizer is not None:
                 copy_tokenizer(tokenizer, pathlib.Path(path))
                 log_dir = pathlib.Path(os.path.dirname(os.path.abspath(args.json)) if args.json else path)

@@ -5,15 +5,19 @@ a pass takes milliseconds, features switched on where a family has them
 MLA's unequal key and value dims, gated DeltaNet layers whose convolution
 reaches back past one step's draft)."""
 
+import os
+
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 VOCAB = 96
+# FlexAttention's Triton kernels (CUDA) multiply with matrix instructions that need head dimensions of 16 or more.
+HEAD_DIM = 16 if os.environ.get("SPECLANE_TEST_DEVICE", "cpu").startswith("cuda") else 8
 WINDOW = 5  # narrower than the tests' prompts, so windowed layers see less than full ones
 
-_COMMON = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-               num_key_value_heads=2, max_position_embeddings=256, bos_token_id=1, eos_token_id=2,
-               pad_token_id=0, tie_word_embeddings=False)
+_COMMON = dict(vocab_size=VOCAB, hidden_size=4 * HEAD_DIM, intermediate_size=48, num_hidden_layers=2,
+               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, bos_token_id=1,
+               eos_token_id=2, pad_token_id=0, tie_word_embeddings=False)
 _MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16)
 _MIXED = ["sliding_attention", "full_attention"]
 _DELTANET = dict(linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=8, linear_value_head_dim=8,
@@ -23,24 +27,24 @@ _DELTANET = dict(linear_num_value_heads=4, linear_num_key_heads=2, linear_key_he
 SERVED = {
     "llama": {},
     "qwen2": {},
-    "qwen3": dict(head_dim=8),
-    "qwen3_moe": dict(head_dim=8, decoder_sparse_step=1, **_MOE),
-    "mistral": dict(sliding_window=WINDOW, head_dim=8),
+    "qwen3": dict(head_dim=HEAD_DIM),
+    "qwen3_moe": dict(head_dim=HEAD_DIM, decoder_sparse_step=1, **_MOE),
+    "mistral": dict(sliding_window=WINDOW, head_dim=HEAD_DIM),
     "phi3": dict(num_key_value_heads=4, sliding_window=WINDOW, pad_token_id=0),
-    "gemma2": dict(head_dim=8, sliding_window=WINDOW, attn_logit_softcapping=2.0, final_logit_softcapping=5.0,
+    "gemma2": dict(head_dim=HEAD_DIM, sliding_window=WINDOW, attn_logit_softcapping=2.0, final_logit_softcapping=5.0,
                    query_pre_attn_scalar=8, layer_types=_MIXED),
-    "gemma3_text": dict(head_dim=8, sliding_window=WINDOW, query_pre_attn_scalar=8, layer_types=_MIXED),
-    "gpt_oss": dict(head_dim=8, sliding_window=WINDOW, num_local_experts=4, num_experts_per_tok=2,
+    "gemma3_text": dict(head_dim=HEAD_DIM, sliding_window=WINDOW, query_pre_attn_scalar=8, layer_types=_MIXED),
+    "gpt_oss": dict(head_dim=HEAD_DIM, sliding_window=WINDOW, num_local_experts=4, num_experts_per_tok=2,
                     layer_types=_MIXED),
     "deepseek_v3": dict(num_key_value_heads=4, q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8,
                         qk_rope_head_dim=4, v_head_dim=6, n_routed_experts=4, n_shared_experts=1,
                         num_experts_per_tok=2, moe_intermediate_size=16, first_k_dense_replace=1, n_group=1,
                         topk_group=1, rope_interleave=False),
-    "glm4_moe": dict(head_dim=8, n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2,
+    "glm4_moe": dict(head_dim=HEAD_DIM, n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2,
                      moe_intermediate_size=16, first_k_dense_replace=1, n_group=1, topk_group=1),
     # Gated DeltaNet layers (linear attention, a recurrent state per sequence) between attention layers.
-    "qwen3_next": dict(head_dim=8, layer_types=["linear_attention", "full_attention"], **_MOE, **_DELTANET),
-    "qwen3_5_text": dict(head_dim=8, layer_types=["linear_attention", "full_attention"], **_DELTANET),
+    "qwen3_next": dict(head_dim=HEAD_DIM, layer_types=["linear_attention", "full_attention"], **_MOE, **_DELTANET),
+    "qwen3_5_text": dict(head_dim=HEAD_DIM, layer_types=["linear_attention", "full_attention"], **_DELTANET),
 }
 
 # model_type -> (config fields over _COMMON, words the refusal must contain)

@@ -21,7 +21,7 @@ from transformers import AutoModelForCausalLM
 from protos.common.v1 import common_pb2
 from protos.verifier.v1 import verifier_pb2, verifier_pb2_grpc
 from speclane.net import free_port
-from verifier_service.attention import ascend, select_backend
+from verifier_service.attention import ascend, chosen_backend, select_backend
 from verifier_service.attention import backend as attention_backend
 from verifier_service.attention.ascend import AscendAttention
 from verifier_service.attention.ascend import unsupported as ascend_unsupported
@@ -129,7 +129,16 @@ def test_flex_attention_is_compiled_on_cuda_and_chosen_there_by_name():
     backend = select_backend(cuda, torch.bfloat16, False, 8, 2, 64, choice="FLEX_ATTENTION")
     assert (backend.name, backend.split_kv, backend.compiled) == ("flex-attention", True, True)
     assert not select_backend(torch.device("cpu"), torch.float32, False, 8, 2, 64, choice="FLEX_ATTENTION").compiled
-    assert select_backend(cuda, torch.bfloat16, False, 8, 2, 64).name == "torch-sdpa"  # until it has run on a GPU
+    # auto on CUDA: FlexAttention (its passes are captured as CUDA graphs), but not for MLA's latent cache or
+    # where invariant passes are asked for
+    assert chosen_backend("auto", "cuda", latent=False, batch_invariant="auto", head_dim=64) == "FLEX_ATTENTION"
+    assert chosen_backend("auto", "cuda", latent=True, batch_invariant="auto", head_dim=64) == "auto"
+    assert chosen_backend("auto", "cuda", latent=False, batch_invariant="on", head_dim=64) == "auto"
+    assert chosen_backend("auto", "cuda", latent=False, batch_invariant="auto", head_dim=8) == "auto"
+    assert chosen_backend("auto", "cpu", latent=False, batch_invariant="auto", head_dim=64) == "auto"
+    assert chosen_backend("TORCH_SDPA", "cuda", latent=False, batch_invariant="auto", head_dim=64) == "TORCH_SDPA"
+    with pytest.raises(ValueError, match="at least 16"):
+        select_backend(cuda, torch.bfloat16, False, 8, 2, 8, choice="FLEX_ATTENTION")
 
 
 @pytest.mark.parametrize("model_type,words", [("gemma2", "softcapping"), ("gpt_oss", "sinks"),

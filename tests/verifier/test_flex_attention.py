@@ -11,7 +11,7 @@ import torch
 from torch.nn.attention.flex_attention import create_mask
 
 from verifier_service.attention.backend import LayerCall
-from verifier_service.attention.flex import QUERY_BLOCK, FlexAttention
+from verifier_service.attention.flex import QUERY_BLOCK, FlexAttention, key_span
 from verifier_service.batch import Segment, StepPlan, pass_inputs
 from verifier_service.kv_cache import KVGeometry, PagedKVCache
 
@@ -52,16 +52,19 @@ def test_every_key_a_query_sees_is_in_a_block_listed_for_its_queries(window):
     block_mask = metadata.block_mask(window, kv, compiled=True)  # the mask function a kernel applies
     slots = NUM_BLOCKS * BLOCK
     seen = create_mask(block_mask.mask_mod, 1, 1, metadata.num_tokens, slots, device="cpu")[0, 0]
-    listed = torch.zeros(metadata.num_tokens, NUM_BLOCKS, dtype=torch.bool)
+    # Blocks of 4 slots are listed by spans of 16 (4 consecutive blocks): a Triton tile's fewest keys.
+    span = key_span(BLOCK)
+    assert (span, block_mask.BLOCK_SIZE[1]) == (16, 16)
+    listed = torch.zeros(metadata.num_tokens, slots // span, dtype=torch.bool)
     counts, indices = block_mask.kv_num_blocks[0, 0], block_mask.kv_indices[0, 0]
     for q in range(metadata.num_tokens):
         listed[q, indices[q // QUERY_BLOCK, :counts[q // QUERY_BLOCK]].long()] = True
-    seen_blocks = seen.view(metadata.num_tokens, NUM_BLOCKS, BLOCK).any(-1)
-    assert seen_blocks.any(-1).all()  # every query sees something
-    assert not (seen_blocks & ~listed).any()
-    # ... and a list holds only the blocks of its queries' own segments (a window drops early ones).
+    seen_spans = seen.view(metadata.num_tokens, slots // span, span).any(-1)
+    assert seen_spans.any(-1).all()  # every query sees something
+    assert not (seen_spans & ~listed).any()
+    # ... and a list holds only the spans of its queries' own segments' blocks (a window drops early ones).
     for b in range(len(counts)):
-        own = {block for seg in set(metadata.segment[b * QUERY_BLOCK:(b + 1) * QUERY_BLOCK].tolist())
+        own = {block * BLOCK // span for seg in set(metadata.segment[b * QUERY_BLOCK:(b + 1) * QUERY_BLOCK].tolist())
                for block in metadata.tables[seg].tolist() if block >= 0}
         listed_here = set(indices[b, :counts[b]].tolist())
         assert listed_here == own if window is None else listed_here <= own

@@ -26,10 +26,10 @@ from dataclasses import dataclass
 
 import torch
 
-from verifier_service import _cpu_kernels
 from verifier_service.attention.backend import LayerCall, slot_mapping
 from verifier_service.attention.torch_sdpa import Group, TorchAttention
 from verifier_service.batch import PassInputs, Segment
+from verifier_service.device import cpu_kernels
 from verifier_service.kv_cache import PagedKVCache
 from verifier_service.tree import is_chain
 
@@ -63,7 +63,7 @@ class CpuPagedAttention:
         self.padded = TorchAttention(heads * key_dim)
         # Decided once: a head dimension the kernel was not compiled for sends every segment to the padded path.
         longest = MAX_KERNEL_QUERIES if key_dim > SHORT_HEAD else MAX_KERNEL_QUERIES_SHORT_HEADS
-        self.max_queries = longest if _cpu_kernels.attends(key_dim, key_dim) else 0
+        self.max_queries = longest if cpu_kernels().attends(key_dim, key_dim) else 0
 
     def prepare(self, segments: tuple[Segment, ...], inputs: PassInputs, block_size: int,
                 device: torch.device) -> Metadata:
@@ -90,7 +90,7 @@ class CpuPagedAttention:
         heads, kv_heads = query.shape[1], kv.shape[1]
         out = query.new_empty(metadata.num_tokens, heads, value_dim)
         if len(metadata.segments):
-            _cpu_kernels.attend(query.data_ptr(), out.data_ptr(), kv.data_ptr(), metadata.tables.data_ptr(),
+            cpu_kernels().attend(query.data_ptr(), out.data_ptr(), kv.data_ptr(), metadata.tables.data_ptr(),
                                 metadata.segments.data_ptr(), len(metadata.segments), heads, kv_heads,
                                 cache.key_dim, value_dim, cache.block_size, metadata.tables.shape[1],
                                 call.sliding_window or 0, call.scaling, torch.get_num_threads())

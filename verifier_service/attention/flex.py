@@ -31,22 +31,38 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 from torch.nn.attention.flex_attention import BlockMask, create_mask, flex_attention
 
-from verifier_service.attention.backend import LayerCall, slot_mapping
-from verifier_service.attention.torch_sdpa import padded_group
+from verifier_service.attention.backend import LayerCall
 from verifier_service.batch import PassInputs, Segment
 from verifier_service.kv_cache import PagedKVCache
-from verifier_service.tree import is_chain
+from verifier_service.tree import ancestor_mask, is_chain
 
 QUERY_BLOCK = 16  # packed queries per row of the block mask (vLLM's default with torch >= 2.9)
+MIN_KEY_SPAN = 16  # Triton's matrix instructions need tiles of 16 keys or more
+
+
+def key_span(block_size: int) -> int:
+    """Cache slots per key block of the block mask and per kernel tile: a cache block, or several consecutive
+    ones where blocks are shorter than a tile (the mask function hides the slots of other sequences there)."""
+    return max(block_size, MIN_KEY_SPAN)
+
+RECOMPILE_LIMIT = 64
+
+
+@dataclass(frozen=True)
+class PassShape:
+    """The sizes of a pass's metadata tensors: its own, or a captured graph's (cuda_graphs.py), padded."""
+
+    tokens: int
+    segments: int
+    width: int  # blocks of the longest table
+    tree_width: int  # new tokens of the widest draft tree (1: none)
 
 
 @dataclass
 class Metadata:
     slot_mapping: torch.Tensor
-    num_tokens: int
     block_size: int
     tables: torch.Tensor  # [segments, most blocks] each segment's blocks up to its context, -1 beyond
     segment: torch.Tensor  # [T] the segment of each pass row
@@ -60,11 +76,15 @@ class Metadata:
     inverse_tables: torch.Tensor | None = None  # [segments, cache blocks] logical block of a physical one, or -1
     block_masks: dict[int | None, BlockMask] = field(default_factory=dict)  # by sliding window
 
+    @property
+    def num_tokens(self) -> int:
+        return self.segment.shape[0]
+
     def block_mask(self, window: int | None, cache: PagedKVCache, compiled: bool) -> BlockMask:
         if window not in self.block_masks:
             if self.inverse_tables is None:
                 self.inverse_tables = _inverse_tables(self.tables, cache.num_blocks)
-            slots = cache.num_blocks * cache.block_size
+            slots, span = cache.num_blocks * cache.block_size, key_span(self.block_size)
             mask_mod = self.mask_mod(window)
             if not compiled:
                 # Eager calls evaluate the mask function for every (query, slot) pair in every layer: evaluated
@@ -73,34 +93,33 @@ class Metadata:
 
                 def mask_mod(b, h, q, kv):
                     return seen[q, kv]
-            counts, indices = self._kv_blocks(window, cache.num_blocks)
+            counts, indices = self._kv_blocks(window, -(-slots // span), span)
             self.block_masks[window] = BlockMask.from_kv_blocks(
-                counts[None, None], indices[None, None], BLOCK_SIZE=(QUERY_BLOCK, self.block_size),
+                counts[None, None], indices[None, None], BLOCK_SIZE=(QUERY_BLOCK, span),
                 mask_mod=mask_mod, seq_lengths=(self.num_tokens, slots), compute_q_blocks=False)
         return self.block_masks[window]
 
-    def _kv_blocks(self, window: int | None, num_blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """kv_num_blocks [query blocks] and kv_indices [query blocks, num_blocks] (as wide as the cache has
-        blocks, as create_block_mask makes it; FlexAttention's CPU kernel asserts it): every cache block a
-        segment with rows in a query block may read, each once (segments share prefix-cached blocks), under a
-        window from the first block its queries reach. Built on the device, with no loop over blocks."""
+    def _kv_blocks(self, window: int | None, num_spans: int, span: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """kv_num_blocks [query blocks] and kv_indices [query blocks, num_spans] (as wide as the cache has key
+        spans, as create_block_mask makes it; FlexAttention's CPU kernel asserts it): every span holding a cache
+        block that a segment with rows in a query block may read, each once (segments share prefix-cached
+        blocks), under a window from the first block its queries reach. Tensor ops of fixed shapes on the device,
+        with no loop and no host sync, so a CUDA graph captures them."""
         tables, device = self.tables, self.tables.device
-        num_segments, widest = tables.shape
-        rows = torch.arange(0, self.num_tokens, QUERY_BLOCK, device=device)
-        first = self.segment[rows]  # a query block's segments are a run: its first row's to its last row's
-        last = self.segment[(rows + QUERY_BLOCK - 1).clamp(max=self.num_tokens - 1)]
-        ids = torch.arange(num_segments, device=device)
-        member = (ids[None, :] >= first[:, None]) & (ids[None, :] <= last[:, None])  # [query blocks, segments]
-        live = tables >= 0
+        widest = tables.shape[1]
+        query_blocks = -(-self.num_tokens // QUERY_BLOCK)
+        rows = torch.arange(query_blocks * QUERY_BLOCK, device=device).clamp(max=self.num_tokens - 1)
+        segments = self.segment[rows].view(query_blocks, QUERY_BLOCK)  # each row's segment, by query block
+        blocks = tables[segments]  # [query blocks, 16, widest]
+        live = blocks >= 0
         if window:  # a segment's earliest query is at position `start`: a window reaches back window - 1
             skip = (self.start - window + 1).clamp(min=0) // self.block_size
-            live &= torch.arange(widest, device=device)[None, :] >= skip[:, None]
+            live &= torch.arange(widest, device=device) >= skip[segments][..., None]
         # Each query block's blocks marked in a row of the cache's width (a dump column for what is not read).
-        read = (member[:, :, None] & live[None]).view(len(rows), -1)
-        columns = torch.where(read, tables.clamp(min=0).view(1, -1), num_blocks)
-        used = torch.zeros(len(rows), num_blocks + 1, dtype=torch.bool, device=device)
+        columns = torch.where(live, blocks * self.block_size // span, num_spans).view(query_blocks, -1)
+        used = torch.zeros(query_blocks, num_spans + 1, dtype=torch.bool, device=device)
         used.scatter_(1, columns, True)
-        used = used[:, :num_blocks]
+        used = used[:, :num_spans]
         # The marked blocks first, in block order: a stable sort of the marks.
         indices = torch.sort(used.to(torch.int8), dim=1, descending=True, stable=True).indices
         return used.sum(1, dtype=torch.int32), indices.to(torch.int32)
@@ -137,35 +156,16 @@ class FlexAttention:
         self.enable_gqa = heads != kv_heads
         self.compiled = compiled
         # fullgraph: a graph break would run the mask functions eagerly over every (query, slot) pair. A second
-        # pass's other sizes recompile it once for dynamic shapes (sizes of 1 stay specialized: a few variants).
-        self.flex_attention = torch.compile(flex_attention, fullgraph=True) if compiled else flex_attention
+        # pass's other sizes recompile it once for dynamic shapes, but sizes of 1 stay specialized, each window
+        # and softcap is a variant, and so is each model a process runs (bench device): more than dynamo's
+        # default of 8 recompilations, after which fullgraph fails (seen on an H100).
+        self.flex_attention = (torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT)(
+            torch.compile(flex_attention, fullgraph=True)) if compiled else flex_attention)
 
     def prepare(self, segments: tuple[Segment, ...], inputs: PassInputs, block_size: int,
                 device: torch.device) -> Metadata:
-        positions = inputs.positions[0]
-        segment_rows = [i for i, seg in enumerate(segments) for _ in range(seg.num_tokens)]
-        local = [r for seg in segments for r in range(seg.num_tokens)]
-        trees = [(i, seg) for i, seg in enumerate(segments) if seg.parents and not is_chain(seg.parents)]
-        widest = max((seg.num_tokens for _, seg in trees), default=1)
-        tree_seen = [torch.ones(1, widest, dtype=torch.bool, device=device)]  # row 0: what is not a tree's
-        tree_row = [0] * len(segment_rows)
-        for i, seg in trees:
-            offset, first = inputs.offsets[i], sum(len(rows) for rows in tree_seen)
-            visible = padded_group([seg], [offset], positions, block_size, device).visible[0]
-            tree_seen.append(F.pad(visible[:, seg.start:seg.start + seg.num_tokens], (0, widest - seg.num_tokens)))
-            tree_row[offset:offset + seg.num_tokens] = range(first, first + seg.num_tokens)
-
-        def tensor(values) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.long, device=device)
-
-        used = [seg.block_table[:-(-(seg.start + seg.num_tokens) // block_size)] for seg in segments]
-        widest_table = max(len(table) for table in used)
-        return Metadata(
-            slot_mapping(segments, block_size, device), len(segment_rows), block_size,
-            tensor([list(table) + [-1] * (widest_table - len(table)) for table in used]),
-            tensor(segment_rows), tensor(local), positions,
-            tensor([seg.start for seg in segments]), tensor([seg.start + seg.num_tokens for seg in segments]),
-            tensor(list(inputs.offsets)), tensor(tree_row), torch.cat(tree_seen))
+        fields = pass_fields(segments, inputs.positions[0].tolist(), inputs.offsets, block_size, own_shape(segments))
+        return metadata(fields, block_size, device)
 
     def attend(self, metadata: Metadata, call: LayerCall, query: torch.Tensor, cache: PagedKVCache) -> torch.Tensor:
         """query [T, heads, dim]; returns [T, heads, dim]."""
@@ -189,7 +189,69 @@ class FlexAttention:
         for larger key blocks than a cache block)."""
         if device.type != "cuda":
             return None
-        return {"BLOCK_M": QUERY_BLOCK, "BLOCK_N": block_size, "FORCE_USE_FLEX_ATTENTION": True}
+        return {"BLOCK_M": QUERY_BLOCK, "BLOCK_N": key_span(block_size), "FORCE_USE_FLEX_ATTENTION": True}
+
+
+def own_shape(segments: tuple[Segment, ...]) -> PassShape:
+    """A pass's metadata at its own sizes."""
+    trees = [seg.num_tokens for seg in segments if seg.parents and not is_chain(seg.parents)]
+    return PassShape(sum(seg.num_tokens for seg in segments), len(segments), 0, max(trees, default=1))
+
+
+def pass_fields(segments: tuple[Segment, ...], positions: list[int], offsets: tuple[int, ...], block_size: int,
+                shape: PassShape, scratch_slot: int = 0) -> dict[str, torch.Tensor]:
+    """The metadata's tensors on the host, padded to `shape` (width 0: the longest table the pass reads). Rows
+    past the pass's tokens belong to a segment with no blocks, see nothing, and write their KV to
+    `scratch_slot`; segments past the pass's have no blocks."""
+    count = len(positions)
+    used = [seg.block_table[:-(-(seg.start + seg.num_tokens) // block_size)] for seg in segments]
+    width = shape.width or max(len(table) for table in used)
+    tables = torch.full((shape.segments, width), -1, dtype=torch.long)
+    for i, table in enumerate(used):
+        tables[i, :len(table)] = torch.tensor(table, dtype=torch.long)
+    slots, segment_rows, local = [], [], []
+    for i, seg in enumerate(segments):
+        slots += (seg.block_table[t // block_size] * block_size + t % block_size
+                  for t in range(seg.start, seg.start + seg.num_tokens))
+        segment_rows += [i] * seg.num_tokens
+        local += range(seg.num_tokens)
+    tree_seen = torch.zeros(1 + shape.tokens, shape.tree_width, dtype=torch.bool)
+    tree_seen[0] = True  # row 0: what is not a tree's
+    tree_row = torch.zeros(shape.tokens, dtype=torch.long)
+    row = 1
+    for i, seg in enumerate(segments):
+        if seg.parents and not is_chain(seg.parents):
+            n, pending = seg.num_tokens, seg.num_pending
+            seen = torch.ones(n, n, dtype=torch.bool).tril()
+            seen[pending:, pending:] = ancestor_mask(seg.parents)
+            tree_seen[row:row + n, :n] = seen
+            tree_row[offsets[i]:offsets[i] + n] = torch.arange(row, row + n)
+            row += n
+
+    def column(values: list[int], size: int, pad: int) -> torch.Tensor:
+        return torch.tensor(values + [pad] * (size - len(values)), dtype=torch.long)
+
+    return {
+        "slot_mapping": column(slots, shape.tokens, scratch_slot),
+        "tables": tables,
+        "segment": column(segment_rows, shape.tokens, len(segments)),
+        "local_query": column(local, shape.tokens, 0),
+        "positions": column(positions, shape.tokens, 0),
+        "start": column([seg.start for seg in segments], shape.segments, 0),
+        "context": column([seg.start + seg.num_tokens for seg in segments], shape.segments, 0),
+        "first_row": column(list(offsets), shape.segments, count),
+        "tree_row": tree_row,
+        "tree_seen": tree_seen,
+    }
+
+
+def metadata(fields: dict[str, torch.Tensor], block_size: int, device: torch.device | None = None) -> Metadata:
+    """The metadata over `fields` (moved to `device` first where given; a captured graph's are its own)."""
+    if device is not None:
+        fields = {name: value.to(device, non_blocking=True) for name, value in fields.items()}
+    return Metadata(fields["slot_mapping"], block_size, fields["tables"], fields["segment"], fields["local_query"],
+                    fields["positions"], fields["start"], fields["context"], fields["first_row"],
+                    fields["tree_row"], fields["tree_seen"])
 
 
 def _softcap(softcap: float | None) -> Callable | None:

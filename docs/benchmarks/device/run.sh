@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The verifier engine on a GPU host: the architecture matrix on its backend, then `speclane bench device`.
+# The verifier engine on a GPU host: the architecture matrix and the captured passes on its backend, then
+# `speclane bench device`.
 # Run from the repository root. A host without our pure-Python dependencies (an offline GPU image with its
 # own torch) gets them from wheels in .whl/ (README.md beside this file says which).
 set -uo pipefail
@@ -15,8 +16,8 @@ fi
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>/dev/null
   python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
 } | tee "$out/host.txt"
-SPECLANE_TEST_DEVICE=$device timeout 150 python3 -m pytest -q -p no:cacheprovider -m "not e2e" \
-  tests/verifier/test_architectures.py 2>&1 | tee "$out/architectures.log"
-timeout 420 python3 -m speclane_cli bench device --device "$device" --json "$out/device.json" \
+SPECLANE_TEST_DEVICE=$device timeout "${TEST_TIMEOUT:-150}" python3 -m pytest -q -p no:cacheprovider -m "not e2e" \
+  --tb=short tests/verifier/test_cuda_graphs.py tests/verifier/test_architectures.py 2>&1 | tee "$out/architectures.log"
+timeout "${BENCH_TIMEOUT:-420}" python3 -m speclane_cli bench device --device "$device" --json "$out/device.json" \
   --profile "$out/profile-" "$@" 2>&1 \
   | grep -v "it/s\]" | tee "$out/bench.log"
