@@ -51,7 +51,8 @@ class VerifierConfig:
     batch_invariant: str = option("auto", "compute every token as a plain decode step would, whatever else its "
                                           "pass holds, so that speculation never changes a greedy output: auto (on "
                                           "for bfloat16/float16 where the start-up check finds this platform's "
-                                          "kernels allow it), on (refuse to start where they do not) or off")
+                                          "kernels allow it, except on CUDA, whose FlexAttention passes are "
+                                          "captured as graphs), on (refuse to start where they do not) or off")
     attention_backend: str = option("auto", "auto (a CPU: our paged kernel in fp32, else TORCH_SDPA; an NPU: "
                                             "torch_npu's fused attention; CUDA: FLEX_ATTENTION, TORCH_SDPA for "
                                             "MLA), FLEX_ATTENTION (compiled on CUDA; elsewhere eager, scoring every "

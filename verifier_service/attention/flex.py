@@ -1,6 +1,6 @@
 """Attention through FlexAttention (torch.nn.attention.flex_attention) over the
-paged cache in place: CUDA's backend in waiting (--attention-backend
-FLEX_ATTENTION), not its default until it has run on a GPU.
+paged cache in place: CUDA's default backend, whose passes replay from CUDA
+graphs (cuda_graphs.py); --attention-backend FLEX_ATTENTION elsewhere.
 
 Why FlexAttention rather than FlashInfer: it ships with torch (no wheel per
 CUDA and torch version to match), the same call runs on a CPU (so its masks
