@@ -11,8 +11,10 @@ as wide as the longest context allows) and copied into that graph's static input
 FlexAttention block masks from them and runs the model, reading and writing the KV cache in place. So one
 graph serves every mix of decodes, chains, trees and prompt chunks of its size, and the draft length needs no
 capture size of its own (vllm-ascend asks for sizes that are multiples of k + 1 because its graphs are per
-decode shape). Each size is captured on its first pass (two warm-up runs on a side stream, then the capture),
-and again after the cache is reallocated. The graphs share one memory pool.
+decode shape). The verifier captures every size at start, largest first (ModelRunner.capture_graphs; a size
+not captured yet is captured on its first pass): two warm-up runs on a side stream, which compile FlexAttention
+for the size, then the capture; again after the cache is reallocated. The graphs share one memory pool, and
+their logits one buffer.
 
 The capture itself is a parameter (`graph`), so the padding and the static buffers are tested on a CPU with
 a "graph" that runs the same function again on replay.
@@ -77,10 +79,14 @@ class PassGraphs:
     """The captured passes of one model over one cache."""
 
     def __init__(self, forward: Forward, sizes: tuple[int, ...], max_context_len: int, device: torch.device,
-                 graph: type = CudaGraph):
-        """forward: runs the model over a pass's fields (padded, on the device); graph: what captures one."""
+                 vocab_size: int, dtype: torch.dtype, graph: type = CudaGraph):
+        """forward: runs the model over a pass's fields (padded, on the device), returning the logits of every row
+        in the model's dtype; graph: what captures one."""
         self.forward, self.sizes, self.max_context_len, self.device = forward, sizes, max_context_len, device
         self.graph = graph
+        # Every size's logits land in this one buffer: a graph's own outputs would stay in the pool as long as the
+        # graph, for every size (1 GB in fp32 over the capture sizes for a 152k vocabulary).
+        self.logits = torch.empty(max(sizes), vocab_size, dtype=dtype, device=device)
         self.pool = None
         self.block_size = self.width = self.scratch_slot = 0
         self.captured: dict[int, Captured] = {}
@@ -105,26 +111,33 @@ class PassGraphs:
         return size
 
     def run(self, plan: StepPlan, size: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Fp32 logits of the plan's logit rows, and its features (as ModelRunner.run returns them)."""
+        """Fp32 logits of the plan's logit rows, and its features (as ModelRunner.run returns them). A size's
+        first pass captures its graph."""
         positions, offsets, rows = pass_layout(plan)
         fields = pass_fields(plan.segments, positions, offsets, self.block_size,
                              PassShape(size, size, self.width, size), self.scratch_slot)
         fields["input_ids"] = torch.tensor(list(plan.input_ids) + [0] * (size - plan.num_tokens))
         captured = self.captured.get(size)
         if captured is None:
-            captured = self._capture(fields)
+            captured = self._capture(fields, size)
             self.captured[size] = captured
         for name, value in fields.items():
             captured.inputs[name].copy_(value, non_blocking=True)
         captured.graph.replay()
-        logits, features = captured.outputs
+        features = captured.outputs[1]
         rows = torch.tensor(rows, dtype=torch.long).to(self.device, non_blocking=True)
-        return logits.index_select(0, rows), None if features is None else features[:plan.num_tokens].clone()
+        return (self.logits.index_select(0, rows).float(),
+                None if features is None else features[:plan.num_tokens].clone())
 
-    def _capture(self, fields: dict[str, torch.Tensor]) -> Captured:
+    def _capture(self, fields: dict[str, torch.Tensor], size: int) -> Captured:
         inputs = {name: value.to(self.device) for name, value in fields.items()}
         if self.pool is None:
             self.pool = self.graph.new_pool()
         graph = self.graph(self.pool)
-        outputs = graph.capture(lambda: self.forward(inputs))
-        return Captured(inputs, outputs, graph)
+
+        def forward():
+            logits, features = self.forward(inputs)
+            self.logits[:size].copy_(logits)
+            return self.logits[:size], features
+
+        return Captured(inputs, graph.capture(forward), graph)

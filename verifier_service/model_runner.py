@@ -5,6 +5,7 @@ tensor parallelism every rank holds one; rank 0 broadcasts each message
 
 import os
 import pathlib
+import time
 from dataclasses import dataclass
 
 import structlog
@@ -18,7 +19,7 @@ from verifier_service.attention.ascend import unsupported as ascend_unsupported
 from verifier_service.attention.flex import FlexAttention
 from verifier_service.attention.flex import metadata as flex_metadata
 from verifier_service.attention.mla import is_mla, latent_geometry, serve_latent
-from verifier_service.batch import StepPlan, pass_inputs
+from verifier_service.batch import Segment, StepPlan, pass_inputs
 from verifier_service.batch_invariant import make_invariant
 from verifier_service.cpu_linear import add_measured_linears, measures_linear_ways
 from verifier_service.cuda_graphs import PassGraphs
@@ -158,7 +159,8 @@ class ModelRunner:
         self.max_context_len: int = min(text_config.max_position_embeddings, max_model_len or float("inf"))
         graphable = (self.device.type == "cuda" and isinstance(self.backend, FlexAttention) and tp is None
                      and not self.linear_layers)
-        self.graphs = (PassGraphs(self.padded_forward, cuda_graph_sizes, self.max_context_len, self.device)
+        self.graphs = (PassGraphs(self.padded_forward, cuda_graph_sizes, self.max_context_len, self.device,
+                                  self.vocab_size, dtype)
                        if cuda_graph_sizes and graphable else None)
         eos = _as_ids(self.model.generation_config.eos_token_id) + _as_ids(text_config.eos_token_id)
         self.eos_token_ids: tuple[int, ...] = tuple(dict.fromkeys(eos))
@@ -234,12 +236,26 @@ class ModelRunner:
         return out.logits[0].float(), self._features(out)
 
     def padded_forward(self, fields: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """A captured pass (cuda_graphs.py): the model over padded fields on the device, logits of every row."""
+        """A captured pass (cuda_graphs.py): the model over padded fields on the device, logits of every row (in
+        the model's dtype)."""
         context = PassContext(self.cache, self.backend, flex_metadata(fields, self.cache.block_size))
         out = self.model(input_ids=fields["input_ids"][None], position_ids=fields["positions"][None],
                          use_cache=False, logits_to_keep=0, speclane_pass=context,
                          output_hidden_states=bool(self.feature_layers))
-        return out.logits[0].float(), self._features(out)
+        return out.logits[0], self._features(out)
+
+    def capture_graphs(self) -> None:
+        """Captures every size's graph now, largest first (the smaller ones reuse its memory in the pool), so no
+        request waits for a capture or FlexAttention's compilation; without graphs, nothing."""
+        if self.graphs is None:
+            return
+        started = time.perf_counter()
+        for size in sorted(self.graphs.sizes, reverse=True):
+            blocks = -(-size // self.cache.block_size)
+            if blocks < self.cache.num_blocks:  # a pass this large could not be scheduled (nor needs a graph)
+                self.run(StepPlan((), (0,) * size, (Segment(tuple(range(blocks)), 0, size),)))
+        log.info("cuda_graphs_captured", sizes=sorted(self.graphs.captured),
+                 seconds=round(time.perf_counter() - started, 1))
 
     def _features(self, out) -> torch.Tensor | None:
         if not self.feature_layers:
