@@ -77,8 +77,3 @@ def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs)
         probs = probs / probs.sum(dim=-1, keepdim=True)
     return probs
-
-
-def sample(probs: torch.Tensor, generator: torch.Generator) -> int:
-    """One token id drawn from a 1-D distribution (need not be normalised)."""
-    return int(torch.multinomial(probs, 1, generator=generator))

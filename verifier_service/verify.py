@@ -11,7 +11,6 @@ from dataclasses import dataclass, field
 import torch
 
 from protos.conventions import chain_parents
-from verifier_service.sampling import sample
 from verifier_service.sequence import TokenLogprob
 from verifier_service.tree import children, is_chain
 
@@ -68,28 +67,46 @@ def verify_sampled(
     """
     if parents is None or is_chain(parents):
         return _verify_chain_sampled(draft, probs, generator, proposals)
+    return _verify_tree_sampled(draft, probs, generator, proposals, parents)
+
+
+def _verify_tree_sampled(draft: Sequence[int], probs: torch.Tensor, generator: torch.Generator,
+                         proposals: torch.Tensor | None, parents) -> Verdict:
+    """verify_sampled's rule on a tree with one copy to the host, not one wait for the device per node tried.
+    What each node is tried against does not depend on chance, only on which earlier siblings were rejected
+    (all of them, or it is not tried): so every node's acceptance probability, and every row's distribution
+    once all its children are rejected, are computed up front, a loop over sibling ranks with each rank's
+    nodes at once; then every node's uniform and every row's final token are drawn together, and the walk
+    reads them. Each draw is used at most once along the walk, so the result is distributed as the
+    one-at-a-time walk's."""
+    k, device = len(draft), probs.device
     kids = _children(draft, parents)
+    p = probs.clone()  # each row's distribution after its children tried so far were rejected
+    accept = probs.new_zeros(k)
+    tokens = torch.tensor(list(draft), dtype=torch.long, device=device)
+    for rank in range(max(len(row_kids) for row_kids in kids)):
+        nodes = [row_kids[rank] for row_kids in kids if len(row_kids) > rank]
+        rows = torch.tensor([parents[n] + 1 for n in nodes], dtype=torch.long, device=device)
+        nodes_t, x = torch.tensor(nodes, dtype=torch.long, device=device), tokens[nodes]
+        current = p[rows]
+        if proposals is None:
+            accept[nodes_t] = current.gather(1, x[:, None])[:, 0]
+            residual = current.scatter(1, x[:, None], 0.0)
+        else:
+            accept[nodes_t] = current.gather(1, x[:, None])[:, 0] / proposals[nodes_t, x]
+            residual = (current - proposals[nodes_t]).clamp_min(0.0)
+        total = residual.sum(-1, keepdim=True)
+        p[rows] = torch.where(total > 0, residual / total.clamp_min(torch.finfo(total.dtype).tiny), current)
+    accepted = torch.rand(k, generator=generator, device=device) < accept
+    final = torch.multinomial(p, 1, generator=generator)[:, 0]
+    decided = torch.cat([accepted.long(), final]).tolist()
+    flags, finals = decided[:k], decided[k:]
     path: list[int] = []
     row = 0
-    while True:
-        p = probs[row]
-        for child in kids[row]:
-            token = draft[child]
-            accept = p[token] if proposals is None else p[token] / proposals[child, token]
-            if torch.rand((), generator=generator, device=p.device) < accept:
-                path.append(child)
-                break
-            if proposals is None:
-                residual = p.clone()
-                residual[token] = 0.0
-            else:
-                residual = (p - proposals[child]).clamp_min(0.0)
-            if not residual.sum() > 0:
-                residual = p  # only reachable when p == q up to rounding
-            p = residual / residual.sum()
-        else:
-            return Verdict([draft[i] for i in path] + [sample(p, generator)], len(path), path)
-        row = path[-1] + 1
+    while (child := next((c for c in kids[row] if flags[c]), None)) is not None:
+        path.append(child)
+        row = child + 1
+    return Verdict([draft[i] for i in path] + [finals[row]], len(path), path)
 
 
 def _verify_chain_sampled(draft: Sequence[int], probs: torch.Tensor, generator: torch.Generator,

@@ -9,11 +9,12 @@ from transformers import DynamicCache, GenerationConfig
 
 from verifier_service import engine as engine_module
 from verifier_service.errors import InvalidRequest, SequenceFinished, StaleDraft
-from verifier_service.sampling import SamplingParams, sample
+from verifier_service.sampling import SamplingParams
 from verifier_service.sequence import Draft, FinishReason, GenerationParams, Proposal
 from verifier_service.verify import Verdict
 
 from .conftest import MAX_CONTEXT, VOCAB, sequence_kv
+from .test_verify import sample
 
 PROMPT = [5, 17, 9, 40, 22, 8, 31]
 GREEDY = SamplingParams()

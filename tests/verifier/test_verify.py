@@ -2,19 +2,24 @@
 speculative sampling (chi-square against the target distribution p)."""
 
 import numpy as np
+import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
-from scipy.stats import chisquare
+from scipy.stats import chi2_contingency, chisquare
 
-from verifier_service.sampling import sample
-from verifier_service.verify import dense_proposals, verify_greedy, verify_sampled
+from verifier_service.tree import children
+from verifier_service.verify import Verdict, dense_proposals, verify_greedy, verify_sampled
 
 TRIALS = 10_000
 P0 = torch.tensor([0.35, 0.25, 0.15, 0.10, 0.10, 0.05])
 P1 = torch.tensor([0.05, 0.10, 0.40, 0.05, 0.30, 0.10])
 P_BONUS = torch.tensor([0.2, 0.2, 0.2, 0.2, 0.1, 0.1])
 Q0 = torch.tensor([0.10, 0.50, 0.10, 0.20, 0.05, 0.05])
+
+
+def sample(probs: torch.Tensor, generator: torch.Generator) -> int:
+    return int(torch.multinomial(probs, 1, generator=generator))
 
 
 def test_greedy_accepts_all_and_adds_bonus():
@@ -113,3 +118,54 @@ def test_identical_p_and_q_always_accept():
 def test_dense_proposals_sums_duplicates_and_normalises():
     dense = dense_proposals([((1, 3, 1), (0.2, 0.4, 0.2)), ((0,), (0.5,))], 4, torch.device("cpu"))
     assert torch.allclose(dense, torch.tensor([[0.0, 0.5, 0.0, 0.5], [1.0, 0.0, 0.0, 0.0]]))
+
+
+# Root children 0, 1 and 5 (5 repeats 0's token); node 0's children 2 and 3; node 1's child 4.
+TREE_DRAFT = (0, 2, 2, 4, 1, 0)
+TREE_PARENTS = (-1, -1, 0, 0, 1, -1)
+TREE_ROWS = torch.stack([P0, P1, P_BONUS, Q0, P0.flip(0), P1.flip(0), P_BONUS.flip(0)])
+
+
+def one_node_at_a_time(draft, probs, generator, proposals, parents) -> Verdict:
+    """The rule as SpecInfer states it, a random draw per node tried: the oracle the vectorized walk must
+    match in distribution."""
+    kids = children(parents)
+    path, row = [], 0
+    while True:
+        p = probs[row]
+        for child in kids[row]:
+            token = draft[child]
+            accept = p[token] if proposals is None else p[token] / proposals[child, token]
+            if torch.rand((), generator=generator) < accept:
+                path.append(child)
+                break
+            residual = p.clone() if proposals is None else (p - proposals[child]).clamp_min(0.0)
+            if proposals is None:
+                residual[token] = 0.0
+            p = residual / residual.sum() if residual.sum() > 0 else p
+        else:
+            return Verdict([draft[i] for i in path] + [sample(p, generator)], len(path), path)
+        row = path[-1] + 1
+
+
+@pytest.mark.parametrize("proposals", [None, torch.stack([Q0, Q0, P1, P1, P0, Q0])], ids=["one-hot", "dense"])
+def test_a_sampled_tree_is_distributed_as_the_walk_that_draws_per_node(proposals):
+    """The tree's decisions are drawn at once on the device (one copy to the host): the joint outcome (path
+    and emitted token) has the one-at-a-time walk's distribution, and the first token the target's (with
+    proposals, each node's token drawn from its own; the root's three children i.i.d. from one)."""
+    def outcomes(rule, seed):
+        generator = torch.Generator().manual_seed(seed)
+        runs = []
+        for _ in range(TRIALS):
+            draft = TREE_DRAFT if proposals is None else [sample(q, generator) for q in proposals]
+            runs.append(tuple(rule(draft, TREE_ROWS, generator, proposals, TREE_PARENTS).token_ids))
+        return runs
+
+    vectorized, oracle = outcomes(verify_sampled, 5), outcomes(one_node_at_a_time, 6)
+    assert p_value([out[0] for out in vectorized], P0) > 0.001
+    kinds = sorted(set(vectorized) | set(oracle))
+    table = np.array([[runs.count(kind) for kind in kinds] for runs in (vectorized, oracle)])
+    common = table.sum(0) >= 10  # the rest pooled, so every expected count is large enough
+    table = np.column_stack([table[:, common], table[:, ~common].sum(1)]) if (~common).any() else table
+    assert chi2_contingency(table).pvalue > 0.001
+    assert any(len(out) == 3 for out in vectorized)  # the walk reaches the tree's second level
