@@ -1,4 +1,4 @@
-"""`speclane bench soak`, short: 16 clients for 30 s against a stack it starts itself
+"""`speclane bench soak`, short: 16 clients for 20 s against a stack it starts itself
 (real processes, the real model), with every check of the 10-minute soak: no failed
 request, every service alive, RSS flat after the warm-up, nothing held afterwards.
 And its discovery of a running stack's processes from /proc."""
@@ -17,9 +17,9 @@ SERVICES = ("drafter", "verifier", "gateway")
 
 def test_a_short_soak_passes_every_check(tmp_path):
     out = tmp_path / "soak"
-    # Short requests: several waves of them in 30 s, so the caches fill within the warm-up third.
+    # Short requests: several waves of them in 20 s, so the caches fill within the warm-up third.
     soak = subprocess.run([sys.executable, "-m", "speclane_cli", "bench", "soak", "--concurrency", "16",
-                           "--duration", "30s", "--max-tokens", "32", "--sample-interval", "1",
+                           "--duration", "20s", "--max-tokens", "32", "--sample-interval", "1",
                            "--output-dir", str(out)], capture_output=True, text=True, timeout=600)
     assert soak.returncode == 0, soak.stdout[-4000:] + soak.stderr[-4000:]
     report = json.loads((out / "soak.json").read_text())
@@ -35,7 +35,7 @@ def test_a_short_soak_passes_every_check(tmp_path):
     assert min(summary["by_kind"].values()) >= 1 and summary["output_tokens_per_s"] > 0
     for name in SERVICES:
         trend = report["rss"][name]
-        assert trend["samples"] >= 20 and trend["growth"] <= 0.10, (name, trend)
+        assert trend["samples"] >= 15 and trend["growth"] <= 0.10, (name, trend)
     held = next(check["detail"] for check in report["checks"] if check["name"] == "nothing held after the load")
     # Every figure was read: the gateway's, the verifier's own GetLoad, the drafter's sessions.
     for figure in ("gateway_running 0", "verifier_running 0", "verifier_kv_used_tokens 0", "drafter_sessions 0"):

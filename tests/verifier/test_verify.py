@@ -123,6 +123,7 @@ def test_dense_proposals_sums_duplicates_and_normalises():
 # Root children 0, 1 and 5 (5 repeats 0's token); node 0's children 2 and 3; node 1's child 4.
 TREE_DRAFT = (0, 2, 2, 4, 1, 0)
 TREE_PARENTS = (-1, -1, 0, 0, 1, -1)
+TREE_TRIALS = 4_000  # for each rule
 TREE_ROWS = torch.stack([P0, P1, P_BONUS, Q0, P0.flip(0), P1.flip(0), P_BONUS.flip(0)])
 
 
@@ -156,7 +157,7 @@ def test_a_sampled_tree_is_distributed_as_the_walk_that_draws_per_node(proposals
     def outcomes(rule, seed):
         generator = torch.Generator().manual_seed(seed)
         runs = []
-        for _ in range(TRIALS):
+        for _ in range(TREE_TRIALS):
             draft = TREE_DRAFT if proposals is None else [sample(q, generator) for q in proposals]
             runs.append(tuple(rule(draft, TREE_ROWS, generator, proposals, TREE_PARENTS).token_ids))
         return runs
