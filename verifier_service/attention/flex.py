@@ -34,7 +34,7 @@ import torch
 from torch.nn.attention.flex_attention import BlockMask, create_mask, flex_attention
 
 from verifier_service.attention.backend import LayerCall
-from verifier_service.batch import PassInputs, Segment
+from verifier_service.batch import PassInputs, Segment, segment_positions
 from verifier_service.kv_cache import PagedKVCache
 from verifier_service.tree import ancestor_mask, is_chain
 
@@ -164,7 +164,8 @@ class FlexAttention:
 
     def prepare(self, segments: tuple[Segment, ...], inputs: PassInputs, block_size: int,
                 device: torch.device) -> Metadata:
-        fields = pass_fields(segments, inputs.positions[0].tolist(), inputs.offsets, block_size, own_shape(segments))
+        positions = [position for seg in segments for position in segment_positions(seg)]  # no device sync
+        fields = pass_fields(segments, positions, inputs.offsets, block_size, own_shape(segments))
         return metadata(fields, block_size, device)
 
     def attend(self, metadata: Metadata, call: LayerCall, query: torch.Tensor, cache: PagedKVCache) -> torch.Tensor:
