@@ -18,6 +18,9 @@ fi
 } | tee "$out/host.txt"
 SPECLANE_TEST_DEVICE=$device timeout "${TEST_TIMEOUT:-150}" python3 -m pytest -q -p no:cacheprovider -m "not e2e" \
   --tb=short tests/verifier/test_cuda_graphs.py tests/verifier/test_architectures.py 2>&1 | tee "$out/architectures.log"
+case " $* " in  # the whole stack: the drafter's suffix trees and the CPU kernels, built for this Python
+  *" --stack "*) python3 setup.py -q build_ext --inplace > "$out/build.log" 2>&1 || { tail "$out/build.log"; exit 1; } ;;
+esac
 timeout "${BENCH_TIMEOUT:-420}" python3 -m speclane_cli bench device --device "$device" --json "$out/device.json" \
   --profile "$out/profile-" "$@" 2>&1 \
   | grep -v "it/s\]" | tee "$out/bench.log"
