@@ -11,7 +11,7 @@ wheels=(transformers==5.24.0 grpcio==1.85.1 grpcio-health-checking==1.85.1 grpci
 if [ "${1:-}" = "--stack" ]; then
   wheels+=(fastapi==0.165.0 starlette==1.10.0 pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0
            annotated-doc==0.0.7 typing-inspection==0.4.5 typing-extensions==4.16.0 uvicorn==0.54.0
-           llguidance==1.9.1)
+           llguidance==1.9.1 opentelemetry-api==1.45.2)
 fi
 grep -qx '/.whl/' .git/info/exclude 2>/dev/null || echo '/.whl/' >> .git/info/exclude
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
