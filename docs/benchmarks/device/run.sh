@@ -2,7 +2,7 @@
 # The verifier engine on a GPU host: the architecture matrix and the captured passes on its backend, then
 # `speclane bench device`.
 # Run from the repository root. A host without our pure-Python dependencies (an offline GPU image with its
-# own torch) gets them from wheels in .whl/ (README.md beside this file says which).
+# own torch) gets them from wheels in .whl/, which wheels.sh beside this file downloads elsewhere.
 set -uo pipefail
 out=${OUT:-docs/benchmarks/device/latest}
 device=${DEVICE:-cuda}
@@ -16,11 +16,11 @@ fi
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>/dev/null
   python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
 } | tee "$out/host.txt"
+# Our C++ extensions for this Python: the drafter's suffix trees (--stack serves through them) and the CPU kernels
+# (the matrix also runs some CPU rows). About 45 s on one core; the two build side by side.
+python3 setup.py -q build_ext --inplace -j 2 > "$out/build.log" 2>&1 || { tail "$out/build.log"; exit 1; }
 SPECLANE_TEST_DEVICE=$device timeout "${TEST_TIMEOUT:-150}" python3 -m pytest -q -p no:cacheprovider -m "not e2e" \
   --tb=short tests/verifier/test_cuda_graphs.py tests/verifier/test_architectures.py 2>&1 | tee "$out/architectures.log"
-case " $* " in  # the whole stack: the drafter's suffix trees and the CPU kernels, built for this Python
-  *" --stack "*) python3 setup.py -q build_ext --inplace > "$out/build.log" 2>&1 || { tail "$out/build.log"; exit 1; } ;;
-esac
 timeout "${BENCH_TIMEOUT:-420}" python3 -m speclane_cli bench device --device "$device" --json "$out/device.json" \
   --profile "$out/profile-" "$@" 2>&1 \
   | grep -v "it/s\]" | tee "$out/bench.log"
