@@ -24,7 +24,7 @@ def test_killing_the_drafter_mid_generation_keeps_the_output(model_dir, tmp_path
                       speculation_debug='{"lookup": "off"}')
     try:
         client = openai.OpenAI(base_url=own.base_url, api_key="unused", max_retries=0, timeout=300)
-        request = {"model": MODEL, "messages": MESSAGES, "max_tokens": 96, "temperature": 0}
+        request = {"model": MODEL, "messages": MESSAGES, "max_tokens": 48, "temperature": 0}
         plain = client.chat.completions.create(**request, extra_body={"speculation": {"method": "none"}})
         pieces = []
         stream = client.chat.completions.create(**request, stream=True)

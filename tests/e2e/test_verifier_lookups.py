@@ -7,7 +7,7 @@ import urllib.request
 import pytest
 
 from gateway.client import GenerationClient
-from tests.e2e.prompts import code_edit_messages, humaneval_messages, sharegpt_messages
+from tests.e2e.prompts import code_edit_messages, humaneval_messages
 from tests.e2e.stack import start_stack
 
 pytestmark = pytest.mark.e2e
@@ -24,7 +24,7 @@ def stack(model_dir, tmp_path_factory):
 
 
 def test_steps_the_verifier_drafts_itself_leave_greedy_output_unchanged(stack):
-    requests = [code_edit_messages(), *humaneval_messages(2), *sharegpt_messages(1)]
+    requests = [code_edit_messages(), *humaneval_messages(1)]
     with GenerationClient(stack.gateway.grpc_address) as client:
         for messages in requests:
             result = client.generate(messages=messages, max_tokens=64, temperature=0.0,

@@ -12,10 +12,14 @@ from transformers import AutoModelForCausalLM
 from verifier_service.batch import Segment, StepPlan
 from verifier_service.cuda_graphs import DEFAULT_CAPTURE_SIZES, PassGraphs, capture_sizes
 from verifier_service.model_runner import ModelRunner
+from verifier_service.scheduler import BatchLimits
 from verifier_service.self_check import check_against_reference
 
 from .architectures import save_tiny
+from .conftest import make_engine
 from .test_architectures import BLOCK, DEVICE, assert_passes_equal_transformers
+from .test_batching import DRAFTERS, PROMPTS, run_together
+from .test_engine import reference
 
 
 class Rerun:
@@ -100,3 +104,17 @@ def test_graphs_are_for_flex_attention_on_cuda(tmp_path):
     assert runner.backend.name == ("flex-attention" if DEVICE.startswith("cuda") else "cpu-paged")
     assert ModelRunner(path, DEVICE, torch.float32, attention_backend="TORCH_SDPA",
                        cuda_graph_sizes=(1, 2)).graphs is None
+
+
+def test_an_engine_on_captured_passes_decodes_as_transformers(tiny_model_dir, hf_model):
+    """The engine's own plans through the graphs: four sequences joining and leaving, chunked prompts, right,
+    wrong and partly right drafts (so KV moves and rollbacks), every pass of up to 8 tokens replayed."""
+    runner = ModelRunner(tiny_model_dir, "cpu", torch.float32, attention_backend="FLEX_ATTENTION")
+    runner.graphs = PassGraphs(runner.padded_forward, (1, 2, 4, 8), runner.max_context_len, runner.device,
+                               runner.vocab_size, runner.dtype, graph=Rerun)
+    engine = make_engine(runner, limits=BatchLimits(max_tokens=8))
+    refs = [reference(hf_model, prompt, 12) for prompt in PROMPTS]
+    seqs = run_together(engine, PROMPTS, refs, DRAFTERS, 12)
+    for seq, ref, prompt in zip(seqs, refs, PROMPTS):
+        assert seq.tokens[len(prompt):] == ref
+    assert {4, 8} <= set(runner.graphs.captured)  # chunks of 8 and the sequences' steps ran as graphs
