@@ -1,27 +1,31 @@
 """The verifier's measure of what a draft token adds to a verify step."""
 
-import time
+from types import SimpleNamespace
 
 import pytest
 
 from tests.verifier.conftest import make_engine
+from verifier_service import draft_cost
 from verifier_service.draft_cost import measure_token_cost
 
 
 def test_the_token_cost_is_the_extra_step_time_per_draft_token_at_each_batch_size(runner, monkeypatch):
     """Verify passes made to take 10 ms plus 5 ms per token fed, as a compute-bound pass does: alone, a
-    draft token costs a third of a plain step; among 8 sequences, 0.8 of what plain steps commit."""
+    draft token costs a third of a plain step; among 8 sequences, 0.8 of what plain steps commit. The passes
+    advance the clock the measurement reads instead of sleeping, so a loaded host cannot blur the result."""
     engine = make_engine(runner)
     execute = engine.runner.execute
+    now = [0.0]
 
     def slowed(plan):
         if plan.segments and all(segment.num_pending == 1 for segment in plan.segments):  # not a prefill
-            time.sleep(0.01 + 0.005 * plan.num_tokens)
+            now[0] += 0.01 + 0.005 * plan.num_tokens
         return execute(plan)
 
     monkeypatch.setattr(engine.runner, "execute", slowed)
-    assert measure_token_cost(engine) == pytest.approx(20 / (4 * 15), abs=0.08)
-    assert measure_token_cost(engine, num_sequences=8, repeats=2) == pytest.approx(160 / (4 * 50), abs=0.08)
+    monkeypatch.setattr(draft_cost, "time", SimpleNamespace(perf_counter=lambda: now[0]))
+    assert measure_token_cost(engine) == pytest.approx(20 / (4 * 15), abs=1e-3)
+    assert measure_token_cost(engine, num_sequences=8, repeats=2) == pytest.approx(160 / (4 * 50), abs=1e-3)
     assert engine.num_live == 0 and engine.blocks.used_blocks == 0  # its sequences are gone
 
 
