@@ -6,6 +6,7 @@ without CANN breaks torch. The importer and the CUDA module are parameters so
 the selection logic is testable without either backend.
 """
 
+import functools
 import importlib
 import itertools
 import os
@@ -23,9 +24,10 @@ class DeviceError(RuntimeError):
     """The requested device does not exist on this host."""
 
 
+@functools.cache
 def cpu_kernels() -> ModuleType:
     """Our C++ CPU kernels (csrc/, built by `make install`), imported where a CPU pass first uses them: a GPU or
-    NPU host runs without building them."""
+    NPU host runs without building them. Cached: every CPU pass calls it per layer."""
     try:
         return importlib.import_module("verifier_service._cpu_kernels")
     except ImportError as missing:

@@ -200,14 +200,14 @@ class ModelRunner:
         """A message from rank 0 (on a follower rank, every message)."""
         if isinstance(message, AllocateCache):
             self.cache = self.states = None  # the old memory goes first
-            if self.graphs is not None:
-                self.graphs.drop()
-            # With graphs, one block more: the scratch the padding rows of a captured pass write to.
-            scratch = 1 if self.graphs is not None else 0
-            self.cache = PagedKVCache(self.geometry, message.num_blocks + scratch, message.block_size, self.dtype,
-                                      self.device, split=self.backend.split_kv)
+            # With graphs, one block more: the scratch the padding rows of a captured pass write to. The graphs
+            # over the old cache go first, with their memory.
+            scratch = 0
             if self.graphs is not None:
                 self.graphs.reset(message.block_size, message.num_blocks * message.block_size)
+                scratch = 1
+            self.cache = PagedKVCache(self.geometry, message.num_blocks + scratch, message.block_size, self.dtype,
+                                      self.device, split=self.backend.split_kv)
             if self.linear_layers:
                 self.states = LinearStates(self.linear_layers, max(message.num_state_slots, 1), self.dtype,
                                            self.device)

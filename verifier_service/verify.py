@@ -87,14 +87,9 @@ def _verify_tree_sampled(draft: Sequence[int], probs: torch.Tensor, generator: t
     for rank in range(max(len(row_kids) for row_kids in kids)):
         nodes = [row_kids[rank] for row_kids in kids if len(row_kids) > rank]
         rows = torch.tensor([parents[n] + 1 for n in nodes], dtype=torch.long, device=device)
-        nodes_t, x = torch.tensor(nodes, dtype=torch.long, device=device), tokens[nodes]
+        nodes_t = torch.tensor(nodes, dtype=torch.long, device=device)
         current = p[rows]
-        if proposals is None:
-            accept[nodes_t] = current.gather(1, x[:, None])[:, 0]
-            residual = current.scatter(1, x[:, None], 0.0)
-        else:
-            accept[nodes_t] = current.gather(1, x[:, None])[:, 0] / proposals[nodes_t, x]
-            residual = (current - proposals[nodes_t]).clamp_min(0.0)
+        accept[nodes_t], residual = _tried(current, tokens[nodes_t], None if proposals is None else proposals[nodes_t])
         total = residual.sum(-1, keepdim=True)
         p[rows] = torch.where(total > 0, residual / total.clamp_min(torch.finfo(total.dtype).tiny), current)
     accepted = torch.rand(k, generator=generator, device=device) < accept
@@ -111,28 +106,31 @@ def _verify_tree_sampled(draft: Sequence[int], probs: torch.Tensor, generator: t
 
 def _verify_chain_sampled(draft: Sequence[int], probs: torch.Tensor, generator: torch.Generator,
                           proposals: torch.Tensor | None) -> Verdict:
-    """verify_sampled's rule on a chain with every decision made on the device and one copy to the host (the
-    tree walk copies a decision per node tried, each waiting for the device): every draft token's acceptance
-    is drawn at once, the first rejection found, and the emitted token drawn from that row's residual, or
-    from the bonus row when none is rejected. Independent uniforms make it the same distribution as the
-    one-at-a-time walk."""
+    """verify_sampled's rule on a chain with every decision made on the device and one copy to the host: every
+    draft token's acceptance is drawn at once, the first rejection found, and the emitted token drawn from that
+    row's residual, or from the bonus row when none is rejected. Independent uniforms make it the same
+    distribution as the one-at-a-time walk."""
     k, device = len(draft), probs.device
-    tokens, rows = torch.tensor(list(draft), dtype=torch.long, device=device), torch.arange(k, device=device)
-    accept = probs[rows, tokens] if proposals is None else probs[rows, tokens] / proposals[rows, tokens]
+    accept, residual = _tried(probs[:k], torch.tensor(list(draft), dtype=torch.long, device=device), proposals)
     rejected = torch.rand(k, generator=generator, device=device) >= accept
     # The first rejected position; the bonus row (k) where none is: argmax finds the first True.
     first = torch.cat([rejected, rejected.new_ones(1)]).int().argmax()
-    if proposals is None:
-        residual = probs[:k].clone()
-        residual[rows, tokens] = 0.0
-    else:
-        residual = (probs[:k] - proposals).clamp_min(0.0)
     candidates = torch.cat([residual, probs[k:k + 1]])
     final = candidates[first]
     final = torch.where(final.sum() > 0, final, probs[first])  # p == q up to rounding leaves no residual
     token = torch.multinomial(final, 1, generator=generator)[0]
     accepted, emitted = torch.stack([first, token]).tolist()
     return Verdict([*draft[:accepted], emitted], accepted, list(range(accepted)))
+
+
+def _tried(p: torch.Tensor, tokens: torch.Tensor, proposals: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows p [m, vocab] each trying a token (proposed by the row of `proposals`, or deterministically where
+    None): its chance of acceptance, min(1, p/q) left to the draw, and the row's residual after a rejection,
+    not normalised (p without the token, or max(0, p - q))."""
+    hit = p.gather(1, tokens[:, None])[:, 0]
+    if proposals is None:
+        return hit, p.scatter(1, tokens[:, None], 0.0)
+    return hit / proposals.gather(1, tokens[:, None])[:, 0], (p - proposals).clamp_min(0.0)
 
 
 def dense_proposals(

@@ -35,19 +35,19 @@ from torch.nn.attention.flex_attention import BlockMask, create_mask, flex_atten
 
 from verifier_service.attention.backend import LayerCall
 from verifier_service.batch import PassInputs, Segment, segment_positions
+from verifier_service.block_manager import slot
 from verifier_service.kv_cache import PagedKVCache
 from verifier_service.tree import ancestor_mask, is_chain
 
 QUERY_BLOCK = 16  # packed queries per row of the block mask (vLLM's default with torch >= 2.9)
 MIN_KEY_SPAN = 16  # Triton's matrix instructions need tiles of 16 keys or more
+RECOMPILE_LIMIT = 64  # compiled FlexAttention's variants in one process (FlexAttention.__init__ says which)
 
 
 def key_span(block_size: int) -> int:
     """Cache slots per key block of the block mask and per kernel tile: a cache block, or several consecutive
     ones where blocks are shorter than a tile (the mask function hides the slots of other sequences there)."""
     return max(block_size, MIN_KEY_SPAN)
-
-RECOMPILE_LIMIT = 64
 
 
 @dataclass(frozen=True)
@@ -212,8 +212,7 @@ def pass_fields(segments: tuple[Segment, ...], positions: list[int], offsets: tu
         tables[i, :len(table)] = torch.tensor(table, dtype=torch.long)
     slots, segment_rows, local = [], [], []
     for i, seg in enumerate(segments):
-        slots += (seg.block_table[t // block_size] * block_size + t % block_size
-                  for t in range(seg.start, seg.start + seg.num_tokens))
+        slots += (slot(seg.block_table, t, block_size) for t in range(seg.start, seg.start + seg.num_tokens))
         segment_rows += [i] * seg.num_tokens
         local += range(seg.num_tokens)
     tree_seen = torch.zeros(1 + shape.tokens, shape.tree_width, dtype=torch.bool)
