@@ -3,6 +3,7 @@
 import asyncio
 import contextlib
 import gc
+import os
 import pathlib
 from collections.abc import Callable
 
@@ -15,6 +16,7 @@ from drafter_service.engine import DraftEngine
 from drafter_service.metrics import DrafterMetrics
 from drafter_service.service import SERVICE_NAME, DrafterServicer
 from protos.drafter.v1 import drafter_pb2_grpc
+from speclane.allocator import allocator, reexecute_with_tcmalloc
 from speclane.config import parse_config
 from speclane.grpc_server import serve
 from speclane.log import configure_logging
@@ -71,7 +73,7 @@ async def run(config: DrafterConfig, ready: Callable[[int], None] | None = None)
         log.info("drafter_stopped", cached_requests=len(engine.core.cached_requests()),
                  memory_bytes=engine.core.memory_bytes())
 
-    log.info("drafter_starting", max_tree_depth=config.max_tree_depth,
+    log.info("drafter_starting", malloc=allocator(os.environ), max_tree_depth=config.max_tree_depth,
              max_cached_requests=config.max_cached_requests, max_cached_tokens=config.max_cached_tokens,
              max_sessions=config.max_sessions, max_session_tokens=config.max_session_tokens,
              snapshot_path=config.snapshot_path or None)
@@ -80,4 +82,5 @@ async def run(config: DrafterConfig, ready: Callable[[int], None] | None = None)
 
 
 def main(argv: list[str] | None = None, prog: str = "python -m drafter_service") -> None:
+    reexecute_with_tcmalloc()
     asyncio.run(run(parse_config(DrafterConfig, ENV_PREFIX, argv, prog, "the drafter service")))

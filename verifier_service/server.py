@@ -11,6 +11,7 @@ import structlog
 import torch
 from transformers.utils import logging as transformers_logging
 
+from speclane.allocator import allocator
 from speclane.config import parse_config
 from speclane.grpc_server import serve
 from speclane.log import configure_logging
@@ -18,7 +19,6 @@ from speclane.models import resolve_model
 from verifier_service.async_engine import AsyncEngine
 from verifier_service.config import ENV_PREFIX, VerifierConfig
 from verifier_service.device import resolve_threads, set_threads
-from verifier_service.launch import allocator
 from verifier_service.metrics import VerifierMetrics
 from verifier_service.service import VerifierServicer, add_to_server
 from verifier_service.workers import Rank0
