@@ -6,7 +6,7 @@
 #   flock /tmp/speclane-bench.lock docs/benchmarks/drafter-service/ab.sh /tmp/before . OUTPUT_DIR
 set -euo pipefail
 before=$(realpath "$1") after=$(realpath "$2") out=$(realpath -m "$3")
-python=$(realpath "$(dirname "$0")/../../../.venv/bin/python")
+python="$(cd "$(dirname "$0")/../../.." && pwd)/.venv/bin/python"
 run() {  # tree, name
   (cd "$1" && PYTHONPATH="$1" "$python" -c "import sys; from speclane_cli.main import main; sys.exit(main())" \
     bench drafter --service --verifiers 8,16,32 --seconds 10 --client-processes 4 --output-dir "$out/$2")
