@@ -12,6 +12,7 @@ import pathlib
 import sys
 
 from drafter_service import SuffixDecodingCache
+from speclane.tokens import common_prefix
 from speclane_cli.bench.policy import record
 
 DATASETS = ["humaneval", "sharegpt", "code-edit"]
@@ -22,8 +23,7 @@ COSTS = (0.038, 0.06, 0.1)  # 0.038: what the verifier measured a draft token at
 
 def accepted(draft, rest: list[int], tree: bool) -> int:
     if not tree:
-        return next((i for i, (t, r) in enumerate(zip(draft.token_ids, rest)) if t != r),
-                    min(len(draft.token_ids), len(rest)))
+        return common_prefix(draft.token_ids, rest)
     depth, matched, best = {}, {}, 0
     for i, (token, parent) in enumerate(zip(draft.token_ids, draft.parents)):
         depth[i] = 0 if parent == -1 else depth[parent] + 1
