@@ -59,11 +59,12 @@ class VerifierConfig:
                                             "cache slot: for tests with a small cache) or TORCH_SDPA (vLLM's flag "
                                             "and names). FLEX_ATTENTION, named or chosen, turns --batch-invariant "
                                             "auto off (docs/design/verifier-engine.md)")
-    enforce_eager: bool = option(False, "on CUDA, run every pass eagerly instead of replaying CUDA graphs of "
-                                        "FlexAttention passes (vLLM's flag)")
-    cuda_graph_sizes: str = option("", "comma-separated token counts of the passes captured as CUDA graphs (a "
-                                       "pass pads to the next); empty: 1,2,4,8,16,24,32,48,64,96,128,192,256,384,"
-                                       "512 up to --max-batch-tokens")
+    enforce_eager: bool = option(False, "on CUDA and Ascend NPUs, run every pass eagerly instead of replaying "
+                                        "CUDA or ACL graphs of it (vLLM's flag)")
+    cuda_graph_sizes: str = option("", "comma-separated token counts of the passes captured as CUDA or ACL graphs "
+                                       "(a pass pads to the next; on an NPU each as segments of 1, 2, 4, 8 or 16 "
+                                       "tokens); empty: 1,2,4,8,16,24,32,48,64,96,128,192,256,384,512 up to "
+                                       "--max-batch-tokens")
     threads: int = option(0, "torch intra-op CPU threads per rank; 0: the cores this process may run on, shared "
                              "among the ranks (as vLLM's CPU build takes every core)")
     tensor_parallel_size: int = option(1, "ranks the model is split over (gloo on CPU, nccl on CUDA, hccl on "

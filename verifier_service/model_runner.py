@@ -16,14 +16,12 @@ from transformers.distributed import DistributedConfig
 from verifier_service.attention import ATTENTION_NAME, PassContext, chosen_backend, select_backend
 from verifier_service.attention import register as register_attention
 from verifier_service.attention.ascend import unsupported as ascend_unsupported
-from verifier_service.attention.flex import FlexAttention
-from verifier_service.attention.flex import metadata as flex_metadata
 from verifier_service.attention.mla import is_mla, latent_geometry, serve_latent
-from verifier_service.batch import Segment, StepPlan, pass_inputs
+from verifier_service.batch import StepPlan, pass_inputs
 from verifier_service.batch_invariant import make_invariant
 from verifier_service.cpu_linear import add_measured_linears, measures_linear_ways
-from verifier_service.cuda_graphs import PassGraphs
 from verifier_service.distributed import TensorParallel
+from verifier_service.graphs import PassGraphs
 from verifier_service.kv_cache import KVGeometry, PagedKVCache
 from verifier_service.linear_attention import LinearStates, is_linear_attention
 from verifier_service.npu_ops import fuse_rms_norms, npu_rms_norm
@@ -157,10 +155,13 @@ class ModelRunner:
         self.vocab_size: int = (text_config.vocab_size if tp is not None
                                 else self.model.get_output_embeddings().weight.shape[0])
         self.max_context_len: int = min(text_config.max_position_embeddings, max_model_len or float("inf"))
-        graphable = (self.device.type == "cuda" and isinstance(self.backend, FlexAttention) and tp is None
+        # Graphs on accelerators, for the backends that lay passes out for them (FlexAttention, Ascend's FIA). Under
+        # tensor parallelism every rank captures and replays the same sizes in lockstep (capture_graphs), so the
+        # collectives inside the graphs pair up.
+        graphable = (self.device.type in ("cuda", "npu") and hasattr(self.backend, "graph_inputs")
                      and not self.linear_layers)
-        self.graphs = (PassGraphs(self.padded_forward, cuda_graph_sizes, self.max_context_len, self.device,
-                                  self.vocab_size, dtype)
+        self.graphs = (PassGraphs(self.padded_forward, self.backend, cuda_graph_sizes, self.max_context_len,
+                                  self.device, self.vocab_size, dtype)
                        if cuda_graph_sizes and graphable else None)
         eos = _as_ids(self.model.generation_config.eos_token_id) + _as_ids(text_config.eos_token_id)
         self.eos_token_ids: tuple[int, ...] = tuple(dict.fromkeys(eos))
@@ -169,7 +170,7 @@ class ModelRunner:
                  max_context_len=self.max_context_len, eos_token_ids=list(self.eos_token_ids),
                  tensor_parallel_size=self.tp_size, rank=tp.rank if tp else 0, weight_layout_bytes=layout_bytes,
                  batch_invariant=self.batch_invariant, attention_backend=self.backend.name,
-                 cuda_graph_sizes=list(self.graphs.sizes) if self.graphs else [])
+                 graph_sizes=[list(size) for size in self.graphs.sizes] if self.graphs else [])
 
     @property
     def feature_layers(self) -> tuple[int, ...]:
@@ -235,10 +236,12 @@ class ModelRunner:
                          output_hidden_states=bool(self.feature_layers))
         return out.logits[0].float(), self._features(out)
 
-    def padded_forward(self, fields: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """A captured pass (cuda_graphs.py): the model over padded fields on the device, logits of every row (in
+    def padded_forward(self, fields: dict[str, torch.Tensor], host: object,
+                       tasks: object) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """A captured pass (graphs.py): the model over padded fields on the device, logits of every row (in
         the model's dtype)."""
-        context = PassContext(self.cache, self.backend, flex_metadata(fields, self.cache.block_size))
+        context = PassContext(self.cache, self.backend,
+                              self.backend.graph_metadata(fields, self.cache.block_size, host, tasks))
         out = self.model(input_ids=fields["input_ids"][None], position_ids=fields["positions"][None],
                          use_cache=False, logits_to_keep=0, speclane_pass=context,
                          output_hidden_states=bool(self.feature_layers))
@@ -251,10 +254,10 @@ class ModelRunner:
             return
         started = time.perf_counter()
         for size in sorted(self.graphs.sizes, reverse=True):
-            blocks = -(-size // self.cache.block_size)
-            if blocks < self.cache.num_blocks:  # a pass this large could not be scheduled (nor needs a graph)
-                self.run(StepPlan((), (0,) * size, (Segment(tuple(range(blocks)), 0, size),)))
-        log.info("cuda_graphs_captured", sizes=sorted(self.graphs.captured),
+            if -(-size.tokens // self.cache.block_size) < self.cache.num_blocks:  # else no pass this large exists
+                self.execute(self.graphs.warm_up_plan(size))  # on every rank
+        log.info("graphs_captured", device=self.device.type,
+                 sizes=[list(size) for size in sorted(self.graphs.captured)],
                  seconds=round(time.perf_counter() - started, 1))
 
     def _features(self, out) -> torch.Tensor | None:

@@ -23,7 +23,6 @@ from verifier_service import tuning_cache
 from verifier_service.batch import Segment, StepPlan
 from verifier_service.block_manager import BlockManager
 from verifier_service.config import VerifierConfig
-from verifier_service.cuda_graphs import capture_sizes
 from verifier_service.device import (
     Memory,
     draft_limit,
@@ -45,6 +44,7 @@ from verifier_service.distributed import (
 )
 from verifier_service.draft_cost import stored_or_measured_token_costs
 from verifier_service.engine import Engine
+from verifier_service.graphs import capture_sizes
 from verifier_service.heads.capture import HiddenStateCapture
 from verifier_service.heads.loading import load_head
 from verifier_service.model_runner import ModelRunner

@@ -33,7 +33,7 @@ import torch
 
 from speclane_cli.bench import device_stack
 from verifier_service.config import ATTENTION_BACKENDS
-from verifier_service.cuda_graphs import capture_sizes
+from verifier_service.graphs import capture_sizes
 
 # Real models' shapes (their config.json fields), so that no download is needed.
 SHAPES: dict[str, dict] = {
@@ -223,7 +223,7 @@ def measure(name: str, shape: dict, path: str, device: torch.device, dtype: torc
     result = {"model": name, "vocab_size": shape["vocab_size"], "weight_gb": round(weight_bytes / 1e9, 3),
               "build_and_load_s": round(load_s, 1),
               "attention_backend": runner.backend.name,
-              "cuda_graph_sizes": list(runner.graphs.sizes) if runner.graphs else [],
+              "cuda_graph_sizes": [size.tokens for size in runner.graphs.sizes] if runner.graphs else [],
               "reference_check": {"max_logit_difference": round(difference, 5),
                                   "allowed": round(tolerance(dtype, scale), 5)},
               "weight_read_limit_tokens_per_s": round(bandwidth / weight_bytes, 1), "batches": []}

@@ -1,5 +1,5 @@
 """EMULATION, not the NPU: torch_npu's `npu_fused_infer_attention_score` (and
-`npu_rms_norm`, at the end) in plain torch, as its documentation describes the
+`npu_rms_norm`; at the end, ACL graphs' task groups) in plain torch, as its documentation describes the
 arguments speclane passes (the
 paged, TND-layout form vllm-ascend calls). It checks those arguments as the
 operator states it requires them (dtypes, shapes, the compressed causal mask
@@ -19,6 +19,8 @@ Semantics emulated (one batch entry b at a time):
   hides a key;
 - returns (attention_out [T, heads, dim], softmax_lse).
 """
+
+import contextlib
 
 import torch
 
@@ -77,3 +79,121 @@ def npu_rms_norm(x, gamma, epsilon=1e-6):
     assert gamma.shape == x.shape[-1:]
     rstd = torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + epsilon)
     return (x.float() * rstd * gamma.float()).to(x.dtype), rstd
+
+
+class _Handle:
+    """A captured FIA task group: the lengths it was captured, or last updated, with."""
+
+    lengths: tuple[list[int], list[int]]
+
+
+class GraphOps:
+    """EMULATION of what an ACL graph's attention calls (AscendAttention's graph_ops): FIA's out variant and
+    workspace query, torch.npu's task groups and their updates, streams and external events. AclGraph below
+    stands for torch.npu.NPUGraph: it runs the captured function again on replay, so the model's Python runs
+    again; what differs from an eager pass is emulated where it matters: a captured FIA task computes with the
+    sequence lengths it was captured or last updated with, whatever lengths the Python passes again, over the
+    tensors as they are now (a graph holds tensors by address, host lists by value). Streams and events only
+    order work on the device; here everything runs in program order."""
+
+    class ExternalEvent:
+        def wait(self, stream):
+            pass
+
+        def reset(self, stream):
+            pass
+
+        def record(self, stream):
+            pass
+
+    def __init__(self):
+        self.capturing = self.replaying = None  # the AclGraph
+        self.recording = self.updating = None  # the task group's handle
+        self.updates = 0
+
+    @staticmethod
+    def current_stream():
+        return "stream"
+
+    @staticmethod
+    def Stream():  # noqa: N802 - torch.npu's name
+        return "update stream"
+
+    @staticmethod
+    def stream(stream):
+        return contextlib.nullcontext()
+
+    @staticmethod
+    def fia_workspace(**arguments):
+        return torch.empty(1)
+
+    def graph_task_group_begin(self, stream):
+        if self.replaying is not None:
+            self.recording = self.replaying.handles[self.replaying.cursor]
+            self.replaying.cursor += 1
+        else:
+            assert self.capturing is not None, "a task group outside a graph's capture"
+            self.recording = _Handle()
+
+    def graph_task_group_end(self, stream):
+        handle, self.recording = self.recording, None
+        if self.replaying is None:
+            self.capturing.handles.append(handle)
+        return handle
+
+    def graph_task_update_begin(self, stream, handle):
+        self.updating = handle
+
+    def graph_task_update_end(self, stream):
+        self.updating = None
+        self.updates += 1
+
+    def fia_out(self, *, workspace, out, **arguments):
+        lengths = (list(arguments["actual_seq_lengths"]), list(arguments["actual_seq_lengths_kv"]))
+        if self.updating is not None:  # an update sets the task's lengths; nothing runs
+            self.updating.lengths = lengths
+            return
+        handle = self.recording
+        assert handle is not None, "FIA's out variant outside a task group"
+        if self.replaying is None:
+            handle.lengths = lengths
+        query_ends, contexts = handle.lengths
+        attended, _ = npu_fused_infer_attention_score(
+            **{**arguments, "actual_seq_lengths": query_ends, "actual_seq_lengths_kv": contexts})
+        out[0].copy_(attended)
+
+
+class AclGraph:
+    """EMULATION of torch.npu.NPUGraph as graphs.PassGraphs captures and replays it; `acl_graphs(ops)` is the
+    factory PassGraphs takes."""
+
+    def __init__(self, ops: GraphOps):
+        self.ops, self.handles, self.cursor = ops, [], 0
+
+    def capture(self, forward, warm_up):
+        warm_up()  # eager: no task groups
+        self.ops.capturing = self
+        try:
+            self.forward, self.outputs = forward, forward()
+        finally:
+            self.ops.capturing = None
+        return self.outputs
+
+    def replay(self):
+        self.ops.replaying, self.cursor = self, 0
+        try:
+            outputs = self.forward()
+        finally:
+            self.ops.replaying = None
+        assert self.cursor == len(self.handles)  # every captured task ran
+        for captured, new in zip(self.outputs, outputs):
+            if captured is not None:
+                captured.copy_(new)
+
+
+def acl_graphs(ops: GraphOps):
+    def graph(pool):
+        return AclGraph(ops)
+
+    graph.new_pool = lambda: None
+    return graph

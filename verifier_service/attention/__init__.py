@@ -18,7 +18,7 @@ the device's backend (backend.py). Each device's backend:
 --attention-backend names one instead (vLLM's flag and names): TORCH_SDPA,
 or FLEX_ATTENTION, flex.FlexAttention, one FlexAttention call per layer over
 the cache in place, compiled on CUDA. It is CUDA's default (chosen_backend)
-because its passes are captured as CUDA graphs (cuda_graphs.py).
+because its passes are captured as CUDA graphs (graphs.py).
 """
 
 from dataclasses import dataclass

@@ -14,27 +14,41 @@ has a call of its own with its explicit mask (`sparse_mode=0`, True where a
 key is hidden). The cache must hold keys and values apart, each
 [blocks, block_size, kv_heads x dim] (PagedKVCache(split=True)).
 
+ACL graphs (graphs.py) hold decodes and chains of up to 16 tokens a
+segment, as vllm-ascend's full graphs hold decode shapes: a graph of S tokens
+over S / q segments pads each segment's new tokens to q (1, 2, 4, 8 or 16).
+FIA takes the sequence lengths as host lists, which a captured call keeps, so
+each layer's call is captured as a task group (FiaTasks), and before each
+replay the same call with the pass's lengths updates it from a side stream;
+the graph's call waits for that update's event.
+
 What the operator does not offer is refused at start (unsupported): Gemma 2's
 score softcapping, GPT-OSS's sinks and MLA's latent cache. Tests run this
-backend on a CPU against a pure-torch emulation of the operator's documented
-semantics (tests/verifier/npu_emulation.py); it has not run on a real NPU.
+backend, its graphs included, on a CPU against a pure-torch emulation of the
+operators' documented semantics (tests/verifier/npu_emulation.py); it has not
+run on a real NPU.
 """
 
 import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import torch
 
 from verifier_service.attention.backend import LayerCall, slot_mapping
 from verifier_service.attention.torch_sdpa import padded_group
-from verifier_service.batch import PassInputs, Segment
+from verifier_service.batch import PassInputs, Segment, StepPlan
+from verifier_service.block_manager import slot
+from verifier_service.graphs import GraphInputs, GraphSize
 from verifier_service.kv_cache import PagedKVCache
 from verifier_service.tree import is_chain
 
 # The compressed causal mask of sparse modes 3 and 4: the operator reads its 2048 x 2048 upper triangle.
 CAUSAL_MASK_SIZE = 2048
 CAUSAL, BAND, EXPLICIT = 3, 4, 0  # sparse_mode
+# New tokens a segment of an ACL graph holds: up to vllm-ascend's 16 tokens per sequence a round.
+GRAPH_QUERY_LENGTHS = (1, 2, 4, 8, 16)
 
 
 @dataclass
@@ -65,6 +79,7 @@ class Metadata:
     contexts: list[int]  # actual_seq_lengths_kv
     trees: list[TreeCall]
     causal_mask: torch.Tensor
+    tasks: "FiaTasks | None" = None  # while an ACL graph is captured: where its FIA calls are recorded
 
 
 def unsupported(text_config) -> str | None:
@@ -85,20 +100,82 @@ def _fused_infer_attention_score() -> Callable:
     return torch_npu.npu_fused_infer_attention_score
 
 
+def _graph_ops() -> SimpleNamespace:
+    """What an ACL graph's attention calls, from torch_npu and torch.npu (tests pass an emulation)."""
+    import torch_npu
+
+    npu = torch.npu
+    return SimpleNamespace(
+        fia_out=torch_npu.npu_fused_infer_attention_score.out,
+        fia_workspace=torch_npu._npu_fused_infer_attention_score_get_max_workspace,
+        current_stream=npu.current_stream, Stream=npu.Stream, stream=npu.stream, ExternalEvent=npu.ExternalEvent,
+        graph_task_group_begin=npu.graph_task_group_begin, graph_task_group_end=npu.graph_task_group_end,
+        graph_task_update_begin=npu.graph_task_update_begin, graph_task_update_end=npu.graph_task_update_end)
+
+
+@dataclass
+class _Task:
+    handle: object
+    event: object
+    arguments: dict  # the FIA call's, as captured
+    outputs: list[torch.Tensor]  # [attention out, softmax lse]
+    workspace: torch.Tensor
+
+
+class FiaTasks:
+    """One ACL graph's FIA calls, captured as task groups that each replay's lengths update (vllm-ascend's full
+    graph mode): the lengths are host lists, baked into a captured call."""
+
+    def __init__(self, ops: SimpleNamespace):
+        self.ops = ops
+        self.update_stream = None
+        self.tasks: dict[int, _Task] = {}  # by layer
+
+    def capture(self, layer: int, arguments: dict) -> torch.Tensor:
+        ops, query = self.ops, arguments["query"]
+        stream = ops.current_stream()
+        event = ops.ExternalEvent()
+        event.wait(stream)  # a replay's call waits until update() has set its lengths
+        event.reset(stream)
+        workspace = ops.fia_workspace(**arguments)
+        outputs = [torch.empty_like(query), query.new_empty(1)]
+        ops.graph_task_group_begin(stream)
+        ops.fia_out(**arguments, workspace=workspace, out=outputs)
+        self.tasks[layer] = _Task(ops.graph_task_group_end(stream), event, arguments, outputs, workspace)
+        return outputs[0]
+
+    def update(self, query_ends: list[int], contexts: list[int]) -> None:
+        ops = self.ops
+        if self.update_stream is None:
+            self.update_stream = ops.Stream()
+        with ops.stream(self.update_stream):
+            for task in self.tasks.values():
+                ops.graph_task_update_begin(self.update_stream, task.handle)
+                ops.fia_out(**{**task.arguments, "actual_seq_lengths": query_ends, "actual_seq_lengths_kv": contexts},
+                            workspace=task.workspace, out=task.outputs)
+                ops.graph_task_update_end(self.update_stream)
+                task.event.record(self.update_stream)
+
+
 class AscendAttention:
     name = "ascend-fia"
     split_kv = True
 
-    def __init__(self, heads: int, kv_heads: int, fused_infer_attention_score: Callable | None = None):
+    def __init__(self, heads: int, kv_heads: int, fused_infer_attention_score: Callable | None = None,
+                 graph_ops: SimpleNamespace | None = None):
         self.heads, self.kv_heads = heads, kv_heads
         self.fia = fused_infer_attention_score or _fused_infer_attention_score()
+        self.graph_ops = graph_ops
         self._causal_mask: torch.Tensor | None = None
 
-    def prepare(self, segments: tuple[Segment, ...], inputs: PassInputs, block_size: int,
-                device: torch.device) -> Metadata:
+    def causal_mask(self, device: torch.device) -> torch.Tensor:
         if self._causal_mask is None or self._causal_mask.device != device:
             ones = torch.ones(CAUSAL_MASK_SIZE, CAUSAL_MASK_SIZE, dtype=torch.bool, device=device)
             self._causal_mask = torch.triu(ones, diagonal=1).to(torch.int8)
+        return self._causal_mask
+
+    def prepare(self, segments: tuple[Segment, ...], inputs: PassInputs, block_size: int,
+                device: torch.device) -> Metadata:
         causal, trees = [], []
         for seg, offset in zip(segments, inputs.offsets):
             if seg.parents and not is_chain(seg.parents):
@@ -112,7 +189,7 @@ class AscendAttention:
                              dtype=torch.long, device=device) if trees else None)
         return Metadata(slot_mapping(segments, block_size, device), inputs.positions.shape[1], rows, table,
                         list(itertools.accumulate(seg.num_tokens for seg, _ in causal)),
-                        [seg.start + seg.num_tokens for seg, _ in causal], trees, self._causal_mask)
+                        [seg.start + seg.num_tokens for seg, _ in causal], trees, self.causal_mask(device))
 
     def attend(self, metadata: Metadata, call: LayerCall, query: torch.Tensor, cache: PagedKVCache) -> torch.Tensor:
         """query [T, heads, dim]; returns [T, heads, dim]."""
@@ -122,6 +199,11 @@ class AscendAttention:
         common = dict(num_heads=self.heads, num_key_value_heads=self.kv_heads, input_layout="TND",
                       scale=call.scaling, block_size=cache.block_size)
         window = _window(call)
+        if metadata.tasks is not None:  # an ACL graph's capture (its passes have no trees)
+            return metadata.tasks.capture(call.layer, dict(
+                query=query, key=keys, value=values, block_table=metadata.block_table,
+                actual_seq_lengths=metadata.query_ends, actual_seq_lengths_kv=metadata.contexts,
+                atten_mask=metadata.causal_mask, sparse_mode=BAND if window else CAUSAL, **window, **common))
 
         def causal(q: torch.Tensor) -> torch.Tensor:
             return self.fia(q, keys, values, block_table=metadata.block_table, actual_seq_lengths=metadata.query_ends,
@@ -140,6 +222,72 @@ class AscendAttention:
                                    sparse_mode=EXPLICIT, **common)
             out[tree.rows] = attended
         return out
+
+
+    # Its ACL graphs (graphs.py).
+    @staticmethod
+    def graph_sizes(sizes: tuple[int, ...]) -> list[GraphSize]:
+        """Each token count S as S / q segments of q tokens, for every q that divides it."""
+        return sorted({GraphSize(size, size // q) for size in sizes for q in GRAPH_QUERY_LENGTHS if size % q == 0})
+
+    @staticmethod
+    def graph_size(plan: StepPlan, sizes: tuple[GraphSize, ...], block_size: int, width: int) -> GraphSize | None:
+        """The fewest tokens that hold the pass's segments at its longest segment's length; None for a pass with
+        a tree or a segment longer than the graphs take."""
+        segments = plan.segments
+        if any(seg.parents and not is_chain(seg.parents) for seg in segments):
+            return None
+        longest = max(seg.num_tokens for seg in segments)
+        for size in sizes:
+            each = size.tokens // size.segments
+            if (size.segments >= len(segments) and each >= longest
+                    and all(-(-(seg.start + each) // block_size) <= width for seg in segments)):
+                return size
+        return None
+
+    @staticmethod
+    def graph_inputs(plan: StepPlan, size: GraphSize, block_size: int, width: int, scratch_slot: int) -> GraphInputs:
+        """Segment i's tokens start at row i x q. Its padding rows follow its own tokens, write their KV to the
+        scratch slot and are not kept: the causal mask aligned to the segment's last key (at start + q) shows
+        each of its own tokens the keys it sees unpadded. Padding segments read the scratch block alone."""
+        each = size.tokens // size.segments
+        scratch_block = scratch_slot // block_size
+        input_ids = torch.zeros(size.tokens, dtype=torch.long)
+        positions = torch.zeros(size.tokens, dtype=torch.long)
+        slots = torch.full((size.tokens,), scratch_slot, dtype=torch.long)
+        tables = torch.full((size.segments, width), scratch_block, dtype=torch.int32)
+        contexts, rows, fed = [each] * size.segments, [], 0
+        for i, seg in enumerate(plan.segments):
+            first, count = i * each, seg.num_tokens
+            input_ids[first:first + count] = torch.tensor(plan.input_ids[fed:fed + count])
+            fed += count
+            # Padding rows repeat the last position: one past the model's longest would change a dynamic rotary.
+            positions[first:first + each] = torch.arange(seg.start, seg.start + each).clamp_max(seg.start + count - 1)
+            slots[first:first + count] = torch.tensor([slot(seg.block_table, t, block_size)
+                                                       for t in range(seg.start, seg.start + count)])
+            table = seg.block_table[:width]
+            tables[i, :len(table)] = torch.tensor(table, dtype=torch.int32)
+            contexts[i] = seg.start + each
+            if seg.wants_logits:
+                last = first + seg.num_pending - 1
+                rows += range(last, last + seg.num_logit_rows)
+        fields = {"input_ids": input_ids, "positions": positions, "slot_mapping": slots, "block_table": tables}
+        return GraphInputs(fields, rows, (list(range(each, size.tokens + 1, each)), contexts))
+
+    def graph_metadata(self, fields: dict[str, torch.Tensor], block_size: int, host: tuple[list[int], list[int]],
+                       tasks: FiaTasks | None) -> Metadata:
+        query_ends, contexts = host
+        return Metadata(fields["slot_mapping"], fields["input_ids"].shape[0], None, fields["block_table"], query_ends,
+                        contexts, [], self.causal_mask(fields["input_ids"].device), tasks)
+
+    def graph_tasks(self) -> FiaTasks:
+        if self.graph_ops is None:
+            self.graph_ops = _graph_ops()
+        return FiaTasks(self.graph_ops)
+
+    @staticmethod
+    def update_graph(tasks: FiaTasks, host: tuple[list[int], list[int]]) -> None:
+        tasks.update(*host)
 
 
 def _window(call: LayerCall) -> dict[str, int]:

@@ -1,6 +1,6 @@
 """Attention through FlexAttention (torch.nn.attention.flex_attention) over the
 paged cache in place: CUDA's default backend, whose passes replay from CUDA
-graphs (cuda_graphs.py); --attention-backend FLEX_ATTENTION elsewhere.
+graphs (graphs.py); --attention-backend FLEX_ATTENTION elsewhere.
 
 Why FlexAttention rather than FlashInfer: it ships with torch (no wheel per
 CUDA and torch version to match), the same call runs on a CPU (so its masks
@@ -34,8 +34,9 @@ import torch
 from torch.nn.attention.flex_attention import BlockMask, create_mask, flex_attention
 
 from verifier_service.attention.backend import LayerCall
-from verifier_service.batch import PassInputs, Segment, segment_positions
+from verifier_service.batch import PassInputs, Segment, StepPlan, pass_layout, segment_positions
 from verifier_service.block_manager import slot
+from verifier_service.graphs import GraphInputs, GraphSize
 from verifier_service.kv_cache import PagedKVCache
 from verifier_service.tree import ancestor_mask, is_chain
 
@@ -52,7 +53,7 @@ def key_span(block_size: int) -> int:
 
 @dataclass(frozen=True)
 class PassShape:
-    """The sizes of a pass's metadata tensors: its own, or a captured graph's (cuda_graphs.py), padded."""
+    """The sizes of a pass's metadata tensors: its own, or a captured graph's (graphs.py), padded."""
 
     tokens: int
     segments: int
@@ -183,6 +184,34 @@ class FlexAttention:
             out, lse = out
             out = out * torch.sigmoid(lse - call.sinks.float()[None, :, None])[..., None].to(out.dtype)
         return out[0].transpose(0, 1)
+
+    # Its CUDA graphs (graphs.py): a size is a token count, any mix of segments within it.
+    @staticmethod
+    def graph_sizes(sizes: tuple[int, ...]) -> list[GraphSize]:
+        return [GraphSize(size, size) for size in sizes]
+
+    @staticmethod
+    def graph_size(plan: StepPlan, sizes: tuple[GraphSize, ...], block_size: int, width: int) -> GraphSize | None:
+        size = next((size for size in sizes if size.tokens >= plan.num_tokens), None)
+        if size is None or any(-(-(seg.start + seg.num_tokens) // block_size) > width for seg in plan.segments):
+            return None
+        return size
+
+    @staticmethod
+    def graph_inputs(plan: StepPlan, size: GraphSize, block_size: int, width: int, scratch_slot: int) -> GraphInputs:
+        positions, offsets, rows = pass_layout(plan)
+        fields = pass_fields(plan.segments, positions, offsets, block_size,
+                             PassShape(size.tokens, size.segments, width, size.tokens), scratch_slot)
+        fields["input_ids"] = torch.tensor(list(plan.input_ids) + [0] * (size.tokens - plan.num_tokens))
+        return GraphInputs(fields, rows)
+
+    @staticmethod
+    def graph_metadata(fields: dict[str, torch.Tensor], block_size: int, host: None, tasks: None) -> Metadata:
+        return metadata(fields, block_size)
+
+    @staticmethod
+    def graph_tasks() -> None:
+        return None  # the block masks are built in the graph from its buffers: nothing to update
 
     @staticmethod
     def _kernel_options(device: torch.device, block_size: int) -> dict | None:

@@ -20,7 +20,7 @@ fi
 # (the matrix also runs some CPU rows). About 45 s on one core; the two build side by side.
 python3 setup.py -q build_ext --inplace -j 2 > "$out/build.log" 2>&1 || { tail "$out/build.log"; exit 1; }
 SPECLANE_TEST_DEVICE=$device timeout "${TEST_TIMEOUT:-150}" python3 -m pytest -q -p no:cacheprovider -m "not e2e" \
-  --tb=short tests/verifier/test_cuda_graphs.py tests/verifier/test_architectures.py 2>&1 | tee "$out/architectures.log"
+  --tb=short tests/verifier/test_graphs.py tests/verifier/test_architectures.py 2>&1 | tee "$out/architectures.log"
 timeout "${BENCH_TIMEOUT:-420}" python3 -m speclane_cli bench device --device "$device" --json "$out/device.json" \
   --profile "$out/profile-" "$@" 2>&1 \
   | grep -v "it/s\]" | tee "$out/bench.log"

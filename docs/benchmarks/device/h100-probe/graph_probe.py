@@ -2,7 +2,7 @@
 cuda_graphs.py existed: is FlexAttention right on CUDA, and does a whole pass (the model, our attention, the block
 masks built inside or outside the capture) replay from a CUDA graph with the logits of the eager pass? Its output
 is probe.json beside it; docs/benchmarks/device/README.md reads it. Kept as the record of that measurement: the
-engine's graphs are now verifier_service/cuda_graphs.py, measured by `speclane bench device`."""
+engine's graphs are now verifier_service/graphs.py, measured by `speclane bench device`."""
 import json
 import os
 import tempfile
