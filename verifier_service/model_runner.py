@@ -88,6 +88,13 @@ class AllocateCache:
     num_state_slots: int = 0  # sequences whose linear-attention state is kept (models with linear attention)
 
 
+@dataclass(frozen=True)
+class ReferenceForward:
+    """Every rank runs transformers' own forward over these token sequences (the start-up check's reference)."""
+
+    sequences: tuple[tuple[int, ...], ...]
+
+
 class UnsupportedModel(ValueError):
     """The engine cannot serve this architecture correctly (refused at start)."""
 
@@ -197,9 +204,31 @@ class ModelRunner:
             self.tp.broadcast(plan)
         return self.run(plan)
 
-    def handle(self, message: StepPlan | AllocateCache) -> None:
+    def reference(self, sequences: list[list[int]]) -> torch.Tensor:
+        """fp32 logits [sequences, vocab] of each sequence's last token by transformers' own forward with eager
+        attention over the whole sequence, no cache (on every rank)."""
+        message = ReferenceForward(tuple(tuple(tokens) for tokens in sequences))
+        if self.tp is not None:
+            self.tp.broadcast(message)
+        return self._reference(message)
+
+    @torch.inference_mode()
+    def _reference(self, message: ReferenceForward) -> torch.Tensor:
+        served = self.model.config._attn_implementation
+        self.model.set_attn_implementation("eager")
+        try:
+            return torch.stack([
+                self.model(input_ids=torch.tensor([tokens], device=self.device), use_cache=False,
+                           logits_to_keep=1).logits[0, -1].float()
+                for tokens in message.sequences])
+        finally:
+            self.model.set_attn_implementation(served)
+
+    def handle(self, message: StepPlan | AllocateCache | ReferenceForward) -> None:
         """A message from rank 0 (on a follower rank, every message)."""
-        if isinstance(message, AllocateCache):
+        if isinstance(message, ReferenceForward):
+            self._reference(message)
+        elif isinstance(message, AllocateCache):
             self.cache = self.states = None  # the old memory goes first
             # With graphs, one block more: the scratch the padding rows of a captured pass write to. The graphs
             # over the old cache go first, with their memory.

@@ -40,29 +40,19 @@ def largest_difference(runner: ModelRunner) -> tuple[float, float]:
     if BlockManager(runner.cache.num_blocks, size, False).allocate(table, [], _PROMPT_LEN + len(_TREE) + 1) is None:
         raise ValueError("the KV cache is too small for the start-up check")
     blocks = tuple(table.blocks)
-    prefill, _ = runner.run(StepPlan((), tuple(prompt[:-1]), (Segment(blocks, 0, _PROMPT_LEN - 1, ()),)))
-    verify, _ = runner.run(StepPlan((), (prompt[-1], *tree), (Segment(blocks, _PROMPT_LEN - 1, 1, _TREE),)))
-    chained, _ = runner.run(StepPlan((), (prompt[-1], *chain), (Segment(blocks, _PROMPT_LEN - 1, 1,
-                                                                          tuple(range(-1, _CHAIN - 1))),)))
+    # Through execute and reference: under tensor parallelism every rank runs them, as their collectives need.
+    prefill, _ = runner.execute(StepPlan((), tuple(prompt[:-1]), (Segment(blocks, 0, _PROMPT_LEN - 1, ()),)))
+    verify, _ = runner.execute(StepPlan((), (prompt[-1], *tree), (Segment(blocks, _PROMPT_LEN - 1, 1, _TREE),)))
+    chained, _ = runner.execute(StepPlan((), (prompt[-1], *chain), (Segment(blocks, _PROMPT_LEN - 1, 1,
+                                                                              tuple(range(-1, _CHAIN - 1))),)))
     paths, sequences = [[]], []
     for i, parent in enumerate(_TREE):
         paths.append((paths[parent + 1] if parent >= 0 else []) + [i])
     sequences = ([prompt[:-1]] + [prompt + [tree[i] for i in path] for path in paths]
                  + [prompt + chain[:n] for n in range(_CHAIN + 1)])
     ours = torch.cat([prefill, verify, chained])
-    reference = torch.stack([_reference_logits(runner.model, tokens) for tokens in sequences])
+    reference = runner.reference(sequences)
     return (ours - reference).abs().max().item(), reference.abs().max().item()
-
-
-@torch.inference_mode()
-def _reference_logits(model, tokens: list[int]) -> torch.Tensor:
-    served = model.config._attn_implementation
-    model.set_attn_implementation("eager")
-    try:
-        ids = torch.tensor([tokens], device=model.device)
-        return model(input_ids=ids, use_cache=False, logits_to_keep=1).logits[0, -1].float()
-    finally:
-        model.set_attn_implementation(served)
 
 
 def check_against_reference(runner: ModelRunner, refuse: bool = True) -> None:

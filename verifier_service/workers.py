@@ -168,8 +168,7 @@ class Rank0:
                  max_kv_tokens=blocks.max_tokens, bytes_per_token=runner.kv_bytes_per_token,
                  prefix_caching=blocks.enable_prefix_caching)
         runner.capture_graphs()  # before the check, which then runs the passes as they will be served
-        if self.tp is None:  # the reference forward is one more collective under TP: checked at TP 1
-            check_against_reference(runner, refuse=config.reference_check == "refuse")
+        check_against_reference(runner, refuse=config.reference_check == "refuse")  # on every rank
         warm_up(engine)
         # Measured with or without a head: the gateway weighs every draft with it.
         if draft.draft_token_cost is None:

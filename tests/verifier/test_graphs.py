@@ -228,6 +228,7 @@ def _acl_graphs_rank(rank: int, port: int, model_dir: str, results) -> None:
         try:
             runner.allocate_cache(64, BLOCK)
             runner.capture_graphs()
+            check_against_reference(runner)  # as a verifier starts: its passes and reference forward on both ranks
             reference = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
                                                              attn_implementation="eager").eval()
             assert_passes_equal_transformers(runner, reference)
@@ -241,8 +242,8 @@ def _acl_graphs_rank(rank: int, port: int, model_dir: str, results) -> None:
 @pytest.mark.e2e
 def test_acl_graphs_under_tensor_parallelism_capture_and_replay_in_lockstep(tmp_path):
     """EMULATION, two ranks on gloo: every rank captures the same sizes at start (rank 0 broadcasts the capture
-    passes) and replays the same graphs, so the collectives inside them pair up; rank 0's logits are
-    transformers'."""
+    passes), runs the start-up check's passes and reference forward, and replays the same graphs, so the
+    collectives inside them pair up; rank 0's logits are transformers'."""
     results = mp.get_context("spawn").SimpleQueue()
     ranks = mp.start_processes(_acl_graphs_rank, args=(free_port(), save_tiny("qwen3", tmp_path), results),
                                nprocs=2, join=False)
