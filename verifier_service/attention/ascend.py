@@ -34,12 +34,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from types import SimpleNamespace
 
+import numpy as np
 import torch
 
-from verifier_service.attention.backend import LayerCall, slot_mapping
+from verifier_service.attention.backend import LayerCall, new_token_slots, slot_mapping, table_rows, within
 from verifier_service.attention.torch_sdpa import padded_group
 from verifier_service.batch import PassInputs, Segment, StepPlan
-from verifier_service.block_manager import slot
 from verifier_service.graphs import GraphInputs, GraphSize
 from verifier_service.kv_cache import PagedKVCache
 from verifier_service.tree import is_chain
@@ -250,29 +250,28 @@ class AscendAttention:
         """Segment i's tokens start at row i x q. Its padding rows follow its own tokens, write their KV to the
         scratch slot and are not kept: the causal mask aligned to the segment's last key (at start + q) shows
         each of its own tokens the keys it sees unpadded. Padding segments read the scratch block alone."""
-        each = size.tokens // size.segments
-        scratch_block = scratch_slot // block_size
-        input_ids = torch.zeros(size.tokens, dtype=torch.long)
-        positions = torch.zeros(size.tokens, dtype=torch.long)
-        slots = torch.full((size.tokens,), scratch_slot, dtype=torch.long)
-        tables = torch.full((size.segments, width), scratch_block, dtype=torch.int32)
-        contexts, rows, fed = [each] * size.segments, [], 0
-        for i, seg in enumerate(plan.segments):
-            first, count = i * each, seg.num_tokens
-            input_ids[first:first + count] = torch.tensor(plan.input_ids[fed:fed + count])
-            fed += count
-            # Padding rows repeat the last position: one past the model's longest would change a dynamic rotary.
-            positions[first:first + each] = torch.arange(seg.start, seg.start + each).clamp_max(seg.start + count - 1)
-            slots[first:first + count] = torch.tensor([slot(seg.block_table, t, block_size)
-                                                       for t in range(seg.start, seg.start + count)])
-            table = seg.block_table[:width]
-            tables[i, :len(table)] = torch.tensor(table, dtype=torch.int32)
-            contexts[i] = seg.start + each
-            if seg.wants_logits:
-                last = first + seg.num_pending - 1
-                rows += range(last, last + seg.num_logit_rows)
-        fields = {"input_ids": input_ids, "positions": positions, "slot_mapping": slots, "block_table": tables}
-        return GraphInputs(fields, rows, (list(range(each, size.tokens + 1, each)), contexts))
+        each, segments = size.tokens // size.segments, plan.segments
+        n = len(segments)
+        counts = np.fromiter((seg.num_tokens for seg in segments), np.int64, n)
+        starts = np.fromiter((seg.start for seg in segments), np.int64, n)
+        lengths = np.fromiter((min(len(seg.block_table), width) for seg in segments), np.int64, n)
+        tables = table_rows(segments, lengths, size.segments, width, scratch_slot // block_size)
+        first = np.arange(n) * each  # each segment's first row
+        rows_fed = np.repeat(first, counts) + within(counts)
+        input_ids = np.zeros(size.tokens, dtype=np.int64)
+        input_ids[rows_fed] = plan.input_ids
+        slots = np.full(size.tokens, scratch_slot, dtype=np.int64)
+        slots[rows_fed] = new_token_slots(segments, tables, block_size)
+        # Padding rows repeat the last position: one past the model's longest would change a dynamic rotary.
+        positions = np.zeros(size.tokens, dtype=np.int64)
+        positions[:n * each] = (starts[:, None] + np.minimum(np.arange(each)[None, :], counts[:, None] - 1)).ravel()
+        contexts = (starts + each).tolist() + [each] * (size.segments - n)
+        kept = np.fromiter((seg.num_logit_rows for seg in segments), np.int64, n)
+        last = first + np.fromiter((seg.num_pending for seg in segments), np.int64, n) - 1
+        rows = np.repeat(last, kept) + within(kept)
+        fields = {"input_ids": torch.from_numpy(input_ids), "positions": torch.from_numpy(positions),
+                  "slot_mapping": torch.from_numpy(slots), "block_table": torch.from_numpy(tables.astype(np.int32))}
+        return GraphInputs(fields, rows.tolist(), (list(range(each, size.tokens + 1, each)), contexts))
 
     def graph_metadata(self, fields: dict[str, torch.Tensor], block_size: int, host: tuple[list[int], list[int]],
                        tasks: FiaTasks | None) -> Metadata:

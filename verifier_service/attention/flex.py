@@ -30,12 +30,12 @@ do.
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 from torch.nn.attention.flex_attention import BlockMask, create_mask, flex_attention
 
-from verifier_service.attention.backend import LayerCall
+from verifier_service.attention.backend import LayerCall, new_token_slots, table_rows, within
 from verifier_service.batch import PassInputs, Segment, StepPlan, pass_layout, segment_positions
-from verifier_service.block_manager import slot
 from verifier_service.graphs import GraphInputs, GraphSize
 from verifier_service.kv_cache import PagedKVCache
 from verifier_service.tree import ancestor_mask, is_chain
@@ -233,17 +233,12 @@ def pass_fields(segments: tuple[Segment, ...], positions: list[int], offsets: tu
     """The metadata's tensors on the host, padded to `shape` (width 0: the longest table the pass reads). Rows
     past the pass's tokens belong to a segment with no blocks, see nothing, and write their KV to
     `scratch_slot`; segments past the pass's have no blocks."""
-    count = len(positions)
-    used = [seg.block_table[:-(-(seg.start + seg.num_tokens) // block_size)] for seg in segments]
-    width = shape.width or max(len(table) for table in used)
-    tables = torch.full((shape.segments, width), -1, dtype=torch.long)
-    for i, table in enumerate(used):
-        tables[i, :len(table)] = torch.tensor(table, dtype=torch.long)
-    slots, segment_rows, local = [], [], []
-    for i, seg in enumerate(segments):
-        slots += (slot(seg.block_table, t, block_size) for t in range(seg.start, seg.start + seg.num_tokens))
-        segment_rows += [i] * seg.num_tokens
-        local += range(seg.num_tokens)
+    count, num_segments = len(positions), len(segments)
+    counts = np.fromiter((seg.num_tokens for seg in segments), np.int64, num_segments)
+    starts = np.fromiter((seg.start for seg in segments), np.int64, num_segments)
+    used = -(-(starts + counts) // block_size)  # the blocks each segment reads
+    width = shape.width or int(used.max())
+    tables = table_rows(segments, used, shape.segments, width, -1)
     tree_seen = torch.zeros(1 + shape.tokens, shape.tree_width, dtype=torch.bool)
     tree_seen[0] = True  # row 0: what is not a tree's
     tree_row = torch.zeros(shape.tokens, dtype=torch.long)
@@ -257,18 +252,20 @@ def pass_fields(segments: tuple[Segment, ...], positions: list[int], offsets: tu
             tree_row[offsets[i]:offsets[i] + n] = torch.arange(row, row + n)
             row += n
 
-    def column(values: list[int], size: int, pad: int) -> torch.Tensor:
-        return torch.tensor(values + [pad] * (size - len(values)), dtype=torch.long)
+    def column(values, size: int, pad: int) -> torch.Tensor:
+        padded = np.full(size, pad, dtype=np.int64)
+        padded[:len(values)] = values
+        return torch.from_numpy(padded)
 
     return {
-        "slot_mapping": column(slots, shape.tokens, scratch_slot),
-        "tables": tables,
-        "segment": column(segment_rows, shape.tokens, len(segments)),
-        "local_query": column(local, shape.tokens, 0),
+        "slot_mapping": column(new_token_slots(segments, tables, block_size), shape.tokens, scratch_slot),
+        "tables": torch.from_numpy(tables),
+        "segment": column(np.repeat(np.arange(num_segments), counts), shape.tokens, num_segments),
+        "local_query": column(within(counts), shape.tokens, 0),
         "positions": column(positions, shape.tokens, 0),
-        "start": column([seg.start for seg in segments], shape.segments, 0),
-        "context": column([seg.start + seg.num_tokens for seg in segments], shape.segments, 0),
-        "first_row": column(list(offsets), shape.segments, count),
+        "start": column(starts, shape.segments, 0),
+        "context": column(starts + counts, shape.segments, 0),
+        "first_row": column(offsets, shape.segments, count),
         "tree_row": tree_row,
         "tree_seen": tree_seen,
     }
