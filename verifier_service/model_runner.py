@@ -282,9 +282,19 @@ class ModelRunner:
         if self.graphs is None:
             return
         started = time.perf_counter()
-        for size in sorted(self.graphs.sizes, reverse=True):
-            if -(-size.tokens // self.cache.block_size) < self.cache.num_blocks:  # else no pass this large exists
-                self.execute(self.graphs.warm_up_plan(size))  # on every rank
+        try:
+            for size in sorted(self.graphs.sizes, reverse=True):
+                if -(-size.tokens // self.cache.block_size) < self.cache.num_blocks:  # else no such pass exists
+                    self.execute(self.graphs.warm_up_plan(size))  # on every rank
+        except RuntimeError as error:
+            # A driver or runtime that cannot capture (vllm-ascend lists several CANN versions' errors) should cost
+            # speed, not the service. Under tensor parallelism the ranks could not agree to go on eagerly.
+            if self.tp is not None:
+                raise
+            log.warning("graphs_unavailable", device=self.device.type, reason=str(error).splitlines()[0][:300],
+                        action="every pass runs eagerly, as with --enforce-eager")
+            self.graphs = None
+            return
         log.info("graphs_captured", device=self.device.type,
                  sizes=[list(size) for size in sorted(self.graphs.captured)],
                  seconds=round(time.perf_counter() - started, 1))

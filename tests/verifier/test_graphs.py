@@ -256,3 +256,18 @@ def test_acl_graphs_under_tensor_parallelism_capture_and_replay_in_lockstep(tmp_
     (_, sizes_0, updates_0), (_, sizes_1, updates_1) = sorted(results.get() for _ in range(2))
     assert sizes_0 == sizes_1 and GraphSize(8, 2) in sizes_0
     assert updates_0 == updates_1 > 0
+
+
+class Uncapturable(Rerun):
+    def capture(self, forward, warm_up):
+        raise RuntimeError("ACL graph capture failed: Alloc sq cq fail\n(more lines)")
+
+
+def test_a_device_that_cannot_capture_serves_every_pass_eagerly(tmp_path):
+    runner = ModelRunner(save_tiny("llama", tmp_path), DEVICE, torch.float32, attention_backend="FLEX_ATTENTION")
+    runner.graphs = PassGraphs(runner.padded_forward, runner.backend, (1, 2, 4), runner.max_context_len,
+                               runner.device, runner.vocab_size, runner.dtype, graph=Uncapturable)
+    runner.allocate_cache(64, BLOCK)
+    runner.capture_graphs()
+    assert runner.graphs is None
+    check_against_reference(runner)
