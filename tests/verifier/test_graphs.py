@@ -3,9 +3,9 @@ model over metadata padded to the capture size and copied into static buffers. A
 function again on replay into the outputs it captured, so what a real graph would get wrong through the
 padding (rows that must see nothing, a scratch slot, rows past the pass) or the buffers (a pass's inputs not
 copied in) shows as logits that differ from transformers'. With SPECLANE_TEST_DEVICE=cuda the same tests
-capture real CUDA graphs (docs/benchmarks/device). The Ascend backend's ACL graphs are tested on an EMULATION of
-torch_npu and torch.npu (tests/verifier/npu_emulation.py): their layout, the FIA task groups and their updates,
-not what a real NPU computes."""
+capture real CUDA graphs (docs/benchmarks/device). The Ascend backend's ACL graphs are tested here on an EMULATION
+of torch_npu and torch.npu (tests/verifier/npu_emulation.py): their layout, the FIA task groups and their updates,
+not what a real NPU computes; with SPECLANE_TEST_DEVICE=npu the same tests capture real ACL graphs."""
 
 import time
 
@@ -30,6 +30,9 @@ from .npu_emulation import GraphOps, acl_graphs, npu_fused_infer_attention_score
 from .test_architectures import BLOCK, DEVICE, assert_passes_equal_transformers
 from .test_batching import DRAFTERS, PROMPTS, run_together
 from .test_engine import reference
+
+ON_NPU = DEVICE.startswith("npu")
+flex = pytest.mark.skipif(ON_NPU, reason="FlexAttention does not run on an NPU")
 
 
 class Rerun:
@@ -66,6 +69,7 @@ def graphed_runner(model_type, path, sizes=(1, 2, 4, 8, 16, 24)) -> ModelRunner:
     return runner
 
 
+@flex
 @pytest.mark.parametrize("model_type", ["llama", "mistral", "gemma2", "gpt_oss"])
 def test_passes_padded_to_a_capture_size_give_transformers_logits(model_type, tmp_path):
     """Prompts, decodes, a tree and a chain with a window, softcapping or sinks: passes of 19, 7 and 5 tokens
@@ -83,6 +87,7 @@ def test_passes_padded_to_a_capture_size_give_transformers_logits(model_type, tm
     assert runner.cache.num_blocks == 64 + 1  # the scratch block the padding rows write to
 
 
+@flex
 def test_a_pass_runs_as_the_smallest_capture_size_that_holds_it_or_eagerly(tmp_path):
     runner = graphed_runner("llama", tmp_path, sizes=(1, 2, 4, 8))
     graphs = runner.graphs
@@ -107,11 +112,12 @@ def test_capture_sizes_default_to_vllms_thinned_up_to_the_pass_limit():
     assert capture_sizes("16, 4,4", 512) == (4, 16)
 
 
-def test_graphs_are_for_flex_attention_on_cuda(tmp_path):
+def test_graphs_are_for_flex_attention_on_cuda_and_the_fused_attention_on_npus(tmp_path):
     path = save_tiny("llama", tmp_path)
     runner = ModelRunner(path, DEVICE, torch.float32, cuda_graph_sizes=(1, 2))
-    assert (runner.graphs is not None) == DEVICE.startswith("cuda")
-    assert runner.backend.name == ("flex-attention" if DEVICE.startswith("cuda") else "cpu-paged")
+    assert (runner.graphs is not None) == DEVICE.startswith(("cuda", "npu"))
+    names = {"cuda": "flex-attention", "npu": "ascend-fia", "cpu": "cpu-paged"}
+    assert runner.backend.name == names[DEVICE.split(":")[0]]
     assert ModelRunner(path, DEVICE, torch.float32, attention_backend="TORCH_SDPA",
                        cuda_graph_sizes=(1, 2)).graphs is None
 
@@ -132,7 +138,12 @@ def test_an_engine_on_captured_passes_decodes_as_transformers(tiny_model_dir, hf
 
 def acl_graphed_runner(model_dir, ops: GraphOps, sizes=(1, 2, 4, 8, 16, 24, 32), tp=None) -> ModelRunner:
     """EMULATION: the Ascend backend over the emulated FIA, its passes in emulated ACL graphs (under TP, the
-    cache is rank 0's to allocate)."""
+    cache is rank 0's to allocate); on an NPU, the real ones."""
+    if ON_NPU:
+        runner = ModelRunner(model_dir, DEVICE, torch.float32, tp=tp, cuda_graph_sizes=sizes)
+        if tp is None:
+            runner.allocate_cache(64, BLOCK)
+        return runner
     runner = ModelRunner(model_dir, "cpu", torch.float32, tp=tp)
     heads = runner.model.config.get_text_config().num_attention_heads // runner.tp_size
     runner.backend = AscendAttention(heads, runner.geometry.kv_heads, npu_fused_infer_attention_score, ops)
@@ -155,10 +166,11 @@ def test_ascend_passes_replayed_from_acl_graphs_give_transformers_logits(model_t
     updates = ops.updates
     check_against_reference(runner)
     reference = AutoModelForCausalLM.from_pretrained(runner.model_dir, dtype=torch.float32,
-                                                     attn_implementation="eager").eval()
+                                                     attn_implementation="eager").to(DEVICE).eval()
     assert_passes_equal_transformers(runner, reference)
-    layers = runner.model.config.num_hidden_layers
-    assert ops.updates > updates and (ops.updates - updates) % layers == 0  # every layer, every replay
+    if not ON_NPU:
+        layers = runner.model.config.num_hidden_layers
+        assert ops.updates > updates and (ops.updates - updates) % layers == 0  # every layer, every replay
 
 
 def test_acl_graph_replays_without_the_length_updates_attend_the_captured_lengths(tmp_path, monkeypatch):
@@ -167,7 +179,7 @@ def test_acl_graph_replays_without_the_length_updates_attend_the_captured_length
     runner.capture_graphs()
     monkeypatch.setattr(AscendAttention, "update_graph", staticmethod(lambda tasks, host: None))
     reference = AutoModelForCausalLM.from_pretrained(runner.model_dir, dtype=torch.float32,
-                                                     attn_implementation="eager").eval()
+                                                     attn_implementation="eager").to(DEVICE).eval()
     with pytest.raises(AssertionError):
         assert_passes_equal_transformers(runner, reference)
 
@@ -263,6 +275,7 @@ class Uncapturable(Rerun):
         raise RuntimeError("ACL graph capture failed: Alloc sq cq fail\n(more lines)")
 
 
+@flex
 def test_a_device_that_cannot_capture_serves_every_pass_eagerly(tmp_path):
     runner = ModelRunner(save_tiny("llama", tmp_path), DEVICE, torch.float32, attention_backend="FLEX_ATTENTION")
     runner.graphs = PassGraphs(runner.padded_forward, runner.backend, (1, 2, 4), runner.max_context_len,
