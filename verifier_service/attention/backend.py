@@ -56,9 +56,8 @@ def slot_mapping(segments: tuple[Segment, ...], block_size: int, device: torch.d
 
 
 # A graph's layout is built on the host before every replay, in a few array operations rather than a tensor per
-# segment: for 64 sequences, on this repository's CPU host, FlexAttention's took 1.1-1.5 ms a pass that way and
-# 0.5-0.8 ms this way, Ascend's 2.1-2.2 and 0.5 ms. A replayed pass of 64 sequences spent 2.5 ms of 22.3 on an
-# H100's host.
+# segment: for 64 sequences that took 0.47-0.57x the time for FlexAttention's and 0.22x for Ascend's (0.4-0.7 ms
+# on this repository's CPU host; docs/benchmarks/verifier-engine, "A graph's layout on the host").
 def within(counts: np.ndarray) -> np.ndarray:
     """For groups of counts[i] consecutive elements: each element's index in its group."""
     return np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
