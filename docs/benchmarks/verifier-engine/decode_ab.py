@@ -7,13 +7,13 @@ and 6 draft tokens. Prints a markdown row per case: each round's step ms, the me
     flock /tmp/speclane-bench.lock .venv/bin/python docs/benchmarks/verifier-engine/decode_ab.py /tmp/before .
 """
 
-import argparse
 import ctypes.util
 import os
 import re
 import statistics
-import subprocess
 import sys
+
+from trees import in_order, parse_trees, run_in  # beside this file
 
 MODEL = os.path.expanduser("~/.cache/speclane/models/smollm2-135m-instruct")
 CASES = {(1, 0): 150, (1, 3): 100, (1, 6): 80, (32, 0): 40, (64, 0): 25}  # (sequences, draft tokens) -> steps
@@ -21,23 +21,14 @@ CACHE_BYTES = 4 << 30
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("before")
-    parser.add_argument("after")
-    parser.add_argument("--rounds", type=int, default=4)
-    args = parser.parse_args()
-    trees = {"before": os.path.abspath(args.before), "after": os.path.abspath(args.after)}
+    trees, rounds = parse_trees()
     env = {**os.environ, "LD_PRELOAD": ctypes.util.find_library("tcmalloc_minimal") or ""}
     times = {(case, name): [] for case in CASES for name in trees}
-    for r in range(args.rounds):
-        order = list(trees.items()) if r % 2 == 0 else list(reversed(trees.items()))
+    for r in range(rounds):
         for (size, drafted), steps in CASES.items():
-            for name, tree in order:
-                done = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", str(size), str(steps),
-                                       str(drafted)],
-                                      cwd=tree, env={**env, "PYTHONPATH": tree}, capture_output=True, text=True,
-                                      check=True)
-                times[(size, drafted), name].append(float(re.search(r"step_ms ([\d.]+)", done.stdout)[1]))
+            for name, tree in in_order(trees, r):
+                out = run_in(tree, [os.path.abspath(__file__), "--child", str(size), str(steps), str(drafted)], env)
+                times[(size, drafted), name].append(float(re.search(r"step_ms ([\d.]+)", out)[1]))
     print("| sequences | draft tokens | before, each round | after, each round | before ms | after ms "
           "| after / before |")
     print("|---|---|---|---|---|---|---|")

@@ -7,13 +7,13 @@ the trees alternated; prints a markdown row per case with each tree's median ms.
     flock /tmp/speclane-bench.lock .venv/bin/python docs/benchmarks/verifier-engine/graph_layout.py /tmp/before .
 """
 
-import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
+
+from trees import in_order, parse_trees, run_in  # beside this file
 
 BLOCK, WIDTH, CONTEXT = 16, 40960 // 16, 2000
 CASES = [(1, 0), (64, 0), (64, 3)]  # (sequences, draft tokens a sequence)
@@ -52,18 +52,12 @@ def child() -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("before")
-    parser.add_argument("after")
-    parser.add_argument("--rounds", type=int, default=4)
-    args = parser.parse_args()
-    trees = {"before": os.path.abspath(args.before), "after": os.path.abspath(args.after)}
+    trees, rounds = parse_trees()
     times: dict = {}
-    for r in range(args.rounds):
-        for name, tree in (list(trees.items()) if r % 2 == 0 else list(reversed(trees.items()))):
-            done = subprocess.run([sys.executable, os.path.abspath(__file__), "--child"], cwd=tree,
-                                  env={**os.environ, "PYTHONPATH": tree}, capture_output=True, text=True, check=True)
-            for case, layouts in json.loads(done.stdout.splitlines()[-1]).items():
+    for r in range(rounds):
+        for name, tree in in_order(trees, r):
+            measured = json.loads(run_in(tree, [os.path.abspath(__file__), "--child"]).splitlines()[-1])
+            for case, layouts in measured.items():
                 for layout, ms in layouts.items():
                     times.setdefault((case, layout, name), []).append(ms)
     print("| layout | sequences | draft tokens | before ms | after ms | after / before |")
