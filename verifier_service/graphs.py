@@ -113,8 +113,9 @@ class PassGraphs:
 
     def __init__(self, forward: Forward, backend, sizes: tuple[int, ...], max_context_len: int,
                  device: torch.device, vocab_size: int, dtype: torch.dtype, graph=None):
-        """backend: the attention backend, which lays passes out for its graphs; sizes: --cuda-graph-sizes' token
-        counts; graph: what captures one (DeviceGraph.for_device's)."""
+        """backend: the attention backend, which lays passes out for its graphs (attention/backend.py's
+        GraphedBackend); sizes: --cuda-graph-sizes' token counts; graph: what captures one
+        (DeviceGraph.for_device's)."""
         self.forward, self.backend, self.max_context_len, self.device = forward, backend, max_context_len, device
         self.sizes: tuple[GraphSize, ...] = tuple(backend.graph_sizes(sizes))
         self.graph = graph or DeviceGraph.for_device(device)

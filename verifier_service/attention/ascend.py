@@ -261,7 +261,7 @@ class AscendAttention:
         input_ids = np.zeros(size.tokens, dtype=np.int64)
         input_ids[rows_fed] = plan.input_ids
         slots = np.full(size.tokens, scratch_slot, dtype=np.int64)
-        slots[rows_fed] = new_token_slots(segments, tables, block_size)
+        slots[rows_fed] = new_token_slots(tables, starts, counts, block_size)
         # Padding rows repeat the last position: one past the model's longest would change a dynamic rotary.
         positions = np.zeros(size.tokens, dtype=np.int64)
         positions[:n * each] = (starts[:, None] + np.minimum(np.arange(each)[None, :], counts[:, None] - 1)).ravel()

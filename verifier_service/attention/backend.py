@@ -48,6 +48,23 @@ class AttentionBackend(Protocol):
         ...
 
 
+class GraphedBackend(AttentionBackend, Protocol):
+    """A backend whose passes replay from device graphs (graphs.py): it lays a pass out for a graph's size, builds
+    its metadata over the graph's buffers, and updates in a captured graph what it cannot read from a tensor."""
+
+    def graph_sizes(self, sizes: tuple[int, ...]) -> list: ...  # the GraphSizes captured for these token counts
+
+    def graph_size(self, plan, sizes: tuple, block_size: int, width: int): ...  # the size that runs plan, or None
+
+    def graph_inputs(self, plan, size, block_size: int, width: int, scratch_slot: int): ...  # a GraphInputs
+
+    def graph_metadata(self, fields: dict[str, torch.Tensor], block_size: int, host, tasks) -> object: ...
+
+    def graph_tasks(self) -> object: ...  # what a new graph records to update before replays (None: nothing)
+
+    def update_graph(self, tasks, host) -> None: ...
+
+
 def slot_mapping(segments: tuple[Segment, ...], block_size: int, device: torch.device) -> torch.Tensor:
     """[T] the flat cache slot of every new token of the pass."""
     slots = [slot(seg.block_table, i, block_size) for seg in segments
@@ -72,11 +89,9 @@ def table_rows(segments: tuple[Segment, ...], lengths: np.ndarray, rows: int, wi
     return tables
 
 
-def new_token_slots(segments: tuple[Segment, ...], tables: np.ndarray, block_size: int) -> np.ndarray:
-    """[the segments' new tokens] int64: each one's cache slot (positions start .. start + num_tokens of its
-    segment, through its row of `tables`), segment after segment."""
-    counts = np.fromiter((seg.num_tokens for seg in segments), np.int64, len(segments))
-    starts = np.fromiter((seg.start for seg in segments), np.int64, len(segments))
-    which = np.repeat(np.arange(len(segments)), counts)
+def new_token_slots(tables: np.ndarray, starts: np.ndarray, counts: np.ndarray, block_size: int) -> np.ndarray:
+    """[the segments' new tokens] int64: each one's cache slot (segment i's positions starts[i] .. starts[i] +
+    counts[i], through row i of `tables`), segment after segment."""
+    which = np.repeat(np.arange(len(counts)), counts)
     position = starts[which] + within(counts)
     return tables[which, position // block_size] * block_size + position % block_size

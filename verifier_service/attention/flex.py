@@ -258,7 +258,7 @@ def pass_fields(segments: tuple[Segment, ...], positions: list[int], offsets: tu
         return torch.from_numpy(padded)
 
     return {
-        "slot_mapping": column(new_token_slots(segments, tables, block_size), shape.tokens, scratch_slot),
+        "slot_mapping": column(new_token_slots(tables, starts, counts, block_size), shape.tokens, scratch_slot),
         "tables": torch.from_numpy(tables),
         "segment": column(np.repeat(np.arange(num_segments), counts), shape.tokens, num_segments),
         "local_query": column(within(counts), shape.tokens, 0),
