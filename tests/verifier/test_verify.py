@@ -8,6 +8,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from scipy.stats import chi2_contingency, chisquare
 
+from verifier_service.sampling import greedy_choices
 from verifier_service.tree import children
 from verifier_service.verify import Verdict, dense_proposals, verify_greedy, verify_sampled
 
@@ -170,3 +171,12 @@ def test_a_sampled_tree_is_distributed_as_the_walk_that_draws_per_node(proposals
     table = np.column_stack([table[:, common], table[:, ~common].sum(1)]) if (~common).any() else table
     assert chi2_contingency(table).pvalue > 0.001
     assert any(len(out) == 3 for out in vectorized)  # the walk reaches the tree's second level
+
+
+def test_greedy_choices_pick_the_row_maxima_as_argmax_does():
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.randint(-2, 3, (40, 1000), generator=generator).float()  # every row has ties for its maximum
+    logits[3, [7, 500]] = float("nan")
+    logits[5] = float("-inf")
+    assert torch.equal(greedy_choices(logits), torch.argmax(logits, dim=-1))
+    assert greedy_choices(logits)[3] == 7 and greedy_choices(logits)[5] == 0

@@ -14,6 +14,7 @@ from verifier_service.config import TreeShape
 from verifier_service.heads.dynamic_tree import draft_tree
 from verifier_service.heads.head import Head
 from verifier_service.heads.layer import HeadKV, KVBatch
+from verifier_service.sampling import greedy_choices
 
 
 @dataclass(frozen=True)
@@ -152,7 +153,7 @@ class HeadDrafter:
                     choice = int(torch.multinomial(q, 1, generator=request.generator))
                     chain.proposals.append(q if vocab_map is None else _scatter(q, vocab_map, vocab_size))
                 else:
-                    choice = int(torch.argmax(logits[row]))
+                    choice = int(greedy_choices(logits[row]))
                 chain.confidence *= top
                 chain.score += chain.confidence
                 chain.tokens.append(choice if vocab_map is None else int(vocab_map[choice]))
