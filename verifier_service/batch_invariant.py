@@ -7,11 +7,13 @@ decode step would. In fp32 the kernels differ in the last bits, far below a
 greedy choice; in bf16 by enough to flip one: a bf16 target changed 16 of 20
 greedy outputs under speculation. Measured on x86 CPUs with torch 2.13
 (oneDNN): a bf16 product gives each row the same bits whatever the number of
-rows once there are a few (fewer take other kernel paths), and each element
-the same bits whatever the number of columns; an fp32 softmax gives a row's
-values the same bits whatever -inf entries follow them. SDPA does not, so
-attention is written here in those operations. Whether they hold on a
-platform is checked when the model loads (`holds_on`, `fewest_rows`)."""
+rows once there are a few (fewer take other kernel paths; on CPUs with AMX
+not for every shape, so there our own kernel takes the linear layers,
+amx_linear.py), and each element the same bits whatever the number of
+columns; an fp32 softmax gives a row's values the same bits whatever -inf
+entries follow them. SDPA does not, so attention is written here in those
+operations. Whether they hold on a platform is checked when the model loads
+(`holds_on`, `fewest_rows`)."""
 
 from dataclasses import dataclass
 
@@ -19,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from verifier_service.amx_linear import AmxLinear, amx_ready
 from verifier_service.cpu_linear import replace_linears
 from verifier_service.tree import ancestors
 
@@ -62,16 +65,16 @@ _QUERY_CHUNK = 64
 # Values are weighted in blocks of this many sequence positions, the blocks' products summed in fp32 one after
 # another: a bf16 product sums neighbouring keys in pairs, so a tree path with its siblings' zeros between its
 # keys would sum otherwise than the plain decode that holds the path's keys side by side.
-_KEY_BLOCK = 64
+KEY_BLOCK = 64
 _MIN_ROWS = 2  # attention's products of fewer rows are padded
 _LOOP_ROWS = 64  # query rows (heads x tokens) from which the blocks' sum is a loop rather than a cumsum
 
 
 def segment_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int, order: KeyOrder,
                       scaling: float) -> torch.Tensor:
-    """query [heads, n, d] for a segment's new tokens; keys/values the slot's
-    whole [kv_heads, capacity, d] tensors (contiguous: a view of their first
-    rows would be copied by every product), the new tokens' at start..start+n;
+    """query [heads, n, d] for a segment's new tokens; keys/values
+    [kv_heads, capacity, d] in sequence order (each head's rows contiguous),
+    the new tokens' at start..start+n, the positions after them weighing 0;
     returns [heads, n, d]. Each query's scores are laid out by sequence position
     (its tree path moved to where a plain decode has it) with -inf after them,
     softmaxed in fp32, and weight the values laid out the same way."""
@@ -110,22 +113,22 @@ def _weighted_values(probs: torch.Tensor, values: torch.Tensor, start: int, orde
     returns the fp32 weighted sums [kv_heads, group, n, d], summed block by block."""
     kv_heads, group, n, capacity = probs.shape
     dim = values.shape[-1]
-    length = -(-capacity // _KEY_BLOCK) * _KEY_BLOCK
+    length = -(-capacity // KEY_BLOCK) * KEY_BLOCK
     if length != capacity:  # zero probabilities over zero values
         probs, values = F.pad(probs, (0, length - capacity)), F.pad(values, (0, 0, 0, length - capacity))
     # Blocks before the one holding the new tokens are in sequence order for every query alike.
-    shared = start // _KEY_BLOCK * _KEY_BLOCK if order.is_tree else length
+    shared = start // KEY_BLOCK * KEY_BLOCK if order.is_tree else length
     blocks = []
     if shared:
-        weights = probs[..., :shared].reshape(kv_heads, group * n, shared // _KEY_BLOCK, _KEY_BLOCK).transpose(1, 2)
-        products = _at_least_rows(weights, _MIN_ROWS) @ values[:, :shared].view(kv_heads, -1, _KEY_BLOCK, dim)
+        weights = probs[..., :shared].reshape(kv_heads, group * n, shared // KEY_BLOCK, KEY_BLOCK).transpose(1, 2)
+        products = _at_least_rows(weights, _MIN_ROWS) @ values[:, :shared].view(kv_heads, -1, KEY_BLOCK, dim)
         blocks.append(products[..., :group * n, :].reshape(kv_heads, -1, group, n, dim))
     if order.is_tree:  # each query's own values from there: the cached ones, its path, then the rest
         rest = torch.arange(start + n, length, device=probs.device).expand(n, -1)
         index = torch.cat([torch.arange(shared, start, device=probs.device).expand(n, -1), start + order.columns,
                            rest], dim=1)
-        own = values[:, index].view(kv_heads, n, -1, _KEY_BLOCK, dim)
-        weights = probs[..., shared:].transpose(1, 2).reshape(kv_heads, n, group, -1, _KEY_BLOCK).transpose(2, 3)
+        own = values[:, index].view(kv_heads, n, -1, KEY_BLOCK, dim)
+        weights = probs[..., shared:].transpose(1, 2).reshape(kv_heads, n, group, -1, KEY_BLOCK).transpose(2, 3)
         products = (_at_least_rows(weights, _MIN_ROWS) @ own)[..., :group, :]
         blocks.append(products.permute(0, 2, 3, 1, 4))
     # Summed in sequence order; a plain step's store, longer or shorter, only adds zeros.
@@ -185,31 +188,41 @@ def fewest_rows(weight: torch.Tensor) -> int | None:
 
 
 def make_linears_invariant(model: nn.Module) -> bool:
-    """Pads each nn.Linear's inputs to the rows its weight's shape needs (the
-    most fewest_rows finds for any layer of that shape: whether a kernel path
-    shows depends on the weights too); False, changing nothing, where some
-    layer has no such padding."""
+    """Makes each nn.Linear's rows batch-invariant: on a CPU with AMX, a bf16
+    layer computes through our kernel, whose sums have one order for any rows
+    (amx_linear.py); elsewhere its inputs are padded to the rows its weight's
+    shape needs (the most fewest_rows finds for any layer of that shape: whether
+    a kernel path shows depends on the weights too). False, changing nothing,
+    where some layer has no such padding."""
+    amx = amx_ready()
+
+    def by_amx(linear: nn.Linear) -> bool:
+        return amx and linear.weight.dtype == torch.bfloat16 and linear.weight.device.type == "cpu"
+
     paddings: dict[tuple[int, int], int] = {}
     for module in model.modules():
-        if type(module) is nn.Linear:
+        if type(module) is nn.Linear and not by_amx(module):
             shape, needed = tuple(module.weight.shape), fewest_rows(module.weight.detach())
             if needed is None:
                 return False
             paddings[shape] = max(paddings.get(shape, 0), needed)
-    replace_linears(model, lambda linear: PaddedLinear(linear, paddings[tuple(linear.weight.shape)]))
+    replace_linears(model, lambda linear: (AmxLinear(linear) if by_amx(linear)
+                                           else PaddedLinear(linear, paddings[tuple(linear.weight.shape)])))
     return True
 
 
 def make_invariant(mode: str, model: nn.Module, device: torch.device, dtype: torch.dtype, tensor_parallel: bool,
-                   sizes: tuple[int, int, int]) -> bool:
+                   sizes: tuple[int, int, int], kernel: bool = False) -> bool:
     """Applies --batch-invariant's mode to a loaded model (its linear layers
-    padded where the checks pass); returns whether its passes are invariant.
-    fp32 is left as it is under auto (its kernels' differences stay below a
-    greedy choice); tensor parallelism shards nn.Linear by type and reduces
-    across ranks, so it is not covered."""
+    made invariant where the checks pass); returns whether its passes are.
+    kernel: the CPU's invariant attention kernel attends this model
+    (attention/cpu_invariant.py), so only the torch operators' attention needs
+    the start-up check. fp32 is left as it is under auto (its kernels'
+    differences stay below a greedy choice); tensor parallelism shards
+    nn.Linear by type and reduces across ranks, so it is not covered."""
     if mode == "off" or (mode == "auto" and (dtype == torch.float32 or tensor_parallel)):
         return False
-    holds = not tensor_parallel and holds_on(device, dtype, sizes) and make_linears_invariant(model)
+    holds = not tensor_parallel and (kernel or holds_on(device, dtype, sizes)) and make_linears_invariant(model)
     if mode == "on" and not holds:
         raise ValueError(f"--batch-invariant on: this platform's {str(dtype).removeprefix('torch.')} kernels on "
                          f"{device.type} are not batch-invariant" + (" under tensor parallelism" if tensor_parallel

@@ -205,10 +205,10 @@ def ways_key(linears: list["MeasuredLinear"]) -> dict:
             "shapes": [list(linear.weight.shape) for linear in linears]}
 
 
-def add_measured_linears(model: nn.Module, tuning_dir: pathlib.Path | None = None) -> int:
+def add_measured_linears(model: nn.Module, tuning_dir: pathlib.Path | None = None) -> None:
     """Replaces every nn.Linear in `model` with a MeasuredLinear using the
     ways measured fastest for its shape (or, with `tuning_dir`, those measured at
-    an earlier start with the same key); returns the bytes the kept layouts add.
+    an earlier start with the same key).
     While measuring, every layer holds every layout (three times the weights)."""
     replace_linears(model, MeasuredLinear)
     linears = [module for module in model.modules() if isinstance(module, MeasuredLinear)]
@@ -226,7 +226,11 @@ def add_measured_linears(model: nn.Module, tuning_dir: pathlib.Path | None = Non
                            [[list(shape), list(chosen)] for shape, chosen in ways.items()])
     for linear in linears:
         linear.use(ways[tuple(linear.weight.shape)])
-    return sum(linear.layout_bytes() for linear in linears)
+
+
+def layout_bytes(model: nn.Module) -> int:
+    """Memory the weights' extra layouts hold in `model` (MeasuredLinear's, AmxLinear's tiles)."""
+    return sum(module.layout_bytes() for module in model.modules() if hasattr(module, "layout_bytes"))
 
 
 def measures_linear_ways(device: torch.device, dtype: torch.dtype, tensor_parallel: bool) -> bool:

@@ -13,13 +13,13 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 from transformers.distributed import DistributedConfig
 
-from verifier_service.attention import ATTENTION_NAME, PassContext, chosen_backend, select_backend
+from verifier_service.attention import ATTENTION_NAME, PassContext, chosen_backend, cpu_invariant, select_backend
 from verifier_service.attention import register as register_attention
 from verifier_service.attention.ascend import unsupported as ascend_unsupported
 from verifier_service.attention.mla import is_mla, latent_geometry, serve_latent
 from verifier_service.batch import StepPlan, pass_inputs
 from verifier_service.batch_invariant import make_invariant
-from verifier_service.cpu_linear import add_measured_linears, measures_linear_ways
+from verifier_service.cpu_linear import add_measured_linears, layout_bytes, measures_linear_ways
 from verifier_service.distributed import TensorParallel
 from verifier_service.graphs import PassGraphs
 from verifier_service.kv_cache import KVGeometry, PagedKVCache
@@ -128,8 +128,8 @@ class ModelRunner:
         if self.device.type == "npu":
             fuse_rms_norms(self.model, npu_rms_norm())
         # A pass's rows multiply up to 4x faster in the way timed fastest for their count on a CPU (cpu_linear.py).
-        layout_bytes = (add_measured_linears(self.model, tuning_dir)
-                        if measures_linear_ways(self.device, dtype, tp is not None) else 0)
+        if measures_linear_ways(self.device, dtype, tp is not None):
+            add_measured_linears(self.model, tuning_dir)
         text_config = self.model.config.get_text_config()
         self.tp_size = tp.world_size if tp is not None else 1
         self.geometry = kv_geometry(text_config, self.tp_size)
@@ -140,7 +140,8 @@ class ModelRunner:
         if attention_backend != "auto" and batch_invariant == "auto":
             batch_invariant = "off"  # a named backend attends as it does, not as invariant passes would
         self.batch_invariant = make_invariant(batch_invariant, self.model, self.device, dtype, tp is not None,
-                                              (heads, g.kv_heads, g.key_dim))
+                                              (heads, g.kv_heads, g.key_dim),
+                                              kernel=cpu_invariant.attends(self.device, dtype, g.key_dim))
         try:
             self.backend = select_backend(self.device, dtype, self.batch_invariant, heads, g.kv_heads, g.key_dim,
                                           latent=g.value_dim == 0, choice=attention_backend)
@@ -175,8 +176,9 @@ class ModelRunner:
         log.info("model_loaded", model=os.path.basename(os.path.normpath(model_dir)), device=str(self.device),
                  dtype=str(dtype).removeprefix("torch."), vocab_size=self.vocab_size,
                  max_context_len=self.max_context_len, eos_token_ids=list(self.eos_token_ids),
-                 tensor_parallel_size=self.tp_size, rank=tp.rank if tp else 0, weight_layout_bytes=layout_bytes,
-                 batch_invariant=self.batch_invariant, attention_backend=self.backend.name,
+                 tensor_parallel_size=self.tp_size, rank=tp.rank if tp else 0,
+                 weight_layout_bytes=layout_bytes(self.model), batch_invariant=self.batch_invariant,
+                 attention_backend=self.backend.name,
                  graph_sizes=[list(size) for size in self.graphs.sizes] if self.graphs else [])
 
     @property

@@ -13,7 +13,9 @@ the device's backend (backend.py). Each device's backend:
   over the block tables (tested on a CPU against an emulation of the operator).
 - Other dtypes on a CPU, and CUDA: torch_sdpa.TorchAttention, padded SDPA
   calls per layer (segments of similar lengths in one).
-- --batch-invariant: invariant.InvariantAttention on any device.
+- --batch-invariant: on a CPU, cpu_invariant.CpuInvariantAttention, a kernel
+  whose queries are computed from their own keys alone; elsewhere
+  invariant.InvariantAttention, the same property from torch operators.
 
 --attention-backend names one instead (vLLM's flag and names): TORCH_SDPA,
 or FLEX_ATTENTION, flex.FlexAttention, one FlexAttention call per layer over
@@ -26,6 +28,7 @@ from dataclasses import dataclass
 import torch
 from transformers import AttentionInterface
 
+from verifier_service.attention import cpu_invariant
 from verifier_service.attention.ascend import AscendAttention
 from verifier_service.attention.backend import AttentionBackend, LayerCall
 from verifier_service.attention.cpu_paged import CpuPagedAttention
@@ -80,7 +83,8 @@ def select_backend(device: torch.device, dtype: torch.dtype, batch_invariant: bo
     if choice == TORCH_SDPA:
         return TorchAttention(heads * key_dim)
     if batch_invariant:
-        return InvariantAttention()
+        return (cpu_invariant.CpuInvariantAttention() if cpu_invariant.attends(device, dtype, key_dim)
+                else InvariantAttention())
     if device.type == "npu":
         return AscendAttention(heads, kv_heads)
     if device.type == "cpu" and dtype == torch.float32:

@@ -1,4 +1,4 @@
-// The verifier's CPU kernels (fp32), bound to Python in module.cc. They take raw pointers to contiguous tensors (the
+// The verifier's CPU kernels (fp32, and bf16 on AMX), bound to Python in module.cc. They take raw pointers to contiguous tensors (the
 // checkpoint's weights, the cache, activations the callers make contiguous), so they build without torch's headers. Their threads are PyTorch's own OpenMP team:
 // the module links libgomp.so.1 by that name, which the dynamic loader resolves to the copy torch has loaded (a pool
 // of their own measured a 32-sequence decode step 1.4x slower: torch's workers spin between its operators, on the
@@ -26,5 +26,18 @@ void attend(uintptr_t query, uintptr_t out, uintptr_t cache, uintptr_t tables, u
 // y [rows, out] = x [rows, in] times weight [out, in] transposed: a pass of a few rows (linear.cc).
 void linear(uintptr_t x, uintptr_t weight, uintptr_t y, int64_t rows, int64_t in_features, int64_t out_features,
             int threads);
+
+// Attention of any segments (prompt chunks, chains, trees) in which each query's result depends on its own keys
+// and values alone, fp32 or bf16 (invariant_attention.cc documents the layouts).
+bool attends_invariantly(int64_t head_dim);
+void attend_invariant(uintptr_t query, uintptr_t out, uintptr_t cache, uintptr_t tables, uintptr_t segments,
+                      uintptr_t previous, int64_t num_segments, int64_t heads, int64_t kv_heads, int64_t head_dim,
+                      int64_t block_size, int64_t max_blocks, double scale, bool bf16, int threads);
+
+// bf16 products on Intel AMX that give a row the same bits in any batch (amx_linear.cc: layouts); amx_ready says
+// whether this CPU and kernel let the process use them.
+bool amx_ready();
+void amx_linear(uintptr_t x, uintptr_t packed, uintptr_t y, int64_t rows, int64_t in_features, int64_t out_features,
+                int threads);
 
 }  // namespace speclane

@@ -35,26 +35,6 @@ struct Call {
   float scale;
 };
 
-// e^x for x <= 0 (scores minus their maximum): 2^n times Cephes' degree-6 polynomial of the remainder (relative
-// error about 2e-7; SDPA's own vectorized exp is of this order).
-SPECLANE_INLINE v16 exp_nonpositive(v16 x) {
-  x = x < splat(-87.0f) ? splat(-87.0f) : x;
-  const v16 t = x * 1.44269504f;
-  const v16 n = (t + 12582912.0f) - 12582912.0f;  // t rounded to the nearest integer (1.5 x 2^23)
-  const v16 r = x - n * 0.693359375f + n * 2.12194440e-4f;
-  v16 p = splat(1.9875691e-4f);
-  p = p * r + 1.3981999e-3f;
-  p = p * r + 8.3334519e-3f;
-  p = p * r + 4.1665795e-2f;
-  p = p * r + 1.6666665e-1f;
-  p = p * r + 5.0000001e-1f;
-  p = p * r * r + r + 1.0f;
-  const v16i power = (__builtin_convertvector(n, v16i) + 127) << 23;
-  v16 two_n;
-  __builtin_memcpy(&two_n, &power, sizeof two_n);
-  return p * two_n;
-}
-
 constexpr int64_t kTile = 16;  // keys scored together, lanes of one vector
 
 // Scores of 16 keys (rows: the keys' first KD values, transposed into kt [KD][16]) for QR query rows.

@@ -1,0 +1,295 @@
+// Batch-invariant attention over the paged KV cache on a CPU, fp32 or bf16: every query's result is a function of
+// its own query and the keys and values it sees, in sequence order, and of nothing else in the pass (the other
+// sequences, its own segment's other tokens, a draft tree's siblings, how a prompt was cut into chunks, the
+// threads). A token verified in a tree therefore gets the bits a plain decode step gives it, which is what makes a
+// bf16 target's speculation lossless (batch_invariant.py).
+//
+// For each query, in fp32: its scores (each a dot product summed in one fixed pattern over the head dimension);
+// their maximum; e^(score - maximum) of the keys it sees, laid out by their index among those keys (so a tree
+// node's path, stored after its siblings, is summed as a plain step holds it: side by side after the context);
+// their sum in lanes of that index; then the values of those keys weighed in that order, and scaled by 1 / sum.
+//
+// Layouts (E: float or bf16 as uint16_t, contiguous): query [T, heads, D]; out [T, heads, D]; cache
+// [slots, kv_heads, 2 D] (a slot's key beside its value); tables [segments, max_blocks]; segments [segments, 3]:
+// first row in the pass, new tokens, keys cached before them; previous [T]: the new token (an index among its
+// segment's) that a row's token follows, -1 for the first. Query j sees the cached keys and the new tokens on its
+// chain of `previous` back from itself, which precede it in the segment (a tree's parents come before their
+// children).
+
+#include <omp.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <stdexcept>
+#include <vector>
+
+#include "kernels.h"
+#include "vec.h"
+
+namespace speclane {
+namespace {
+
+typedef uint16_t u16x16 __attribute__((vector_size(32)));
+typedef uint32_t u32x16 __attribute__((vector_size(64)));
+
+SPECLANE_INLINE v16 load16(const float* p) { return load(p); }
+
+SPECLANE_INLINE v16 load16(const uint16_t* p) {  // bf16: the upper half of an fp32
+  u16x16 half;
+  __builtin_memcpy(&half, p, sizeof half);
+  const u32x16 wide = __builtin_convertvector(half, u32x16) << 16;
+  v16 v;
+  __builtin_memcpy(&v, &wide, sizeof v);
+  return v;
+}
+
+SPECLANE_INLINE float to_float(float x) { return x; }
+
+SPECLANE_INLINE float to_float(uint16_t x) {
+  const uint32_t wide = static_cast<uint32_t>(x) << 16;
+  float f;
+  __builtin_memcpy(&f, &wide, sizeof f);
+  return f;
+}
+
+SPECLANE_INLINE void from_float(float x, float* out) { *out = x; }
+
+SPECLANE_INLINE void from_float(float x, uint16_t* out) {  // rounded to nearest even, as PyTorch rounds
+  uint32_t bits;
+  __builtin_memcpy(&bits, &x, sizeof bits);
+  if ((bits & 0x7fffffffu) > 0x7f800000u) {  // NaN stays NaN
+    *out = static_cast<uint16_t>((bits >> 16) | 0x40);
+    return;
+  }
+  *out = static_cast<uint16_t>((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+}
+
+constexpr int64_t kTile = 16;        // keys scored together, lanes of one vector
+constexpr int64_t kQueryChunk = 32;  // queries scored together: their rows of scores stay small
+
+struct Call {
+  const void* query;
+  void* out;
+  const void* cache;
+  const int64_t* tables;
+  const int64_t* segments;
+  const int64_t* previous;
+  int64_t heads, kv_heads, block_size, max_blocks;
+  float scale;
+};
+
+// Scores of 16 keys (their first D values transposed into kt [D][16]) for QR query rows. Four partial sums a row
+// whatever QR: a score's bits must not depend on which rows share its tile.
+template <int D, int QR>
+SPECLANE_INLINE void score_rows(const float* q, const float* kt, float* scores, int64_t stride, float scale) {
+  v16 acc[QR][4] = {};
+  for (int d = 0; d < D; d += 4)
+    for (int r = 0; r < QR; ++r)
+      for (int i = 0; i < 4; ++i) acc[r][i] += q[r * D + d + i] * load(kt + (d + i) * kTile);
+  for (int r = 0; r < QR; ++r) store(scores + r * stride, ((acc[r][0] + acc[r][1]) + (acc[r][2] + acc[r][3])) * scale);
+}
+
+template <int D>
+SPECLANE_INLINE void score_tile(const float* q, const float* kt, float* scores, int64_t stride, float scale,
+                                int64_t rows) {
+  int64_t row = 0;
+  for (; row + 4 <= rows; row += 4) score_rows<D, 4>(q + row * D, kt, scores + row * stride, stride, scale);
+  q += row * D;
+  scores += row * stride;
+  switch (rows - row) {
+    case 3: score_rows<D, 3>(q, kt, scores, stride, scale); break;
+    case 2: score_rows<D, 2>(q, kt, scores, stride, scale); break;
+    case 1: score_rows<D, 1>(q, kt, scores, stride, scale); break;
+    default: break;
+  }
+}
+
+// out[r] = sum over l of p[r][l] * value l, in order of l, times inverse_sums[r]: VR rows and VC vectors of 16 of
+// the head dimension at a time, in registers.
+template <typename E, int VR, int VC>
+SPECLANE_INLINE void weigh_values(const float* p, int64_t p_stride, const E* const* values, int64_t count,
+                                  int64_t column, float* out, int64_t out_stride, const float* inverse_sums) {
+  v16 acc[VR][VC] = {};
+  for (int64_t l = 0; l < count; ++l) {
+    const E* value = values[l] + column;
+    if (l + 8 < count)
+      for (int c = 0; c < VC; ++c) __builtin_prefetch(values[l + 8] + column + 16 * c);
+    v16 v[VC];
+    for (int c = 0; c < VC; ++c) v[c] = load16(value + 16 * c);
+    for (int r = 0; r < VR; ++r) {
+      const float weight = p[r * p_stride + l];
+      for (int c = 0; c < VC; ++c) acc[r][c] += weight * v[c];
+    }
+  }
+  for (int r = 0; r < VR; ++r)
+    for (int c = 0; c < VC; ++c) store(out + r * out_stride + column + 16 * c, acc[r][c] * inverse_sums[r]);
+}
+
+struct Scratch {
+  std::vector<float> floats;
+  std::vector<const void*> keys;    // each key's row in the cache, by index in the segment
+  std::vector<const void*> seen;    // the keys one query sees, in order
+  std::vector<int64_t> seen_index;  // their indices
+};
+
+template <typename E, int D>
+SPECLANE_CLONES void attend_item(const Call& c, int64_t segment, int64_t kv_head, Scratch& s) {
+  const int64_t* seg = c.segments + 3 * segment;
+  const int64_t first_row = seg[0], queries = seg[1], cached = seg[2];
+  const int64_t group = c.heads / c.kv_heads, num_keys = cached + queries, slot_width = c.kv_heads * 2 * D;
+  const int64_t* table = c.tables + segment * c.max_blocks;
+  const E* cache = static_cast<const E*>(c.cache);
+  const E* query = static_cast<const E*>(c.query);
+  E* out = static_cast<E*>(c.out);
+
+  const int64_t padded_keys = (num_keys + kTile - 1) / kTile * kTile;
+  s.keys.resize(padded_keys + 2 * kTile);
+  for (int64_t k = 0, block = 0; k < num_keys; ++block) {
+    const E* row = cache + table[block] * c.block_size * slot_width + kv_head * 2 * D;
+    for (int64_t offset = 0; offset < c.block_size && k < num_keys; ++offset, ++k, row += slot_width) s.keys[k] = row;
+  }
+  // The last tile's padding (its scores go unread) and two tiles after it (only prefetched): the last key again.
+  std::fill(s.keys.begin() + num_keys, s.keys.end(), s.keys[num_keys - 1]);
+  auto key = [&](int64_t k) { return static_cast<const E*>(s.keys[k]); };
+
+  const int64_t chunk_rows = std::min(queries, kQueryChunk) * group;
+  const int64_t stride = padded_keys;  // a row of scores, or of one query's weights
+  s.floats.resize(chunk_rows * (stride + D) + D * kTile + group * (stride + D + 1));
+  float* scores = s.floats.data();          // [chunk rows, stride] by key index
+  float* q = scores + chunk_rows * stride;  // [chunk rows, D]
+  float* kt = q + chunk_rows * D;           // [D, 16] a tile's keys, transposed
+  float* p = kt + D * kTile;                // [group, stride] one query's weights, by index among the keys it sees
+  float* result = p + group * stride;       // [group, D]
+  float* inverse_sums = result + group * D;
+  s.seen.resize(num_keys + 8);
+  s.seen_index.resize(num_keys);
+
+  for (int64_t q0 = 0; q0 < queries; q0 += kQueryChunk) {
+    const int64_t q1 = std::min(queries, q0 + kQueryChunk), key_end = cached + q1;
+    for (int64_t row = 0; row < (q1 - q0) * group; ++row) {
+      const E* source = query + ((first_row + q0 + row / group) * c.heads + kv_head * group + row % group) * D;
+      for (int64_t d = 0; d < D; ++d) q[row * D + d] = to_float(source[d]);
+    }
+    // Scores of each key tile for the queries that may see one of its keys (query j sees none past cached + j).
+    for (int64_t k0 = 0; k0 < key_end; k0 += kTile) {
+      for (int64_t d0 = 0; d0 < D; d0 += 16) {
+        v16 tile[16];
+        for (int k = 0; k < 16; ++k) {
+          __builtin_prefetch(key(k0 + 2 * kTile + k) + d0);
+          tile[k] = load16(key(k0 + k) + d0);
+        }
+        transpose16(tile);
+        for (int d = 0; d < 16; ++d) store(kt + (d0 + d) * kTile, tile[d]);
+      }
+      const int64_t first_query = std::max(q0, k0 - cached);
+      score_tile<D>(q + (first_query - q0) * group * D, kt, scores + (first_query - q0) * group * stride + k0, stride,
+                    c.scale, (q1 - first_query) * group);
+    }
+    for (int64_t j = q0; j < q1; ++j) {
+      // The keys query j sees, in order: the cached ones, then its chain of new tokens.
+      int64_t count = cached;
+      for (int64_t t = j; t >= 0; t = c.previous[first_row + t]) ++count;
+      for (int64_t k = 0; k < cached; ++k) s.seen_index[k] = k;
+      for (int64_t t = j, at = count - 1; t >= 0; t = c.previous[first_row + t], --at) s.seen_index[at] = cached + t;
+      const int64_t tiles = (count + kTile - 1) / kTile * kTile;
+      v16 lane;
+      for (int i = 0; i < 16; ++i) lane[i] = static_cast<float>(i);
+      for (int64_t g = 0; g < group; ++g) {
+        const float* row_scores = scores + ((j - q0) * group + g) * stride;
+        float* weights = p + g * stride;
+        for (int64_t l = 0; l < count; ++l) weights[l] = row_scores[s.seen_index[l]];
+        v16 most = splat(-__builtin_huge_valf());
+        for (int64_t l0 = 0; l0 < tiles; l0 += kTile) {
+          const v16 x = load(weights + l0);
+          const auto seen = lane + static_cast<float>(l0) < static_cast<float>(count);
+          most = seen ? (x > most ? x : most) : most;
+        }
+        const float largest = lanes_max(most);
+        v16 sums{};
+        for (int64_t l0 = 0; l0 < tiles; l0 += kTile) {
+          const auto seen = lane + static_cast<float>(l0) < static_cast<float>(count);
+          const v16 e = seen ? exp_nonpositive(load(weights + l0) - largest) : v16{};
+          sums += e;
+          store(weights + l0, e);
+        }
+        inverse_sums[g] = 1.0f / lanes_sum(sums);
+      }
+      for (int64_t l = 0; l < count; ++l) s.seen[l] = key(s.seen_index[l]) + D;
+      const E* const* values = reinterpret_cast<const E* const*>(s.seen.data());
+      constexpr int VC = D / 16 < 8 ? D / 16 : 8, VR = 16 / VC < 4 ? 16 / VC : 4;
+      for (int64_t column = 0; column < D; column += 16 * VC) {
+        int64_t g = 0;
+        for (; g + VR <= group; g += VR)
+          weigh_values<E, VR, VC>(p + g * stride, stride, values, count, column, result + g * D, D,
+                                  inverse_sums + g);
+        const int64_t rest = group - g;
+        if (VR > 3 && rest == 3)
+          weigh_values<E, 3, VC>(p + g * stride, stride, values, count, column, result + g * D, D,
+                                 inverse_sums + g);
+        if (VR > 2 && rest == 2)
+          weigh_values<E, 2, VC>(p + g * stride, stride, values, count, column, result + g * D, D,
+                                 inverse_sums + g);
+        if (VR > 1 && rest == 1)
+          weigh_values<E, 1, VC>(p + g * stride, stride, values, count, column, result + g * D, D,
+                                 inverse_sums + g);
+      }
+      for (int64_t g = 0; g < group; ++g) {
+        E* target = out + ((first_row + j) * c.heads + kv_head * group + g) * D;
+        for (int64_t d = 0; d < D; ++d) from_float(result[g * D + d], target + d);
+      }
+    }
+  }
+}
+
+using ItemFn = void (*)(const Call&, int64_t, int64_t, Scratch&);
+
+template <typename E, int... Dims>
+ItemFn compiled_for(int64_t head_dim) {
+  ItemFn found = nullptr;
+  ((head_dim == Dims ? (found = attend_item<E, Dims>, true) : false) || ...);
+  return found;
+}
+
+ItemFn item_function(int64_t head_dim, bool bf16) {
+  return bf16 ? compiled_for<uint16_t, 16, 32, 64, 96, 128, 256>(head_dim)
+              : compiled_for<float, 16, 32, 64, 96, 128, 256>(head_dim);
+}
+
+// Below this many query-key products a call runs on one thread: waking another costs more than it saves.
+constexpr int64_t kPairsPerThread = 1024;
+
+}  // namespace
+
+bool attends_invariantly(int64_t head_dim) { return item_function(head_dim, false) != nullptr; }
+
+void attend_invariant(uintptr_t query, uintptr_t out, uintptr_t cache, uintptr_t tables, uintptr_t segments,
+                      uintptr_t previous, int64_t num_segments, int64_t heads, int64_t kv_heads, int64_t head_dim,
+                      int64_t block_size, int64_t max_blocks, double scale, bool bf16, int threads) {
+  const Call c{reinterpret_cast<const void*>(query), reinterpret_cast<void*>(out),
+               reinterpret_cast<const void*>(cache), reinterpret_cast<const int64_t*>(tables),
+               reinterpret_cast<const int64_t*>(segments), reinterpret_cast<const int64_t*>(previous), heads,
+               kv_heads, block_size, max_blocks, static_cast<float>(scale)};
+  const ItemFn item_fn = item_function(head_dim, bf16);
+  if (item_fn == nullptr) throw std::invalid_argument("no invariant attention kernel for this head dimension");
+  // Items (segment, KV head) split into contiguous runs of about equal cost (queries x keys).
+  std::vector<int64_t> cost_before(num_segments * kv_heads + 1, 0);
+  for (int64_t item = 0; item < num_segments * kv_heads; ++item) {
+    const int64_t* seg = c.segments + 3 * (item / kv_heads);
+    cost_before[item + 1] = cost_before[item] + seg[1] * (seg[1] + seg[2]);
+  }
+  const int64_t total = cost_before.back();
+  const int n = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(threads, total / kPairsPerThread)));
+#pragma omp parallel num_threads(n)
+  {
+    const int t = omp_get_thread_num(), team = omp_get_num_threads();
+    const auto begin = std::lower_bound(cost_before.begin(), cost_before.end(), total * t / team) -
+                       cost_before.begin();
+    const auto end = std::lower_bound(cost_before.begin(), cost_before.end(), total * (t + 1) / team) -
+                     cost_before.begin();
+    Scratch scratch;
+    for (int64_t item = begin; item < std::min<int64_t>(end, num_segments * kv_heads); ++item)
+      item_fn(c, item / kv_heads, item % kv_heads, scratch);
+  }
+}
+
+}  // namespace speclane
