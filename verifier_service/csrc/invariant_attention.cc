@@ -64,7 +64,8 @@ SPECLANE_INLINE void from_float(float x, uint16_t* out) {  // rounded to nearest
   *out = static_cast<uint16_t>((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
 }
 
-constexpr int64_t kTile = 16;        // keys scored together, lanes of one vector
+constexpr int64_t kTile = 16;        // keys in the lanes of one vector
+constexpr int64_t kKeyBlock = 64;    // keys scored together: four tiles
 constexpr int64_t kQueryChunk = 32;  // queries scored together: their rows of scores stay small
 
 struct Call {
@@ -78,29 +79,51 @@ struct Call {
   float scale;
 };
 
-// Scores of 16 keys (their first D values transposed into kt [D][16]) for QR query rows. Four partial sums a row
-// whatever QR: a score's bits must not depend on which rows share its tile.
-template <int D, int QR>
-SPECLANE_INLINE void score_rows(const float* q, const float* kt, float* scores, int64_t stride, float scale) {
-  v16 acc[QR][4] = {};
-  for (int d = 0; d < D; d += 4)
-    for (int r = 0; r < QR; ++r)
-      for (int i = 0; i < 4; ++i) acc[r][i] += q[r * D + d + i] * load(kt + (d + i) * kTile);
-  for (int r = 0; r < QR; ++r) store(scores + r * stride, ((acc[r][0] + acc[r][1]) + (acc[r][2] + acc[r][3])) * scale);
+// Scores of KT tiles of 16 keys (their values transposed: dimension d's at kt + d * kt_stride) for QR query rows.
+// Each score sums its products in order of d, one accumulator per score, whatever QR and KT: a score's bits must
+// not depend on which rows and keys share its block.
+template <int D, int QR, int KT>
+SPECLANE_INLINE void score_block(const float* q, const float* kt, int64_t kt_stride, float* scores, int64_t stride,
+                                 float scale) {
+  v16 acc[QR][KT] = {};
+  for (int d = 0; d < D; ++d) {
+    v16 k[KT];
+    for (int t = 0; t < KT; ++t) k[t] = load(kt + d * kt_stride + 16 * t);
+    for (int r = 0; r < QR; ++r) {
+      const float x = q[r * D + d];
+      for (int t = 0; t < KT; ++t) acc[r][t] += x * k[t];
+    }
+  }
+  for (int r = 0; r < QR; ++r)
+    for (int t = 0; t < KT; ++t) store(scores + r * stride + 16 * t, acc[r][t] * scale);
 }
 
-template <int D>
-SPECLANE_INLINE void score_tile(const float* q, const float* kt, float* scores, int64_t stride, float scale,
-                                int64_t rows) {
+// score_block over rows [0, rows): blocks of 4, then one of the rest.
+template <int D, int KT>
+SPECLANE_INLINE void score_rows(const float* q, const float* kt, int64_t kt_stride, float* scores, int64_t stride,
+                                float scale, int64_t rows) {
   int64_t row = 0;
-  for (; row + 4 <= rows; row += 4) score_rows<D, 4>(q + row * D, kt, scores + row * stride, stride, scale);
+  for (; row + 4 <= rows; row += 4)
+    score_block<D, 4, KT>(q + row * D, kt, kt_stride, scores + row * stride, stride, scale);
   q += row * D;
   scores += row * stride;
   switch (rows - row) {
-    case 3: score_rows<D, 3>(q, kt, scores, stride, scale); break;
-    case 2: score_rows<D, 2>(q, kt, scores, stride, scale); break;
-    case 1: score_rows<D, 1>(q, kt, scores, stride, scale); break;
+    case 3: score_block<D, 3, KT>(q, kt, kt_stride, scores, stride, scale); break;
+    case 2: score_block<D, 2, KT>(q, kt, kt_stride, scores, stride, scale); break;
+    case 1: score_block<D, 1, KT>(q, kt, kt_stride, scores, stride, scale); break;
     default: break;
+  }
+}
+
+// score_rows over `tiles` (1 to 4) tiles of keys.
+template <int D>
+SPECLANE_INLINE void score_keys(int64_t tiles, const float* q, const float* kt, int64_t kt_stride, float* scores,
+                                int64_t stride, float scale, int64_t rows) {
+  switch (tiles) {
+    case 4: score_rows<D, 4>(q, kt, kt_stride, scores, stride, scale, rows); break;
+    case 3: score_rows<D, 3>(q, kt, kt_stride, scores, stride, scale, rows); break;
+    case 2: score_rows<D, 2>(q, kt, kt_stride, scores, stride, scale, rows); break;
+    default: score_rows<D, 1>(q, kt, kt_stride, scores, stride, scale, rows); break;
   }
 }
 
@@ -125,12 +148,52 @@ SPECLANE_INLINE void weigh_values(const float* p, int64_t p_stride, const E* con
     for (int c = 0; c < VC; ++c) store(out + r * out_stride + column + 16 * c, acc[r][c] * inverse_sums[r]);
 }
 
+// One query's group of rows: p [group, p_stride] weighs the values in order.
+template <typename V, int D>
+SPECLANE_INLINE void weigh_group(const float* p, int64_t p_stride, const V* const* values, int64_t count,
+                                 int64_t group, float* result, const float* inverse_sums) {
+  constexpr int VC = D / 16 < 8 ? D / 16 : 8, VR = 16 / VC < 4 ? 16 / VC : 4;
+  for (int64_t column = 0; column < D; column += 16 * VC) {
+    int64_t g = 0;
+    for (; g + VR <= group; g += VR)
+      weigh_values<V, VR, VC>(p + g * p_stride, p_stride, values, count, column, result + g * D, D, inverse_sums + g);
+    const int64_t rest = group - g;
+    if (VR > 3 && rest == 3)
+      weigh_values<V, 3, VC>(p + g * p_stride, p_stride, values, count, column, result + g * D, D, inverse_sums + g);
+    if (VR > 2 && rest == 2)
+      weigh_values<V, 2, VC>(p + g * p_stride, p_stride, values, count, column, result + g * D, D, inverse_sums + g);
+    if (VR > 1 && rest == 1)
+      weigh_values<V, 1, VC>(p + g * p_stride, p_stride, values, count, column, result + g * D, D, inverse_sums + g);
+  }
+}
+
+// From this many new tokens a segment's keys and values are widened to fp32 once, the keys transposed, rather than
+// per query chunk and per query: the same values, read by every query of a prompt chunk.
+constexpr int64_t kWidenFrom = 8;
+
 struct Scratch {
   std::vector<float> floats;
+  std::vector<float> wide;  // [D, keys] the keys transposed, then [keys, D] the values
   std::vector<const void*> keys;    // each key's row in the cache, by index in the segment
-  std::vector<const void*> seen;    // the keys one query sees, in order
+  std::vector<const void*> values;  // each key's value, by index in the segment (widened or in the cache)
+  std::vector<const void*> seen;    // the values one query sees, in order
   std::vector<int64_t> seen_index;  // their indices
+  std::vector<int64_t> depth;       // each new token's path length
 };
+
+// Keys k0 .. k0 + 15 of the item (s.keys), fp32 and transposed: dimension d's at out + d * out_stride.
+template <typename E, int D>
+SPECLANE_INLINE void transpose_tile(const Scratch& s, int64_t k0, float* out, int64_t out_stride) {
+  for (int64_t d0 = 0; d0 < D; d0 += 16) {
+    v16 tile[16];
+    for (int k = 0; k < 16; ++k) {
+      __builtin_prefetch(static_cast<const E*>(s.keys[k0 + 2 * kTile + k]) + d0);
+      tile[k] = load16(static_cast<const E*>(s.keys[k0 + k]) + d0);
+    }
+    transpose16(tile);
+    for (int d = 0; d < 16; ++d) store(out + (d0 + d) * out_stride, tile[d]);
+  }
+}
 
 template <typename E, int D>
 SPECLANE_CLONES void attend_item(const Call& c, int64_t segment, int64_t kv_head, Scratch& s) {
@@ -154,15 +217,38 @@ SPECLANE_CLONES void attend_item(const Call& c, int64_t segment, int64_t kv_head
 
   const int64_t chunk_rows = std::min(queries, kQueryChunk) * group;
   const int64_t stride = padded_keys;  // a row of scores, or of one query's weights
-  s.floats.resize(chunk_rows * (stride + D) + D * kTile + group * (stride + D + 1));
+  s.floats.resize(chunk_rows * (stride + D) + D * kKeyBlock + group * (stride + D + 1));
   float* scores = s.floats.data();          // [chunk rows, stride] by key index
   float* q = scores + chunk_rows * stride;  // [chunk rows, D]
-  float* kt = q + chunk_rows * D;           // [D, 16] a tile's keys, transposed
-  float* p = kt + D * kTile;                // [group, stride] one query's weights, by index among the keys it sees
+  float* kt = q + chunk_rows * D;           // [D, 64] a block's keys, transposed
+  float* p = kt + D * kKeyBlock;                // [group, stride] one query's weights, by index among the keys it sees
   float* result = p + group * stride;       // [group, D]
   float* inverse_sums = result + group * D;
   s.seen.resize(num_keys + 8);
+  const bool wide = queries >= kWidenFrom;
+  float* wide_keys = nullptr;    // [D, stride]
+  float* wide_values = nullptr;  // [keys, D]
+  if (wide) {
+    s.wide.resize(2 * stride * D);
+    wide_keys = s.wide.data();
+    wide_values = wide_keys + stride * D;
+    for (int64_t k0 = 0; k0 < stride; k0 += kTile) transpose_tile<E, D>(s, k0, wide_keys + k0, stride);
+    for (int64_t k = 0; k < num_keys; ++k)
+      for (int64_t d = 0; d < D; ++d) wide_values[k * D + d] = to_float(key(k)[D + d]);
+  }
   s.seen_index.resize(num_keys);
+  // Each new token's path length (itself and the new tokens before it): its previous one's plus one.
+  s.depth.resize(queries);
+  int64_t* depth = s.depth.data();
+  for (int64_t j = 0; j < queries; ++j) {
+    const int64_t before = c.previous[first_row + j];
+    depth[j] = before < 0 ? 1 : depth[before] + 1;
+  }
+  v16 lane;
+  for (int i = 0; i < 16; ++i) lane[i] = static_cast<float>(i);
+  s.values.resize(num_keys + 8);
+  for (int64_t k = 0; k < num_keys; ++k)
+    s.values[k] = wide ? static_cast<const void*>(wide_values + k * D) : static_cast<const void*>(key(k) + D);
 
   for (int64_t q0 = 0; q0 < queries; q0 += kQueryChunk) {
     const int64_t q1 = std::min(queries, q0 + kQueryChunk), key_end = cached + q1;
@@ -170,69 +256,65 @@ SPECLANE_CLONES void attend_item(const Call& c, int64_t segment, int64_t kv_head
       const E* source = query + ((first_row + q0 + row / group) * c.heads + kv_head * group + row % group) * D;
       for (int64_t d = 0; d < D; ++d) q[row * D + d] = to_float(source[d]);
     }
-    // Scores of each key tile for the queries that may see one of its keys (query j sees none past cached + j).
-    for (int64_t k0 = 0; k0 < key_end; k0 += kTile) {
-      for (int64_t d0 = 0; d0 < D; d0 += 16) {
-        v16 tile[16];
-        for (int k = 0; k < 16; ++k) {
-          __builtin_prefetch(key(k0 + 2 * kTile + k) + d0);
-          tile[k] = load16(key(k0 + k) + d0);
-        }
-        transpose16(tile);
-        for (int d = 0; d < 16; ++d) store(kt + (d0 + d) * kTile, tile[d]);
-      }
+    // Scores of each block of keys for the queries that may see one of its keys (query j sees none past cached + j).
+    for (int64_t k0 = 0; k0 < key_end; k0 += kKeyBlock) {
+      const int64_t tiles = std::min<int64_t>(kKeyBlock, key_end - k0 + kTile - 1) / kTile;
+      if (!wide)
+        for (int64_t t = 0; t < tiles; ++t) transpose_tile<E, D>(s, k0 + t * kTile, kt + t * kTile, kKeyBlock);
       const int64_t first_query = std::max(q0, k0 - cached);
-      score_tile<D>(q + (first_query - q0) * group * D, kt, scores + (first_query - q0) * group * stride + k0, stride,
-                    c.scale, (q1 - first_query) * group);
+      score_keys<D>(tiles, q + (first_query - q0) * group * D, wide ? wide_keys + k0 : kt, wide ? stride : kKeyBlock,
+                    scores + (first_query - q0) * group * stride + k0, stride, c.scale, (q1 - first_query) * group);
     }
     for (int64_t j = q0; j < q1; ++j) {
-      // The keys query j sees, in order: the cached ones, then its chain of new tokens.
-      int64_t count = cached;
-      for (int64_t t = j; t >= 0; t = c.previous[first_row + t]) ++count;
-      for (int64_t k = 0; k < cached; ++k) s.seen_index[k] = k;
-      for (int64_t t = j, at = count - 1; t >= 0; t = c.previous[first_row + t], --at) s.seen_index[at] = cached + t;
-      const int64_t tiles = (count + kTile - 1) / kTile * kTile;
-      v16 lane;
-      for (int i = 0; i < 16; ++i) lane[i] = static_cast<float>(i);
+      // The keys query j sees, in order: the cached ones, then its chain of new tokens. Where that chain is every
+      // new token before it (a prompt, a decode, a chain draft), they are the segment's first keys, in place.
+      const int64_t count = cached + depth[j];
+      const bool in_place = depth[j] == j + 1;
+      float* weights = in_place ? scores + (j - q0) * group * stride : p;  // [group, stride]
+      if (!in_place) {
+        for (int64_t k = 0; k < cached; ++k) s.seen_index[k] = k;
+        for (int64_t t = j, at = count - 1; t >= 0; t = c.previous[first_row + t], --at)
+          s.seen_index[at] = cached + t;
+        for (int64_t g = 0; g < group; ++g)
+          for (int64_t l = 0; l < count; ++l)
+            weights[g * stride + l] = scores[((j - q0) * group + g) * stride + s.seen_index[l]];
+        for (int64_t l = 0; l < count; ++l) s.seen[l] = s.values[s.seen_index[l]];
+      }
+      // Whole tiles, then the last one's lanes up to `count` (the rest weigh 0).
+      const int64_t whole = count / kTile * kTile;
+      const auto tail = lane < splat(static_cast<float>(count - whole));
       for (int64_t g = 0; g < group; ++g) {
-        const float* row_scores = scores + ((j - q0) * group + g) * stride;
-        float* weights = p + g * stride;
-        for (int64_t l = 0; l < count; ++l) weights[l] = row_scores[s.seen_index[l]];
+        float* row = weights + g * stride;
         v16 most = splat(-__builtin_huge_valf());
-        for (int64_t l0 = 0; l0 < tiles; l0 += kTile) {
-          const v16 x = load(weights + l0);
-          const auto seen = lane + static_cast<float>(l0) < static_cast<float>(count);
-          most = seen ? (x > most ? x : most) : most;
+        for (int64_t l0 = 0; l0 < whole; l0 += kTile) {
+          const v16 x = load(row + l0);
+          most = x > most ? x : most;
+        }
+        if (whole < count) {
+          const v16 x = load(row + whole);
+          most = tail ? (x > most ? x : most) : most;
         }
         const float largest = lanes_max(most);
         v16 sums{};
-        for (int64_t l0 = 0; l0 < tiles; l0 += kTile) {
-          const auto seen = lane + static_cast<float>(l0) < static_cast<float>(count);
-          const v16 e = seen ? exp_nonpositive(load(weights + l0) - largest) : v16{};
+        for (int64_t l0 = 0; l0 < whole; l0 += kTile) {
+          const v16 e = exp_nonpositive(load(row + l0) - largest);
           sums += e;
-          store(weights + l0, e);
+          store(row + l0, e);
+        }
+        if (whole < count) {
+          const v16 e = tail ? exp_nonpositive(load(row + whole) - largest) : v16{};
+          sums += e;
+          store(row + whole, e);
         }
         inverse_sums[g] = 1.0f / lanes_sum(sums);
       }
-      for (int64_t l = 0; l < count; ++l) s.seen[l] = key(s.seen_index[l]) + D;
-      const E* const* values = reinterpret_cast<const E* const*>(s.seen.data());
-      constexpr int VC = D / 16 < 8 ? D / 16 : 8, VR = 16 / VC < 4 ? 16 / VC : 4;
-      for (int64_t column = 0; column < D; column += 16 * VC) {
-        int64_t g = 0;
-        for (; g + VR <= group; g += VR)
-          weigh_values<E, VR, VC>(p + g * stride, stride, values, count, column, result + g * D, D,
-                                  inverse_sums + g);
-        const int64_t rest = group - g;
-        if (VR > 3 && rest == 3)
-          weigh_values<E, 3, VC>(p + g * stride, stride, values, count, column, result + g * D, D,
-                                 inverse_sums + g);
-        if (VR > 2 && rest == 2)
-          weigh_values<E, 2, VC>(p + g * stride, stride, values, count, column, result + g * D, D,
-                                 inverse_sums + g);
-        if (VR > 1 && rest == 1)
-          weigh_values<E, 1, VC>(p + g * stride, stride, values, count, column, result + g * D, D,
-                                 inverse_sums + g);
-      }
+      const void* const* values = in_place ? s.values.data() : s.seen.data();
+      if (wide)
+        weigh_group<float, D>(weights, stride, reinterpret_cast<const float* const*>(values), count, group, result,
+                              inverse_sums);
+      else
+        weigh_group<E, D>(weights, stride, reinterpret_cast<const E* const*>(values), count, group, result,
+                          inverse_sums);
       for (int64_t g = 0; g < group; ++g) {
         E* target = out + ((first_row + j) * c.heads + kv_head * group + g) * D;
         for (int64_t d = 0; d < D; ++d) from_float(result[g * D + d], target + d);
