@@ -20,11 +20,17 @@ _TREE = (-1, -1, 0, 2, 2)  # two branches, one of them forking
 _CHAIN = 3  # draft tokens after the last prompt token: fewer queries than keys, causal
 
 
+# Of the reference's largest logit. The reference runs in the served dtype and carries that dtype's rounding too:
+# Qwen2.5-Coder-0.5B's bf16 reference was 1.31 (7.9%) from the same weights' fp32 forward, farther than the
+# engine's invariant passes (0.84), so a bound of 5% refused the more exact of the two (docs/benchmarks/bf16).
+_RELATIVE = {torch.float32: 1e-4, torch.float16: 5e-2, torch.bfloat16: 1e-1}
+
+
 def tolerance(dtype: torch.dtype, scale: float) -> float:
     """How far the engine's logits may be from the reference's: both compute the
-    same math in another order, so the bound follows the dtype's precision."""
-    relative = 1e-4 if dtype == torch.float32 else 5e-2
-    return relative * max(scale, 1.0)
+    same math in another order, each rounding in the dtype, so the bound follows
+    its precision (bf16 keeps 8 bits of a value, fp16 11)."""
+    return _RELATIVE.get(dtype, 1e-1) * max(scale, 1.0)
 
 
 def largest_difference(runner: ModelRunner) -> tuple[float, float]:
