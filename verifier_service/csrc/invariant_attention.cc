@@ -16,13 +16,12 @@
 // chain of `previous` back from itself, which precede it in the segment (a tree's parents come before their
 // children).
 
-#include <omp.h>
-
 #include <algorithm>
 #include <cstdint>
 #include <stdexcept>
 #include <vector>
 
+#include "items.h"
 #include "kernels.h"
 #include "vec.h"
 
@@ -337,9 +336,6 @@ ItemFn item_function(int64_t head_dim, bool bf16) {
               : compiled_for<float, 16, 32, 64, 96, 128, 256>(head_dim);
 }
 
-// Below this many query-key products a call runs on one thread: waking another costs more than it saves.
-constexpr int64_t kPairsPerThread = 1024;
-
 }  // namespace
 
 bool attends_invariantly(int64_t head_dim) { return item_function(head_dim, false) != nullptr; }
@@ -353,25 +349,10 @@ void attend_invariant(uintptr_t query, uintptr_t out, uintptr_t cache, uintptr_t
                kv_heads, block_size, max_blocks, static_cast<float>(scale)};
   const ItemFn item_fn = item_function(head_dim, bf16);
   if (item_fn == nullptr) throw std::invalid_argument("no invariant attention kernel for this head dimension");
-  // Items (segment, KV head) split into contiguous runs of about equal cost (queries x keys).
-  std::vector<int64_t> cost_before(num_segments * kv_heads + 1, 0);
-  for (int64_t item = 0; item < num_segments * kv_heads; ++item) {
-    const int64_t* seg = c.segments + 3 * (item / kv_heads);
-    cost_before[item + 1] = cost_before[item] + seg[1] * (seg[1] + seg[2]);
-  }
-  const int64_t total = cost_before.back();
-  const int n = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(threads, total / kPairsPerThread)));
-#pragma omp parallel num_threads(n)
-  {
-    const int t = omp_get_thread_num(), team = omp_get_num_threads();
-    const auto begin = std::lower_bound(cost_before.begin(), cost_before.end(), total * t / team) -
-                       cost_before.begin();
-    const auto end = std::lower_bound(cost_before.begin(), cost_before.end(), total * (t + 1) / team) -
-                     cost_before.begin();
+  split_items(c.segments, num_segments, kv_heads, threads, [&](int64_t first, int64_t last) {
     Scratch scratch;
-    for (int64_t item = begin; item < std::min<int64_t>(end, num_segments * kv_heads); ++item)
-      item_fn(c, item / kv_heads, item % kv_heads, scratch);
-  }
+    for (int64_t item = first; item < last; ++item) item_fn(c, item / kv_heads, item % kv_heads, scratch);
+  });
 }
 
 }  // namespace speclane

@@ -12,13 +12,12 @@
 // segments [segments, 3]: first row in the pass, queries, keys cached before them. Query i of a segment is at
 // position cached + i and sees keys [max(0, position + 1 - window), position + 1) (window 0: no window).
 
-#include <omp.h>
-
 #include <algorithm>
 #include <cstdint>
 #include <stdexcept>
 #include <vector>
 
+#include "items.h"
 #include "kernels.h"
 #include "vec.h"
 
@@ -214,9 +213,6 @@ ItemFn item_function(int64_t key_dim, int64_t value_dim) {
   return compiled_for<16, 32, 64, 96, 128, 256>(key_dim, value_dim);
 }
 
-// Below this many query-key products a call runs on one thread: waking another costs more than it saves.
-constexpr int64_t kPairsPerThread = 1024;
-
 }  // namespace
 
 bool attends(int64_t key_dim, int64_t value_dim) { return item_function(key_dim, value_dim) != nullptr; }
@@ -228,29 +224,13 @@ void attend(uintptr_t query, uintptr_t out, uintptr_t cache, uintptr_t tables, u
                reinterpret_cast<const float*>(cache), reinterpret_cast<const int64_t*>(tables),
                reinterpret_cast<const int64_t*>(segments), heads, kv_heads, block_size, max_blocks, window,
                static_cast<float>(scale)};
-  // Items (segment, KV head) split into contiguous runs of about equal cost (queries x keys).
-  std::vector<int64_t> cost_before(num_segments * kv_heads + 1, 0);
-  for (int64_t item = 0; item < num_segments * kv_heads; ++item) {
-    const int64_t* seg = c.segments + 3 * (item / kv_heads);
-    cost_before[item + 1] = cost_before[item] + seg[1] * (seg[1] + seg[2]);
-  }
-  const int64_t total = cost_before.back();
-  const int n = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(threads, total / kPairsPerThread)));
   const ItemFn item_fn = item_function(key_dim, value_dim);
   if (item_fn == nullptr) throw std::invalid_argument("no attention kernel for these head dimensions");
-  // PyTorch's own threads (kernels.h).
-#pragma omp parallel num_threads(n)
-  {
-    const int t = omp_get_thread_num(), team = omp_get_num_threads();
-    const auto begin = std::lower_bound(cost_before.begin(), cost_before.end(), total * t / team) -
-                       cost_before.begin();
-    const auto end = std::lower_bound(cost_before.begin(), cost_before.end(), total * (t + 1) / team) -
-                     cost_before.begin();
+  split_items(c.segments, num_segments, kv_heads, threads, [&](int64_t first, int64_t last) {
     std::vector<float> scratch;
     std::vector<const float*> keys;
-    for (int64_t item = begin; item < std::min<int64_t>(end, num_segments * kv_heads); ++item)
-      item_fn(c, item / kv_heads, item % kv_heads, scratch, keys);
-  }
+    for (int64_t item = first; item < last; ++item) item_fn(c, item / kv_heads, item % kv_heads, scratch, keys);
+  });
 }
 
 }  // namespace speclane
