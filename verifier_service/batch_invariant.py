@@ -67,6 +67,10 @@ _QUERY_CHUNK = 64
 # keys would sum otherwise than the plain decode that holds the path's keys side by side.
 KEY_BLOCK = 64
 _MIN_ROWS = 2  # attention's products of fewer rows are padded
+# Raised by the invariant attention backends at the first pass of such a layer (the start-up check's): a ValueError,
+# so the verifier refuses to start with this line rather than failing on every request.
+UNSUPPORTED = ("batch-invariant attention has no sliding window, softcapping or sinks: serve this model with "
+               "--batch-invariant off (speculation may then change a greedy output) or --dtype float32")
 _LOOP_ROWS = 64  # query rows (heads x tokens) from which the blocks' sum is a loop rather than a cumsum
 
 

@@ -139,9 +139,9 @@ class ModelRunner:
                                            g.key_dim)
         if attention_backend != "auto" and batch_invariant == "auto":
             batch_invariant = "off"  # a named backend attends as it does, not as invariant passes would
+        kernel = cpu_invariant.attends(self.device, dtype, g.key_dim, latent=g.value_dim == 0)
         self.batch_invariant = make_invariant(batch_invariant, self.model, self.device, dtype, tp is not None,
-                                              (heads, g.kv_heads, g.key_dim),
-                                              kernel=cpu_invariant.attends(self.device, dtype, g.key_dim))
+                                              (heads, g.kv_heads, g.key_dim), kernel=kernel)
         try:
             self.backend = select_backend(self.device, dtype, self.batch_invariant, heads, g.kv_heads, g.key_dim,
                                           latent=g.value_dim == 0, choice=attention_backend)

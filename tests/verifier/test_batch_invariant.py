@@ -6,8 +6,10 @@ import pytest
 import torch
 from torch import nn
 
+from tests.verifier.architectures import save_tiny
 from tests.verifier.conftest import BLOCK
 from verifier_service import batch_invariant
+from verifier_service.attention import cpu_invariant
 from verifier_service.batch_invariant import (
     PaddedLinear,
     differing_from_plain_decode,
@@ -23,6 +25,7 @@ from verifier_service.block_manager import BlockManager
 from verifier_service.engine import Engine
 from verifier_service.model_runner import ModelRunner
 from verifier_service.scheduler import BatchLimits
+from verifier_service.self_check import check_against_reference
 from verifier_service.sequence import Draft, GenerationParams
 
 CPU = torch.device("cpu")
@@ -88,9 +91,16 @@ def greedy(engine: Engine, prompt, steps: int, tree_from=None, companion=None):
     return tokens[:steps], logprobs[:steps]
 
 
-@needs_invariant_bf16
-def test_a_bf16_model_verifies_trees_with_the_bits_of_plain_decoding(tiny_model_dir):
-    runner = ModelRunner(tiny_model_dir, "cpu", torch.bfloat16, batch_invariant="on")
+@pytest.mark.parametrize("kernel", [True, False], ids=["cpu-kernel", "torch-operators"])
+def test_a_bf16_model_verifies_trees_with_the_bits_of_plain_decoding(tmp_path, kernel, monkeypatch):
+    if not kernel:  # the torch operators' backend, which serves other devices, MLA and other head dimensions
+        if not holds_on(CPU, torch.bfloat16, SMOLLM2_SIZES):
+            pytest.skip("this CPU's bf16 attention is not batch-invariant")
+        monkeypatch.setattr(cpu_invariant, "attends", lambda *args, **kwargs: False)
+    # Heads of 16, a dimension the kernel is compiled for.
+    runner = ModelRunner(save_tiny("llama", tmp_path, {"hidden_size": 64}), "cpu", torch.bfloat16,
+                         batch_invariant="on")
+    assert runner.backend.name == ("cpu-invariant" if kernel else "batch-invariant")
     engine = Engine(runner, BlockManager(4096 // BLOCK, BLOCK, False))
     prompt = [5, 9, 14, 3, 22, 40, 7, 19, 33]
     plain_tokens, plain_logprobs = greedy(engine, prompt, 24)
@@ -99,9 +109,10 @@ def test_a_bf16_model_verifies_trees_with_the_bits_of_plain_decoding(tiny_model_
     assert logprobs == plain_logprobs  # the logits' bits, not only their argmax
 
 
-@needs_invariant_bf16
-def test_a_prompt_prefilled_in_chunks_decodes_as_one_prefilled_at_once(tiny_model_dir):
-    runner = ModelRunner(tiny_model_dir, "cpu", torch.bfloat16, batch_invariant="on")
+def test_a_prompt_prefilled_in_chunks_decodes_as_one_prefilled_at_once(tmp_path):
+    runner = ModelRunner(save_tiny("llama", tmp_path, {"hidden_size": 64}), "cpu", torch.bfloat16,
+                         batch_invariant="on")
+    assert runner.backend.name == "cpu-invariant"
     prompt = [5, 9, 14, 3, 22, 40, 7, 19, 33]
     whole = greedy(Engine(runner, BlockManager(4096 // BLOCK, BLOCK, False)), prompt, 6)
     # Chunks of 4 tokens: the first two keep no logits, so the output layer gets no rows.
@@ -151,3 +162,11 @@ def test_an_order_without_a_tree_needs_no_reordering():
     order = key_order(3, (), CPU)
     assert not order.is_tree
     assert order.attends.tolist() == [[True, False, False], [True, True, False], [True, True, True]]
+
+
+def test_a_layer_invariant_passes_cannot_attend_is_refused_at_start_with_the_reason(tmp_path):
+    runner = ModelRunner(save_tiny("gemma2", tmp_path), "cpu", torch.bfloat16, batch_invariant="on")  # softcapping
+    runner.allocate_cache(16, BLOCK)
+    with pytest.raises(ValueError, match="no sliding window, softcapping or sinks: serve this model with") as error:
+        check_against_reference(runner)  # a ValueError: the verifier's one-line refusal, not a traceback
+    assert "\n" not in str(error.value)

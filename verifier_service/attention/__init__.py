@@ -83,7 +83,7 @@ def select_backend(device: torch.device, dtype: torch.dtype, batch_invariant: bo
     if choice == TORCH_SDPA:
         return TorchAttention(heads * key_dim)
     if batch_invariant:
-        return (cpu_invariant.CpuInvariantAttention() if cpu_invariant.attends(device, dtype, key_dim)
+        return (cpu_invariant.CpuInvariantAttention() if cpu_invariant.attends(device, dtype, key_dim, latent)
                 else InvariantAttention())
     if device.type == "npu":
         return AscendAttention(heads, kv_heads)

@@ -7,8 +7,8 @@ by construction, so no start-up check of the platform's operators is needed.
 invariant.InvariantAttention computes the same property from torch operators
 on any device, a dozen of them per segment and layer: on a CPU 0.13 ms a
 decoding segment and layer, most of a 16-sequence bf16 pass (docs/benchmarks/
-bf16). Its softcapping, sliding windows, sinks and MLA's latent cache are refused
-here as there."""
+bf16). Like it, it refuses softcapping, sliding windows and sinks, with the
+reason, at the start-up check's first pass; MLA's latent cache stays with it."""
 
 from dataclasses import dataclass
 
@@ -17,15 +17,17 @@ import torch
 
 from verifier_service.attention.backend import LayerCall, slot_mapping, table_rows
 from verifier_service.batch import PassInputs, Segment
+from verifier_service.batch_invariant import UNSUPPORTED
 from verifier_service.device import cpu_kernels
 from verifier_service.kv_cache import PagedKVCache
 
 DTYPES = (torch.float32, torch.bfloat16)
 
 
-def attends(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
-    """Whether the kernel serves a model of this head dimension and dtype on `device`."""
-    if device.type != "cpu" or dtype not in DTYPES:
+def attends(device: torch.device, dtype: torch.dtype, head_dim: int, latent: bool) -> bool:
+    """Whether the kernel serves a model of this head dimension and dtype on `device` (latent: MLA's cache, whose
+    keys and values are expanded per read; InvariantAttention serves it)."""
+    if device.type != "cpu" or dtype not in DTYPES or latent:
         return False
     try:
         return cpu_kernels().attends_invariantly(head_dim)
@@ -68,8 +70,8 @@ class CpuInvariantAttention:
 
     def attend(self, metadata: Metadata, call: LayerCall, query: torch.Tensor, cache: PagedKVCache) -> torch.Tensor:
         kv = cache.kv[call.layer]
-        if call.sliding_window or call.softcap or call.sinks is not None or call.expand is not None:
-            raise NotImplementedError("batch-invariant attention has no sliding window, softcapping, sinks or MLA")
+        if call.sliding_window or call.softcap or call.sinks is not None:
+            raise ValueError(UNSUPPORTED)
         query = query.contiguous()
         heads, kv_heads, head_dim = query.shape[1], kv.shape[1], cache.key_dim
         out = torch.empty_like(query)

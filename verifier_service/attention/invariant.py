@@ -13,7 +13,7 @@ import torch
 
 from verifier_service.attention.backend import LayerCall, slot_mapping
 from verifier_service.batch import PassInputs, Segment
-from verifier_service.batch_invariant import KEY_BLOCK, KeyOrder, key_order, segment_attention
+from verifier_service.batch_invariant import KEY_BLOCK, UNSUPPORTED, KeyOrder, key_order, segment_attention
 from verifier_service.kv_cache import PagedKVCache
 
 
@@ -51,7 +51,7 @@ class InvariantAttention:
 
     def attend(self, metadata: Metadata, call: LayerCall, query: torch.Tensor, cache: PagedKVCache) -> torch.Tensor:
         if call.sliding_window or call.softcap or call.sinks is not None:
-            raise NotImplementedError("batch-invariant attention has no sliding window, softcapping or sinks")
+            raise ValueError(UNSUPPORTED)
         rows = [t[metadata.key_slots].transpose(0, 1)[None] for t in (cache.keys[call.layer], cache.values[call.layer])]
         # [kv_heads, keys, dim] each: a segment's run is a view whose rows per head are contiguous.
         keys, values = (t[0].contiguous() for t in call.keys_values(*rows))
