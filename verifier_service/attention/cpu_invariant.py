@@ -38,7 +38,6 @@ def attends(device: torch.device, dtype: torch.dtype, head_dim: int, latent: boo
 @dataclass(frozen=True)
 class Metadata:
     slot_mapping: torch.Tensor
-    num_tokens: int
     segments: torch.Tensor  # [n, 3] first row, new tokens, cached tokens
     tables: torch.Tensor  # [n, most blocks]
     previous: torch.Tensor  # [T] the new token (its index in its segment) a row's token follows; -1: none
@@ -64,7 +63,7 @@ class CpuInvariantAttention:
         counts = np.fromiter((seg.num_tokens for seg in segments), np.int64, len(segments))
         used = -(-(starts + counts) // block_size)
         rows = np.stack([np.asarray(inputs.offsets, dtype=np.int64), counts, starts], axis=1)
-        return Metadata(slot_mapping(segments, block_size, device), int(counts.sum()), torch.from_numpy(rows),
+        return Metadata(slot_mapping(segments, block_size, device), torch.from_numpy(rows),
                         torch.from_numpy(table_rows(segments, used, len(segments), int(used.max()), 0)),
                         torch.from_numpy(np.concatenate([previous_tokens(seg) for seg in segments])))
 

@@ -220,10 +220,9 @@ SPECLANE_CLONES void attend_item(const Call& c, int64_t segment, int64_t kv_head
   float* scores = s.floats.data();          // [chunk rows, stride] by key index
   float* q = scores + chunk_rows * stride;  // [chunk rows, D]
   float* kt = q + chunk_rows * D;           // [D, 64] a block's keys, transposed
-  float* p = kt + D * kKeyBlock;                // [group, stride] one query's weights, by index among the keys it sees
+  float* p = kt + D * kKeyBlock;            // [group, stride] one query's weights, by index among the keys it sees
   float* result = p + group * stride;       // [group, D]
   float* inverse_sums = result + group * D;
-  s.seen.resize(num_keys + 8);
   const bool wide = queries >= kWidenFrom;
   float* wide_keys = nullptr;    // [D, stride]
   float* wide_values = nullptr;  // [keys, D]
@@ -235,7 +234,6 @@ SPECLANE_CLONES void attend_item(const Call& c, int64_t segment, int64_t kv_head
     for (int64_t k = 0; k < num_keys; ++k)
       for (int64_t d = 0; d < D; ++d) wide_values[k * D + d] = to_float(key(k)[D + d]);
   }
-  s.seen_index.resize(num_keys);
   // Each new token's path length (itself and the new tokens before it): its previous one's plus one.
   s.depth.resize(queries);
   int64_t* depth = s.depth.data();
@@ -245,9 +243,16 @@ SPECLANE_CLONES void attend_item(const Call& c, int64_t segment, int64_t kv_head
   }
   v16 lane;
   for (int i = 0; i < 16; ++i) lane[i] = static_cast<float>(i);
-  s.values.resize(num_keys + 8);
+  s.values.resize(num_keys);
   for (int64_t k = 0; k < num_keys; ++k)
     s.values[k] = wide ? static_cast<const void*>(wide_values + k * D) : static_cast<const void*>(key(k) + D);
+  // A tree query's keys: the cached ones, the same for every query, then its path (filled in per query).
+  s.seen_index.resize(num_keys);
+  s.seen.resize(num_keys);
+  for (int64_t k = 0; k < cached; ++k) {
+    s.seen_index[k] = k;
+    s.seen[k] = s.values[k];
+  }
 
   for (int64_t q0 = 0; q0 < queries; q0 += kQueryChunk) {
     const int64_t q1 = std::min(queries, q0 + kQueryChunk), key_end = cached + q1;
@@ -271,13 +276,13 @@ SPECLANE_CLONES void attend_item(const Call& c, int64_t segment, int64_t kv_head
       const bool in_place = depth[j] == j + 1;
       float* weights = in_place ? scores + (j - q0) * group * stride : p;  // [group, stride]
       if (!in_place) {
-        for (int64_t k = 0; k < cached; ++k) s.seen_index[k] = k;
-        for (int64_t t = j, at = count - 1; t >= 0; t = c.previous[first_row + t], --at)
+        for (int64_t t = j, at = count - 1; t >= 0; t = c.previous[first_row + t], --at) {
           s.seen_index[at] = cached + t;
+          s.seen[at] = s.values[cached + t];
+        }
         for (int64_t g = 0; g < group; ++g)
           for (int64_t l = 0; l < count; ++l)
             weights[g * stride + l] = scores[((j - q0) * group + g) * stride + s.seen_index[l]];
-        for (int64_t l = 0; l < count; ++l) s.seen[l] = s.values[s.seen_index[l]];
       }
       // Whole tiles, then the last one's lanes up to `count` (the rest weigh 0).
       const int64_t whole = count / kTile * kTile;
