@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from verifier_service.amx_linear import AmxLinear, amx_ready
+from verifier_service.amx_linear import AmxGatedMlp, AmxLinear, amx_ready
 from verifier_service.cpu_linear import replace_linears
 from verifier_service.tree import ancestors
 
@@ -194,7 +194,8 @@ def fewest_rows(weight: torch.Tensor) -> int | None:
 def make_linears_invariant(model: nn.Module) -> bool:
     """Makes each nn.Linear's rows batch-invariant: on a CPU with AMX, a bf16
     layer computes through our kernel, whose sums have one order for any rows
-    (amx_linear.py); elsewhere its inputs are padded to the rows its weight's
+    (amx_linear.py), a SwiGLU MLP's gate and up projections in one product;
+    elsewhere its inputs are padded to the rows its weight's
     shape needs (the most fewest_rows finds for any layer of that shape: whether
     a kernel path shows depends on the weights too). False, changing nothing,
     where some layer has no such padding."""
@@ -210,6 +211,10 @@ def make_linears_invariant(model: nn.Module) -> bool:
             if needed is None:
                 return False
             paddings[shape] = max(paddings.get(shape, 0), needed)
+    mlps = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
+            if AmxGatedMlp.fuses(child) and by_amx(child.gate_proj)]
+    for parent, name, child in mlps:
+        setattr(parent, name, AmxGatedMlp(child))
     replace_linears(model, lambda linear: (AmxLinear(linear) if by_amx(linear)
                                            else PaddedLinear(linear, paddings[tuple(linear.weight.shape)])))
     return True

@@ -8,8 +8,12 @@
 // A tile, computed from its own values alone.
 //
 // Layouts. The weight [out, in] is packed once at load (amx_linear.py) into tiles of 16 outputs by 32 inputs in
-// AMX's pair-interleaved form: [out / 16][in / 32][16 input pairs][16 outputs][2], zero-padded. x is
-// [ceil(rows / 16) * 16][in padded to 32] bf16, zero-padded; y [rows, out] bf16, rounded to nearest even.
+// AMX's pair-interleaved form: [out / 16][in / 32][16 input pairs][16 outputs][2], zero-padded. x is [rows, in] bf16
+// with `in` a multiple of 32 (the caller pads other widths); y [rows, out] bf16, rounded to nearest even.
+//
+// Gated (a SwiGLU MLP's gate and up projections in one product): the packed weight alternates the gate's output
+// blocks with the up projection's, so a tile product of two output blocks holds both halves of 16 outputs, and y
+// [rows, out] gets silu(gate) * up from their fp32 sums, rounded once.
 
 #include "kernels.h"
 
@@ -21,6 +25,9 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <vector>
+
+#include "vec.h"
 #endif
 
 namespace speclane {
@@ -59,9 +66,8 @@ using Sums = float[2][2][kTileRows][kTileRows];  // [row block][output block][ro
 // The sums of kM row blocks at a by one or two (kPair) output blocks at w0, w1, over all the input blocks in order:
 // tile products of 2 x 2 blocks load two tiles per product rather than three.
 template <int kM, bool kPair>
-SPECLANE_AMX_TARGET void tile_sums(const uint16_t* a, int64_t x_stride, const uint16_t* w0, const uint16_t* w1,
-                                   int64_t k_blocks, Sums& sums) {
-  const int64_t second_rows = kTileRows * x_stride / 2;  // elements from one row block of x to the next
+SPECLANE_AMX_TARGET void tile_sums(const uint16_t* a0, const uint16_t* a1, int64_t x_stride, const uint16_t* w0,
+                                   const uint16_t* w1, int64_t k_blocks, Sums& sums) {
   _tile_zero(0);
   _tile_zero(1);
   _tile_zero(2);
@@ -69,11 +75,11 @@ SPECLANE_AMX_TARGET void tile_sums(const uint16_t* a, int64_t x_stride, const ui
   for (int64_t kb = 0; kb < k_blocks; ++kb) {
     _tile_loadd(6, w0 + kb * kTileElems, 64);
     if (kPair) _tile_loadd(7, w1 + kb * kTileElems, 64);
-    _tile_loadd(4, a + kb * kBlock, x_stride);
+    _tile_loadd(4, a0 + kb * kBlock, x_stride);
     _tile_dpbf16ps(0, 4, 6);
     if (kPair) _tile_dpbf16ps(1, 4, 7);
     if (kM == 2) {
-      _tile_loadd(5, a + second_rows + kb * kBlock, x_stride);
+      _tile_loadd(5, a1 + kb * kBlock, x_stride);
       _tile_dpbf16ps(2, 5, 6);
       if (kPair) _tile_dpbf16ps(3, 5, 7);
     }
@@ -100,24 +106,60 @@ SPECLANE_AMX_TARGET void store_rows(const Sums& sums, uint16_t* y, int64_t m, in
   }
 }
 
-// Output blocks [first, last) for every row: two output blocks by two row blocks at a time.
-SPECLANE_AMX_TARGET void output_blocks(const uint16_t* x, const uint16_t* packed, uint16_t* y, int64_t rows,
-                                       int64_t k_blocks, int64_t out, int64_t first, int64_t last) {
+// silu(gate) * up of rows [m, m + count) for outputs [16 g, 16 g + 16): the gate's sums are output block 0 of
+// `sums`, the up projection's block 1. silu(x) = x sigmoid(x), with e^-|x| so that the exponential cannot overflow.
+SPECLANE_AMX_TARGET void store_gated(const Sums& sums, uint16_t* y, int64_t m, int64_t count, int64_t g,
+                                     int64_t out) {
+  const int64_t first = g * kTileRows;
+  const __mmask16 columns = static_cast<__mmask16>((1u << std::min<int64_t>(kTileRows, out - first)) - 1);
+  for (int64_t r = 0; r < count; ++r) {
+    const v16 gate = load(sums[r / kTileRows][0][r % kTileRows]), up = load(sums[r / kTileRows][1][r % kTileRows]);
+    const v16 negative = gate < splat(0.0f) ? gate : -gate;
+    const v16 e = exp_nonpositive(negative);
+    const v16 sigmoid = (gate < splat(0.0f) ? e : splat(1.0f)) / (e + 1.0f);
+    const __m256bh rounded = _mm512_cvtneps_pbh((__m512)(gate * sigmoid * up));
+    _mm256_mask_storeu_epi16(y + (m + r) * out + first, columns, reinterpret_cast<const __m256i&>(rounded));
+  }
+}
+
+// x's row blocks: the first `full` rows in place, the last partial block from a zero-padded copy, so that no tile
+// load reads past x.
+struct RowBlocks {
+  const uint16_t* x;
+  const uint16_t* tail;
+  int64_t full, width;
+  const uint16_t* at(int64_t m) const { return m < full ? x + m * width : tail; }
+};
+
+// A thread keeps this much of x in its L2 cache while it sweeps its output blocks over it, rather than reading all
+// of x from memory once per output block pair.
+constexpr int64_t kChunkBytes = 1 << 20;
+
+// Output blocks [first, last) for every row: two output blocks by two row blocks at a time, chunk by chunk of rows.
+SPECLANE_AMX_TARGET void output_blocks(const RowBlocks& x, const uint16_t* packed, uint16_t* y, int64_t rows,
+                                       int64_t k_blocks, int64_t out, bool gated, int64_t first, int64_t last) {
   configure();
   alignas(64) Sums sums;
-  const int64_t x_stride = k_blocks * kBlock * 2;  // bytes per row of x
-  for (int64_t nb = first; nb < last; nb += 2) {
-    const bool pair = nb + 1 < last;
-    const uint16_t* w0 = packed + nb * k_blocks * kTileElems;
-    const uint16_t* w1 = w0 + k_blocks * kTileElems;
-    for (int64_t m = 0; m < rows; m += 2 * kTileRows) {
-      const uint16_t* a = x + m * k_blocks * kBlock;
-      const bool two = m + kTileRows < rows;
-      if (two && pair) tile_sums<2, true>(a, x_stride, w0, w1, k_blocks, sums);
-      else if (two) tile_sums<2, false>(a, x_stride, w0, w1, k_blocks, sums);
-      else if (pair) tile_sums<1, true>(a, x_stride, w0, w1, k_blocks, sums);
-      else tile_sums<1, false>(a, x_stride, w0, w1, k_blocks, sums);
-      store_rows(sums, y, m, std::min<int64_t>(2 * kTileRows, rows - m), nb, pair, out);
+  const int64_t x_stride = x.width * 2;  // bytes per row
+  const int64_t chunk = std::max<int64_t>(1, kChunkBytes / (x_stride * 2 * kTileRows)) * 2 * kTileRows;
+  for (int64_t m0 = 0; m0 < rows; m0 += chunk) {
+    const int64_t m1 = std::min(rows, m0 + chunk);
+    for (int64_t nb = first; nb < last; nb += 2) {
+      const bool pair = nb + 1 < last;
+      const uint16_t* w0 = packed + nb * k_blocks * kTileElems;
+      const uint16_t* w1 = w0 + k_blocks * kTileElems;
+      for (int64_t m = m0; m < m1; m += 2 * kTileRows) {
+        const uint16_t* a0 = x.at(m);
+        const uint16_t* a1 = x.at(m + kTileRows);
+        const bool two = m + kTileRows < m1;
+        if (two && pair) tile_sums<2, true>(a0, a1, x_stride, w0, w1, k_blocks, sums);
+        else if (two) tile_sums<2, false>(a0, a1, x_stride, w0, w1, k_blocks, sums);
+        else if (pair) tile_sums<1, true>(a0, a1, x_stride, w0, w1, k_blocks, sums);
+        else tile_sums<1, false>(a0, a1, x_stride, w0, w1, k_blocks, sums);
+        const int64_t count = std::min<int64_t>(2 * kTileRows, m1 - m);
+        if (gated) store_gated(sums, y, m, count, nb / 2, out);
+        else store_rows(sums, y, m, count, nb, pair, out);
+      }
     }
   }
   _tile_release();
@@ -134,19 +176,24 @@ bool amx_ready() {
 }
 
 void amx_linear(uintptr_t x, uintptr_t packed, uintptr_t y, int64_t rows, int64_t in_features,
-                int64_t out_features, int threads) {
-  const int64_t k_blocks = (in_features + kBlock - 1) / kBlock;
-  const int64_t n_blocks = (out_features + kTileRows - 1) / kTileRows;
+                int64_t out_features, bool gated, int threads) {
+  const int64_t k_blocks = in_features / kBlock;
+  const int64_t n_blocks = (gated ? 2 : 1) * ((out_features + kTileRows - 1) / kTileRows);
   const int64_t pairs = (n_blocks + 1) / 2;
-  // Each thread takes a contiguous run of output block pairs; a row's sums do not depend on the split.
+  const int64_t full = rows / kTileRows * kTileRows;
+  std::vector<uint16_t> tail(full < rows ? kTileRows * in_features : 0);
+  std::copy_n(reinterpret_cast<const uint16_t*>(x) + full * in_features, (rows - full) * in_features, tail.data());
+  const RowBlocks blocks{reinterpret_cast<const uint16_t*>(x), tail.data(), full, in_features};
+  // Each thread takes a contiguous run of output block pairs (a gate block with its up block when gated); a row's
+  // sums do not depend on the split.
 #pragma omp parallel num_threads(std::max<int64_t>(1, std::min<int64_t>(threads, pairs)))
   {
     const int t = omp_get_thread_num(), team = omp_get_num_threads();
     const int64_t first = std::min(n_blocks, pairs * t / team * 2);
     const int64_t last = std::min(n_blocks, pairs * (t + 1) / team * 2);
     if (first < last)
-      output_blocks(reinterpret_cast<const uint16_t*>(x), reinterpret_cast<const uint16_t*>(packed),
-                    reinterpret_cast<uint16_t*>(y), rows, k_blocks, out_features, first, last);
+      output_blocks(blocks, reinterpret_cast<const uint16_t*>(packed), reinterpret_cast<uint16_t*>(y), rows,
+                    k_blocks, out_features, gated, first, last);
   }
 }
 
@@ -154,7 +201,7 @@ void amx_linear(uintptr_t x, uintptr_t packed, uintptr_t y, int64_t rows, int64_
 
 bool amx_ready() { return false; }
 
-void amx_linear(uintptr_t, uintptr_t, uintptr_t, int64_t, int64_t, int64_t, int) {}
+void amx_linear(uintptr_t, uintptr_t, uintptr_t, int64_t, int64_t, int64_t, bool, int) {}
 
 #endif
 
