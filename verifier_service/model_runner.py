@@ -24,8 +24,9 @@ from verifier_service.distributed import TensorParallel
 from verifier_service.graphs import PassGraphs
 from verifier_service.kv_cache import KVGeometry, PagedKVCache
 from verifier_service.linear_attention import LinearStates, is_linear_attention
-from verifier_service.npu_ops import fuse_rms_norms, npu_rms_norm
+from verifier_service.npu_ops import npu_rms_norm
 from verifier_service.quantization import quantizer_missing, unsupported_checkpoint
+from verifier_service.rms_norm import CPU_DTYPES, cpu_rms_norm, fuse_rms_norms
 
 log = structlog.get_logger()
 
@@ -127,6 +128,8 @@ class ModelRunner:
         self.model = (model if tp is not None else model.to(self.device)).eval()
         if self.device.type == "npu":
             fuse_rms_norms(self.model, npu_rms_norm())
+        elif self.device.type == "cpu" and dtype in CPU_DTYPES:
+            fuse_rms_norms(self.model, cpu_rms_norm)
         # A pass's rows multiply up to 4x faster in the way timed fastest for their count on a CPU (cpu_linear.py).
         if measures_linear_ways(self.device, dtype, tp is not None):
             add_measured_linears(self.model, tuning_dir)

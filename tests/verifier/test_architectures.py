@@ -30,13 +30,15 @@ from verifier_service.block_manager import BlockManager, BlockTable, MoveSlots, 
 from verifier_service.engine import Engine
 from verifier_service.linear_attention import LinearStates
 from verifier_service.model_runner import ModelRunner, UnsupportedModel, unsupported
-from verifier_service.npu_ops import fuse_rms_norms
+from verifier_service.npu_ops import npu_rms_norm
+from verifier_service.rms_norm import fuse_rms_norms
 from verifier_service.sampling import SamplingParams
 from verifier_service.self_check import check_against_reference
 from verifier_service.sequence import Draft, GenerationParams
 
+from . import npu_emulation
 from .architectures import REFUSED, SERVED, save_tiny, tiny_config
-from .npu_emulation import npu_fused_infer_attention_score, npu_rms_norm
+from .npu_emulation import npu_fused_infer_attention_score
 
 BLOCK = 4  # several blocks per sequence, so block tables are exercised
 PROMPT = [(7 * i) % 90 + 3 for i in range(13)]
@@ -94,7 +96,7 @@ def test_the_ascend_backend_on_an_emulation_of_its_operator_gives_transformers_l
     runner = ModelRunner(save_tiny(model_type, tmp_path), "cpu", torch.float32)
     heads = runner.model.config.get_text_config().num_attention_heads
     runner.backend = AscendAttention(heads, runner.geometry.kv_heads, npu_fused_infer_attention_score)
-    fused = fuse_rms_norms(runner.model, npu_rms_norm)
+    fused = fuse_rms_norms(runner.model, npu_rms_norm(npu_emulation.npu_rms_norm))
     assert fused or model_type in ("gemma3_text", "qwen3_next", "qwen3_5_text")  # norms of the (1 + weight) form
     runner.allocate_cache(64, BLOCK, num_state_slots=2)
     assert runner.cache.kv is None  # keys and values apart, as the operator reads them

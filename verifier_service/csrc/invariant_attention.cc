@@ -28,41 +28,6 @@
 namespace speclane {
 namespace {
 
-typedef uint16_t u16x16 __attribute__((vector_size(32)));
-typedef uint32_t u32x16 __attribute__((vector_size(64)));
-
-SPECLANE_INLINE v16 load16(const float* p) { return load(p); }
-
-SPECLANE_INLINE v16 load16(const uint16_t* p) {  // bf16: the upper half of an fp32
-  u16x16 half;
-  __builtin_memcpy(&half, p, sizeof half);
-  const u32x16 wide = __builtin_convertvector(half, u32x16) << 16;
-  v16 v;
-  __builtin_memcpy(&v, &wide, sizeof v);
-  return v;
-}
-
-SPECLANE_INLINE float to_float(float x) { return x; }
-
-SPECLANE_INLINE float to_float(uint16_t x) {
-  const uint32_t wide = static_cast<uint32_t>(x) << 16;
-  float f;
-  __builtin_memcpy(&f, &wide, sizeof f);
-  return f;
-}
-
-SPECLANE_INLINE void from_float(float x, float* out) { *out = x; }
-
-SPECLANE_INLINE void from_float(float x, uint16_t* out) {  // rounded to nearest even, as PyTorch rounds
-  uint32_t bits;
-  __builtin_memcpy(&bits, &x, sizeof bits);
-  if ((bits & 0x7fffffffu) > 0x7f800000u) {  // NaN stays NaN
-    *out = static_cast<uint16_t>((bits >> 16) | 0x40);
-    return;
-  }
-  *out = static_cast<uint16_t>((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
-}
-
 constexpr int64_t kTile = 16;        // keys in the lanes of one vector
 constexpr int64_t kKeyBlock = 64;    // keys scored together: four tiles
 constexpr int64_t kQueryChunk = 32;  // queries scored together: their rows of scores stay small

@@ -34,6 +34,10 @@ void attend_invariant(uintptr_t query, uintptr_t out, uintptr_t cache, uintptr_t
                       uintptr_t previous, int64_t num_segments, int64_t heads, int64_t kv_heads, int64_t head_dim,
                       int64_t block_size, int64_t max_blocks, double scale, bool bf16, int threads);
 
+// Llama's RMSNorm of each row, fp32 or bf16 (rms_norm.cc).
+void rms_norm(uintptr_t x, uintptr_t weight, uintptr_t y, int64_t rows, int64_t hidden, double eps, bool bf16,
+              int threads);
+
 // bf16 products on Intel AMX that give a row the same bits in any batch, plain or a SwiGLU MLP's gated pair
 // (amx_linear.cc: layouts); amx_ready says whether this CPU and kernel let the process use them.
 bool amx_ready();

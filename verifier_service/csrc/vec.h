@@ -57,6 +57,53 @@ SPECLANE_INLINE v16 exp_nonpositive(v16 x) {
   return p * two_n;
 }
 
+typedef uint16_t u16x16 __attribute__((vector_size(32)));
+typedef uint32_t u32x16 __attribute__((vector_size(64)));
+
+SPECLANE_INLINE v16 load16(const float* p) { return load(p); }
+
+// bf16 values as uint16_t (the upper half of an fp32) and fp32 ones, read and written alike.
+SPECLANE_INLINE v16 load16(const uint16_t* p) {
+  u16x16 half;
+  __builtin_memcpy(&half, p, sizeof half);
+  const u32x16 wide = __builtin_convertvector(half, u32x16) << 16;
+  v16 v;
+  __builtin_memcpy(&v, &wide, sizeof v);
+  return v;
+}
+
+SPECLANE_INLINE float to_float(float x) { return x; }
+
+SPECLANE_INLINE float to_float(uint16_t x) {
+  const uint32_t wide = static_cast<uint32_t>(x) << 16;
+  float f;
+  __builtin_memcpy(&f, &wide, sizeof f);
+  return f;
+}
+
+SPECLANE_INLINE void from_float(float x, float* out) { *out = x; }
+
+SPECLANE_INLINE void from_float(float x, uint16_t* out) {  // rounded to nearest even, as PyTorch rounds
+  uint32_t bits;
+  __builtin_memcpy(&bits, &x, sizeof bits);
+  if ((bits & 0x7fffffffu) > 0x7f800000u) {  // NaN stays NaN
+    *out = static_cast<uint16_t>((bits >> 16) | 0x40);
+    return;
+  }
+  *out = static_cast<uint16_t>((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+}
+
+SPECLANE_INLINE void store16(float* p, v16 v) { store(p, v); }
+
+SPECLANE_INLINE void store16(uint16_t* p, v16 v) {  // from_float's rounding, 16 at a time
+  u32x16 bits;
+  __builtin_memcpy(&bits, &v, sizeof bits);
+  const u32x16 rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
+  const u32x16 kept = (bits & 0x7fffffffu) > 0x7f800000u ? (bits >> 16) | 0x40u : rounded;
+  const u16x16 half = __builtin_convertvector(kept, u16x16);
+  __builtin_memcpy(p, &half, sizeof half);
+}
+
 // Swaps the off-diagonal blocks of every 2 x 2 block of B x B blocks of 16 rows of 16 (two-source shuffles).
 template <int B>
 SPECLANE_INLINE void swap_blocks(v16 rows[16]) {

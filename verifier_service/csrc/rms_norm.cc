@@ -1,0 +1,63 @@
+// Llama's RMSNorm on a CPU, fp32 or bf16: y = weight * E(x / sqrt(mean(x^2) + eps)), each row in one pass over
+// its values rather than the seven operator calls (conversions, pow, mean, rsqrt, two products) of transformers'
+// forward, which cost more than the arithmetic at a decode step's few rows. Roundings as there: the normalized row
+// to the input's dtype E, then its product with the weight. A row's sum of squares has one order (16 lanes, then
+// lanes_sum, then the tail), so its result does not depend on the other rows: batch-invariant by construction.
+//
+// Layouts: x and y [rows, hidden] contiguous, weight [hidden], all of E (float, or bf16 as uint16_t).
+
+#include <omp.h>
+
+#include <cmath>
+#include <cstdint>
+
+#include "kernels.h"
+#include "vec.h"
+
+namespace speclane {
+namespace {
+
+constexpr int64_t kParallelValues = 1 << 15;  // fewer values than this take one thread: a team costs more
+
+template <typename E>
+SPECLANE_CLONES void norm_row(const E* x, const E* weight, E* y, int64_t hidden, float eps) {
+  const int64_t whole = hidden / 16 * 16;
+  v16 squares = {};
+  for (int64_t k = 0; k < whole; k += 16) {
+    const v16 v = load16(x + k);
+    squares += v * v;
+  }
+  float sum = lanes_sum(squares);
+  for (int64_t k = whole; k < hidden; ++k) sum += to_float(x[k]) * to_float(x[k]);
+  const float scale = 1.0f / std::sqrt(sum / static_cast<float>(hidden) + eps);
+  E normalized[16];
+  for (int64_t k = 0; k < whole; k += 16) {
+    store16(normalized, load16(x + k) * scale);
+    store16(y + k, load16(normalized) * load16(weight + k));
+  }
+  for (int64_t k = whole; k < hidden; ++k) {
+    E one;
+    from_float(to_float(x[k]) * scale, &one);
+    from_float(to_float(one) * to_float(weight[k]), y + k);
+  }
+}
+
+template <typename E>
+void norm_rows(const E* x, const E* weight, E* y, int64_t rows, int64_t hidden, float eps, int threads) {
+#pragma omp parallel for num_threads(threads) if (rows * hidden >= kParallelValues) schedule(static)
+  for (int64_t r = 0; r < rows; ++r) norm_row(x + r * hidden, weight, y + r * hidden, hidden, eps);
+}
+
+}  // namespace
+
+void rms_norm(uintptr_t x, uintptr_t weight, uintptr_t y, int64_t rows, int64_t hidden, double eps, bool bf16,
+              int threads) {
+  if (bf16)
+    norm_rows(reinterpret_cast<const uint16_t*>(x), reinterpret_cast<const uint16_t*>(weight),
+              reinterpret_cast<uint16_t*>(y), rows, hidden, static_cast<float>(eps), threads);
+  else
+    norm_rows(reinterpret_cast<const float*>(x), reinterpret_cast<const float*>(weight),
+              reinterpret_cast<float*>(y), rows, hidden, static_cast<float>(eps), threads);
+}
+
+}  // namespace speclane
