@@ -24,7 +24,7 @@ cache (260 MB on one Xeon) and the ranking changes: there the reordered way lost
 to x @ W_t weight by weight, and made whole passes of 5-17 rows 11-16% faster.
 An extra layout is kept only where some row count uses it. The sweeps take
 about 9 s for SmolLM2 on two cores, so their choices are kept between starts
-(tuning_cache.py).
+(tuning_cache.py), where no other process disturbed the sweeps.
 """
 
 import bisect
@@ -205,27 +205,33 @@ def ways_key(linears: list["MeasuredLinear"]) -> dict:
             "shapes": [list(linear.weight.shape) for linear in linears]}
 
 
-def add_measured_linears(model: nn.Module, tuning_dir: pathlib.Path | None = None) -> None:
+def add_measured_linears(model: nn.Module, tuning_dir: pathlib.Path | None = None) -> list:
     """Replaces every nn.Linear in `model` with a MeasuredLinear using the
     ways measured fastest for its shape (or, with `tuning_dir`, those measured at
-    an earlier start with the same key).
+    an earlier start with the same key, stored only if the cores were quiet
+    while they were measured). Returns the choices: [shape, ways] per shape.
     While measuring, every layer holds every layout (three times the weights)."""
     replace_linears(model, MeasuredLinear)
     linears = [module for module in model.modules() if isinstance(module, MeasuredLinear)]
     key = ways_key(linears)
     stored = tuning_cache.load(tuning_dir, "linear-ways", key)
-    log.info("linear_ways", source="measured" if stored is None else "stored", tuning_dir=str(tuning_dir))
     if stored is not None:
         ways = {tuple(shape): tuple(chosen) for shape, chosen in stored}
+        log.info("linear_ways", source="stored", tuning_dir=str(tuning_dir))
     else:
         every_way = tuple(i for i, way in enumerate(WAYS) if competes(way, 1))
         for linear in linears:
             linear.hold_layouts(every_way)
-        ways = {shape: fastest_ways(times) for shape, times in sweep_seconds(linears).items()}
-        tuning_cache.store(tuning_dir, "linear-ways", key,
-                           [[list(shape), list(chosen)] for shape, chosen in ways.items()])
+        with tuning_cache.CoreWatch() as watch:
+            ways = {shape: fastest_ways(times) for shape, times in sweep_seconds(linears).items()}
+        if watch.quiet:
+            tuning_cache.store(tuning_dir, "linear-ways", key,
+                               [[list(shape), list(chosen)] for shape, chosen in ways.items()])
+        log.info("linear_ways", source="measured", tuning_dir=str(tuning_dir), others_share=watch.others_share,
+                 stored=watch.quiet and tuning_dir is not None)
     for linear in linears:
         linear.use(ways[tuple(linear.weight.shape)])
+    return [[list(shape), list(chosen)] for shape, chosen in sorted(ways.items())]
 
 
 def layout_bytes(model: nn.Module) -> int:

@@ -63,17 +63,22 @@ def measure_token_costs(engine) -> dict[int, float]:
 def stored_or_measured_token_costs(engine, key: dict, tuning_dir: pathlib.Path | None) -> tuple[dict[int, float], bool]:
     """The costs stored under `key` (what the engine's passes depend on beyond this code, whose
     hash joins it) by an earlier start, or measured now; and whether they were measured. Only
-    costs that two measurements agree on are stored; otherwise the median of three serves this
-    start and the next one measures again."""
+    costs that two measurements agree on, taken while the cores were quiet, are stored; where
+    they disagree the median of three serves this start, and the next one measures again."""
     key = {**key, "code": tuning_cache.code_fingerprint(pathlib.Path(__file__).parent), "sizes": BATCH_SIZES,
            "context": MEASURED_CONTEXT}
     stored = tuning_cache.load(tuning_dir, "draft-token-costs", key)
     if stored is not None:
         return {int(size): cost for size, cost in stored.items()}, False
-    first, second = measure_token_costs(engine), measure_token_costs(engine)
+    with tuning_cache.CoreWatch() as watch:
+        first, second = measure_token_costs(engine), measure_token_costs(engine)
     if agree(first, second):
         costs = {size: round((first[size] + second[size]) / 2, 3) for size in first}
-        tuning_cache.store(tuning_dir, "draft-token-costs", key, costs)
+        if watch.quiet:
+            tuning_cache.store(tuning_dir, "draft-token-costs", key, costs)
+        else:
+            log.warning("draft_token_cost_not_stored", others_share=watch.others_share,
+                        reason="other processes used the cores while it was measured")
         return costs, True
     third = measure_token_costs(engine)
     costs = {size: statistics.median((first[size], second[size], third[size])) for size in first}

@@ -131,8 +131,8 @@ class ModelRunner:
         elif self.device.type == "cpu" and dtype in CPU_DTYPES:
             fuse_rms_norms(self.model, cpu_rms_norm)
         # A pass's rows multiply up to 4x faster in the way timed fastest for their count on a CPU (cpu_linear.py).
-        if measures_linear_ways(self.device, dtype, tp is not None):
-            add_measured_linears(self.model, tuning_dir)
+        self.linear_ways = (add_measured_linears(self.model, tuning_dir)
+                            if measures_linear_ways(self.device, dtype, tp is not None) else None)
         text_config = self.model.config.get_text_config()
         self.tp_size = tp.world_size if tp is not None else 1
         self.geometry = kv_geometry(text_config, self.tp_size)

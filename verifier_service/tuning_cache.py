@@ -4,7 +4,11 @@ their autotuning: a result is stored under a hash of everything it depends on
 code), so a restart on the same host reads it instead of measuring again, and
 any change to those inputs measures afresh. A result only decides how the
 verifier goes about its work (which way to multiply, how long a draft pays),
-never what it computes, so a stale or missing file costs speed, never output."""
+never what it computes, so a stale or missing file costs speed, never output.
+
+A measurement is stored only when the cores were quiet while it ran: here one
+taken beside a package build chose slower ways to multiply and a draft-token
+cost 3-4x the true one, and every later start on that host read them back."""
 
 import hashlib
 import json
@@ -17,6 +21,11 @@ import structlog
 import torch
 
 log = structlog.get_logger()
+
+# A measurement is stored only where other processes (or the hypervisor, as steal time) took at most this share
+# of the cores this process may run on while it ran: an idle 2-core host shows 0-2%, a package build 40-100%.
+# Plus a few clock ticks (10 ms each), within which /proc/stat and this process's own times disagree.
+QUIET_SHARE, QUIET_SLACK_S = 0.1, 0.05
 
 
 def host_fingerprint() -> dict:
@@ -85,3 +94,50 @@ def store(directory: pathlib.Path | None, name: str, key: dict, value) -> None:
         os.replace(out.name, path)
     except OSError as error:
         log.warning("tuning_cache_not_written", path=str(path), error=str(error))
+
+
+class CoreWatch:
+    """A context that measures what share of this process's cores' time others
+    took while it ran (`others_share`; None where the kernel does not say, as
+    off Linux), from /proc/stat's per-CPU counters less this process's own CPU
+    time. `quiet` says whether a measurement taken inside may be stored."""
+
+    others_share: float | None = None
+    _others_s = _total_s = 0.0
+
+    def __enter__(self) -> "CoreWatch":
+        self._start = _core_seconds()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        end = _core_seconds()
+        if self._start is not None and end is not None:
+            (busy0, total0, own0), (busy1, total1, own1) = self._start, end
+            self._others_s, self._total_s = max(0.0, (busy1 - busy0) - (own1 - own0)), total1 - total0
+            if self._total_s > 0:
+                self.others_share = round(self._others_s / self._total_s, 3)
+
+    @property
+    def quiet(self) -> bool:
+        return self.others_share is None or self._others_s <= QUIET_SHARE * self._total_s + QUIET_SLACK_S
+
+
+def _core_seconds() -> tuple[float, float, float] | None:
+    """(busy, total) seconds of the CPUs this process may run on, since boot, and
+    this process's own CPU seconds; None where /proc/stat cannot be read."""
+    try:
+        cpus = {f"cpu{cpu}" for cpu in os.sched_getaffinity(0)}
+        lines = pathlib.Path("/proc/stat").read_text().splitlines()
+    except (OSError, AttributeError):
+        return None
+    busy = total = 0
+    for line in lines:
+        name, *fields = line.split()
+        if name in cpus:
+            # user nice system idle iowait irq softirq steal (guest time is already in user)
+            ticks = [int(field) for field in fields[:8]]
+            total += sum(ticks)
+            busy += sum(ticks) - ticks[3] - ticks[4]
+    hz = os.sysconf("SC_CLK_TCK")
+    own = os.times()
+    return busy / hz, total / hz, own.user + own.system

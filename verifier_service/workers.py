@@ -87,12 +87,14 @@ def tuning_dir(config: VerifierConfig) -> pathlib.Path | None:
 
 
 def _pass_cost_key(config: VerifierConfig, runner: ModelRunner) -> dict:
-    """What a pass's cost depends on beyond the code: the host, the model and how it is served."""
+    """What a pass's cost depends on beyond the code: the host, the model and how it is served (on fp32 CPU
+    passes, the ways to multiply that this start measured or read)."""
     model_config = pathlib.Path(runner.model_dir, "config.json")
     return {**tuning_cache.runtime_key(), "device": str(runner.device), "dtype": str(runner.dtype),
             "tp": runner.tp_size,
             "model": tuning_cache.file_digest(model_config) if model_config.is_file() else runner.model_dir,
             "batch_invariant": runner.batch_invariant, "attention": runner.backend.name,
+            "linear_ways": runner.linear_ways,
             "head": [config.draft.head_method, config.draft.head_model, config.head_dtype, repr(config.draft.tree)],
             "max_batch_tokens": config.max_batch_tokens}
 

@@ -1,10 +1,12 @@
+import time
+
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers import AutoModelForCausalLM, LlamaConfig
 
-from verifier_service import cpu_linear
+from verifier_service import cpu_linear, tuning_cache
 from verifier_service.cpu_linear import (
     MEASURED_ROWS,
     WAYS,
@@ -182,6 +184,18 @@ def test_the_runner_serves_fp32_on_a_cpu_with_measured_linears(runner):
     assert not any(type(module) is nn.Linear for module in runner.model.modules())
     assert any(isinstance(module, MeasuredLinear) for module in runner.model.modules())
 
+
+
+def test_ways_measured_beside_another_process_serve_that_start_but_are_not_stored(tmp_path, monkeypatch):
+    monkeypatch.setattr(tuning_cache, "QUIET_SHARE", -1.0)  # any use of the cores counts as disturbed
+    monkeypatch.setattr(tuning_cache, "QUIET_SLACK_S", 0.0)
+    sweep = cpu_linear.sweep_seconds
+    monkeypatch.setattr(cpu_linear, "sweep_seconds", lambda linears: time.sleep(0.05) or sweep(linears))  # a tick
+    model = _tiny_tied_model()
+    choices = add_measured_linears(model, tmp_path)
+    assert not list(tmp_path.iterdir())
+    assert {tuple(shape) for shape, _ in choices} == {tuple(module.weight.shape) for module in model.modules()
+                                                    if isinstance(module, MeasuredLinear)}
 
 
 def test_the_ways_measured_at_one_start_are_read_at_the_next_and_measured_again_when_the_key_changes(

@@ -1,4 +1,11 @@
 import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
 
 from verifier_service import tuning_cache
 
@@ -28,6 +35,39 @@ def test_a_directory_that_cannot_be_written_costs_only_the_next_measurement(tmp_
     blocker.write_text("")
     tuning_cache.store(blocker / "tuning", "ways", KEY, 1)  # no exception
     assert tuning_cache.load(blocker / "tuning", "ways", KEY) is None
+
+
+needs_proc_stat = pytest.mark.skipif(not os.path.exists("/proc/stat"), reason="reads Linux's /proc/stat")
+
+
+@pytest.mark.e2e  # starts busy processes
+@needs_proc_stat
+def test_the_core_watch_sees_other_processes_on_its_cores_and_not_its_own_threads():
+    cpus = os.sched_getaffinity(0)
+    spin = "import time\nend = time.time() + 1.5\nwhile time.time() < end: pass"
+    with tuning_cache.CoreWatch() as busy:
+        spinners = [subprocess.Popen([sys.executable, "-c", spin]) for _ in cpus]
+        for spinner in spinners:
+            spinner.wait()
+    assert busy.others_share >= 0.5 and not busy.quiet
+    with tuning_cache.CoreWatch() as own:
+        end = time.monotonic() + 1.0
+        a = torch.randn(256, 256)
+        while time.monotonic() < end:
+            a @ a  # every torch thread busy: all of the cores, but this process's own time
+    assert own.others_share < 0.5
+
+
+@needs_proc_stat
+def test_draft_token_costs_measured_beside_another_process_serve_but_are_not_stored(tmp_path, monkeypatch):
+    from verifier_service import draft_cost
+
+    monkeypatch.setattr(draft_cost, "measure_token_costs", lambda engine: time.sleep(0.05) or {1: 0.05, 8: 0.2})
+    monkeypatch.setattr(tuning_cache, "QUIET_SHARE", -1.0)  # any use of the cores counts as disturbed
+    monkeypatch.setattr(tuning_cache, "QUIET_SLACK_S", 0.0)
+    key = {"host": tuning_cache.host_fingerprint(), "model": "abc", "threads": 2}
+    assert draft_cost.stored_or_measured_token_costs("engine", key, tmp_path) == ({1: 0.05, 8: 0.2}, True)
+    assert not list(tmp_path.iterdir())
 
 
 def test_the_host_fingerprint_names_the_cpu():
