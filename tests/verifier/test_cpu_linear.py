@@ -124,6 +124,8 @@ def test_the_kernel_computes_f_linear_at_every_row_count_it_takes(threads, in_fe
         for rows in range(1, 10):
             x = torch.randn(1, rows, in_features)
             torch.testing.assert_close(linear(x), F.linear(x, linear.weight), rtol=1e-5, atol=1e-5)
+            strided = torch.randn(1, in_features, rows).transpose(1, 2)  # as a transposed attention output
+            torch.testing.assert_close(linear(strided), F.linear(strided, linear.weight), rtol=1e-5, atol=1e-5)
     finally:
         torch.set_num_threads(previous)
 
