@@ -3,6 +3,7 @@ import os
 import subprocess
 import sys
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -59,15 +60,20 @@ def test_the_core_watch_sees_other_processes_on_its_cores_and_not_its_own_thread
 
 
 @needs_proc_stat
-def test_draft_token_costs_measured_beside_another_process_serve_but_are_not_stored(tmp_path, monkeypatch):
+def test_draft_token_costs_measured_beside_another_process_on_a_cpu_serve_but_are_not_stored(tmp_path, monkeypatch):
     from verifier_service import draft_cost
 
     monkeypatch.setattr(draft_cost, "measure_token_costs", lambda engine: time.sleep(0.05) or {1: 0.05, 8: 0.2})
     monkeypatch.setattr(tuning_cache, "QUIET_SHARE", -1.0)  # any use of the cores counts as disturbed
     monkeypatch.setattr(tuning_cache, "QUIET_SLACK_S", 0.0)
     key = {"host": tuning_cache.host_fingerprint(), "model": "abc", "threads": 2}
-    assert draft_cost.stored_or_measured_token_costs("engine", key, tmp_path) == ({1: 0.05, 8: 0.2}, True)
+    on_cpu = SimpleNamespace(runner=SimpleNamespace(device=torch.device("cpu")))
+    assert draft_cost.stored_or_measured_token_costs(on_cpu, key, tmp_path) == ({1: 0.05, 8: 0.2}, True)
     assert not list(tmp_path.iterdir())
+    # An accelerator's passes do not run on the host's cores: its costs are stored whatever else runs there.
+    on_gpu = SimpleNamespace(runner=SimpleNamespace(device=torch.device("cuda", 0)))
+    assert draft_cost.stored_or_measured_token_costs(on_gpu, key, tmp_path) == ({1: 0.05, 8: 0.2}, True)
+    assert draft_cost.stored_or_measured_token_costs(on_gpu, key, tmp_path) == ({1: 0.05, 8: 0.2}, False)
 
 
 def test_the_host_fingerprint_names_the_cpu():
