@@ -214,24 +214,23 @@ def add_measured_linears(model: nn.Module, tuning_dir: pathlib.Path | None = Non
     replace_linears(model, MeasuredLinear)
     linears = [module for module in model.modules() if isinstance(module, MeasuredLinear)]
     key = ways_key(linears)
-    stored = tuning_cache.load(tuning_dir, "linear-ways", key)
-    if stored is not None:
-        ways = {tuple(shape): tuple(chosen) for shape, chosen in stored}
+    choices = tuning_cache.load(tuning_dir, "linear-ways", key)
+    if choices is not None:
+        choices = sorted(choices)  # as measured ones are: the draft-token cost's key holds them
         log.info("linear_ways", source="stored", tuning_dir=str(tuning_dir))
     else:
         every_way = tuple(i for i, way in enumerate(WAYS) if competes(way, 1))
         for linear in linears:
             linear.hold_layouts(every_way)
         with tuning_cache.CoreWatch() as watch:
-            ways = {shape: fastest_ways(times) for shape, times in sweep_seconds(linears).items()}
-        if watch.quiet:
-            tuning_cache.store(tuning_dir, "linear-ways", key,
-                               [[list(shape), list(chosen)] for shape, chosen in ways.items()])
+            measured = {shape: fastest_ways(times) for shape, times in sweep_seconds(linears).items()}
+        choices = [[list(shape), list(chosen)] for shape, chosen in sorted(measured.items())]
         log.info("linear_ways", source="measured", tuning_dir=str(tuning_dir), others_share=watch.others_share,
-                 stored=watch.quiet and tuning_dir is not None)
+                 stored=tuning_cache.store_measured(tuning_dir, "linear-ways", key, choices, watch))
+    ways = {tuple(shape): tuple(chosen) for shape, chosen in choices}
     for linear in linears:
         linear.use(ways[tuple(linear.weight.shape)])
-    return [[list(shape), list(chosen)] for shape, chosen in sorted(ways.items())]
+    return choices
 
 
 def layout_bytes(model: nn.Module) -> int:

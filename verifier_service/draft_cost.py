@@ -74,13 +74,9 @@ def stored_or_measured_token_costs(engine, key: dict, tuning_dir: pathlib.Path |
         first, second = measure_token_costs(engine), measure_token_costs(engine)
     if agree(first, second):
         costs = {size: round((first[size] + second[size]) / 2, 3) for size in first}
-        # An accelerator's passes do not share the host's cores (a CPU verifier's tensor-parallel ranks do, so
-        # there every start measures).
-        if watch.quiet or engine.runner.device.type != "cpu":
-            tuning_cache.store(tuning_dir, "draft-token-costs", key, costs)
-        else:
-            log.warning("draft_token_cost_not_stored", others_share=watch.others_share,
-                        reason="other processes used the cores while it was measured")
+        # A CPU verifier's tensor-parallel ranks share its cores, so there every start measures.
+        tuning_cache.store_measured(tuning_dir, "draft-token-costs", key, costs, watch,
+                                    on_host_cores=engine.runner.device.type == "cpu")
         return costs, True
     third = measure_token_costs(engine)
     costs = {size: statistics.median((first[size], second[size], third[size])) for size in first}

@@ -96,6 +96,18 @@ def store(directory: pathlib.Path | None, name: str, key: dict, value) -> None:
         log.warning("tuning_cache_not_written", path=str(path), error=str(error))
 
 
+def store_measured(directory: pathlib.Path | None, name: str, key: dict, value, watch: "CoreWatch",
+                   on_host_cores: bool = True) -> bool:
+    """Stores a measurement taken inside `watch` only if the cores were quiet meanwhile, or if it did not run on
+    them (`on_host_cores` False: an accelerator's passes); returns whether it was kept for later starts."""
+    if on_host_cores and not watch.quiet:
+        log.warning("tuning_not_stored", name=name, others_share=watch.others_share,
+                    reason="other processes used the cores while it was measured")
+        return False
+    store(directory, name, key, value)
+    return directory is not None
+
+
 class CoreWatch:
     """A context that measures what share of this process's cores' time others
     took while it ran (`others_share`; None where the kernel does not say, as

@@ -10,6 +10,7 @@ import torch
 
 from verifier_service import tuning_cache
 
+ON_CPU = SimpleNamespace(runner=SimpleNamespace(device=torch.device("cpu")))  # an engine, as draft_cost reads it
 KEY = {"host": {"model name": "a CPU"}, "threads": 2, "shapes": [[64, 32], [32, 64]]}
 
 
@@ -67,8 +68,7 @@ def test_draft_token_costs_measured_beside_another_process_on_a_cpu_serve_but_ar
     monkeypatch.setattr(tuning_cache, "QUIET_SHARE", -1.0)  # any use of the cores counts as disturbed
     monkeypatch.setattr(tuning_cache, "QUIET_SLACK_S", 0.0)
     key = {"host": tuning_cache.host_fingerprint(), "model": "abc", "threads": 2}
-    on_cpu = SimpleNamespace(runner=SimpleNamespace(device=torch.device("cpu")))
-    assert draft_cost.stored_or_measured_token_costs(on_cpu, key, tmp_path) == ({1: 0.05, 8: 0.2}, True)
+    assert draft_cost.stored_or_measured_token_costs(ON_CPU, key, tmp_path) == ({1: 0.05, 8: 0.2}, True)
     assert not list(tmp_path.iterdir())
     # An accelerator's passes do not run on the host's cores: its costs are stored whatever else runs there.
     on_gpu = SimpleNamespace(runner=SimpleNamespace(device=torch.device("cuda", 0)))
@@ -88,11 +88,11 @@ def test_draft_token_costs_are_measured_once_per_key_and_read_back_by_batch_size
     measured = []
     monkeypatch.setattr(draft_cost, "measure_token_costs", lambda engine: measured.append(engine) or {1: 0.06, 32: 0.5})
     key = {"host": tuning_cache.host_fingerprint(), "model": "abc", "threads": 2}
-    assert draft_cost.stored_or_measured_token_costs("engine", key, tmp_path) == ({1: 0.06, 32: 0.5}, True)
-    assert draft_cost.stored_or_measured_token_costs("engine", key, tmp_path) == ({1: 0.06, 32: 0.5}, False)
+    assert draft_cost.stored_or_measured_token_costs(ON_CPU, key, tmp_path) == ({1: 0.06, 32: 0.5}, True)
+    assert draft_cost.stored_or_measured_token_costs(ON_CPU, key, tmp_path) == ({1: 0.06, 32: 0.5}, False)
     assert len(measured) == 2  # measured twice, agreeing: stored
-    assert draft_cost.stored_or_measured_token_costs("engine", {**key, "threads": 1}, tmp_path)[1]
-    assert draft_cost.stored_or_measured_token_costs("engine", key, None)[1]  # no cache: measured every time
+    assert draft_cost.stored_or_measured_token_costs(ON_CPU, {**key, "threads": 1}, tmp_path)[1]
+    assert draft_cost.stored_or_measured_token_costs(ON_CPU, key, None)[1]  # no cache: measured every time
     assert len(measured) == 6
 
 
@@ -105,9 +105,9 @@ def test_draft_token_costs_that_two_measurements_disagree_on_are_not_stored(tmp_
                      {1: 0.044, 8: 0.23}, {1: 0.046, 8: 0.24}])
     monkeypatch.setattr(draft_cost, "measure_token_costs", lambda engine: next(readings))
     key = {"host": tuning_cache.host_fingerprint(), "model": "abc", "threads": 2}
-    assert draft_cost.stored_or_measured_token_costs("engine", key, tmp_path) == ({1: 0.045, 8: 0.22}, True)
-    assert draft_cost.stored_or_measured_token_costs("engine", key, tmp_path) == ({1: 0.045, 8: 0.235}, True)
-    assert draft_cost.stored_or_measured_token_costs("engine", key, tmp_path) == ({1: 0.045, 8: 0.235}, False)
+    assert draft_cost.stored_or_measured_token_costs(ON_CPU, key, tmp_path) == ({1: 0.045, 8: 0.22}, True)
+    assert draft_cost.stored_or_measured_token_costs(ON_CPU, key, tmp_path) == ({1: 0.045, 8: 0.235}, True)
+    assert draft_cost.stored_or_measured_token_costs(ON_CPU, key, tmp_path) == ({1: 0.045, 8: 0.235}, False)
 
 
 def test_the_code_fingerprint_changes_with_any_source_file(tmp_path):
