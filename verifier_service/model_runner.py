@@ -21,6 +21,7 @@ from verifier_service.batch import StepPlan, pass_inputs
 from verifier_service.batch_invariant import make_invariant
 from verifier_service.cpu_linear import add_measured_linears, layout_bytes, measures_linear_ways
 from verifier_service.distributed import TensorParallel
+from verifier_service.fused_layer import fuse_decoder_layers, fuses_layers
 from verifier_service.graphs import PassGraphs
 from verifier_service.kv_cache import KVGeometry, PagedKVCache
 from verifier_service.linear_attention import LinearStates, is_linear_attention
@@ -130,6 +131,9 @@ class ModelRunner:
             fuse_rms_norms(self.model, npu_rms_norm())
         elif self.device.type == "cpu" and dtype in CPU_DTYPES:
             fuse_rms_norms(self.model, cpu_rms_norm)
+        # Before the products are measured: the fused ones are what passes multiply by.
+        self.fused_layers = (fuse_decoder_layers(self.model) if fuses_layers(self.device, dtype, tp is not None)
+                             else 0)
         # A pass's rows multiply up to 4x faster in the way timed fastest for their count on a CPU (cpu_linear.py).
         self.linear_ways = (add_measured_linears(self.model, tuning_dir)
                             if measures_linear_ways(self.device, dtype, tp is not None) else None)
@@ -180,7 +184,8 @@ class ModelRunner:
                  dtype=str(dtype).removeprefix("torch."), vocab_size=self.vocab_size,
                  max_context_len=self.max_context_len, eos_token_ids=list(self.eos_token_ids),
                  tensor_parallel_size=self.tp_size, rank=tp.rank if tp else 0,
-                 weight_layout_bytes=layout_bytes(self.model), batch_invariant=self.batch_invariant,
+                 weight_layout_bytes=layout_bytes(self.model), fused_layers=self.fused_layers,
+                 batch_invariant=self.batch_invariant,
                  attention_backend=self.backend.name,
                  graph_sizes=[list(size) for size in self.graphs.sizes] if self.graphs else [])
 

@@ -97,11 +97,18 @@ def paged_attention(module, query, key, value, attention_mask, scaling=None, dro
     """query [1, heads, T, d], key/value [1, kv_heads, T, d] for the packed new
     tokens; writes their KV to the cache, then attends; returns [1, T, heads, d_v]."""
     context: PassContext = kwargs["speclane_pass"]
-    layer = module.layer_idx
-    context.cache.write(layer, context.metadata.slot_mapping, key[0].transpose(0, 1), value[0].transpose(0, 1))
-    call = LayerCall(layer, scaling if scaling is not None else query.shape[-1] ** -0.5, sliding_window, softcap,
-                     s_aux, getattr(module, "speclane_expand", None))
+    context.cache.write(module.layer_idx, context.metadata.slot_mapping, key[0].transpose(0, 1),
+                        value[0].transpose(0, 1))
+    call = layer_call(module, scaling if scaling is not None else query.shape[-1] ** -0.5, sliding_window, softcap,
+                      s_aux)
     return context.backend.attend(context.metadata, call, query[0].transpose(0, 1), context.cache)[None], None
+
+
+def layer_call(module, scaling: float, sliding_window: int | None = None, softcap: float | None = None,
+               sinks: torch.Tensor | None = None) -> LayerCall:
+    """What attention `module` (a layer's, as transformers built it) adds to the pass's metadata."""
+    return LayerCall(module.layer_idx, scaling, sliding_window, softcap, sinks,
+                     getattr(module, "speclane_expand", None))
 
 
 def register() -> str:

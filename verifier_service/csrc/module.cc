@@ -4,7 +4,7 @@
 
 PYBIND11_MODULE(_cpu_kernels, m) {
   m.doc() = "The verifier's CPU kernels (fp32): paged attention of short segments, linear layers of a few rows; "
-          "batch-invariant attention; RMSNorm; bf16 linear layers on AMX";
+          "batch-invariant attention; RMSNorm; a Llama layer's rotary embedding and SwiGLU; bf16 linear layers on AMX";
   using release = pybind11::call_guard<pybind11::gil_scoped_release>;
   m.def("attends", &speclane::attends);
   m.def("attend", &speclane::attend, release());
@@ -12,6 +12,9 @@ PYBIND11_MODULE(_cpu_kernels, m) {
   m.def("attends_invariantly", &speclane::attends_invariantly);
   m.def("attend_invariant", &speclane::attend_invariant, release());
   m.def("rms_norm", &speclane::rms_norm, release());
+  m.def("add_rms_norm", &speclane::add_rms_norm, release());
+  m.def("rope_store", &speclane::rope_store, release());
+  m.def("silu_mul", &speclane::silu_mul, release());
   m.def("amx_ready", &speclane::amx_ready);
   m.def("amx_linear", &speclane::amx_linear, release());
 }

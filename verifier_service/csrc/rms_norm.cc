@@ -5,6 +5,8 @@
 // lanes_sum, then the tail), so its result does not depend on the other rows: batch-invariant by construction.
 //
 // Layouts: x and y [rows, hidden] contiguous, weight [hidden], all of E (float, or bf16 as uint16_t).
+//
+// add_rms_norm (fp32): a decoder layer's residual add and the norm after it in one call.
 
 #include <omp.h>
 
@@ -48,7 +50,24 @@ void norm_rows(const E* x, const E* weight, E* y, int64_t rows, int64_t hidden, 
   for (int64_t r = 0; r < rows; ++r) norm_row(x + r * hidden, weight, y + r * hidden, hidden, eps);
 }
 
+SPECLANE_CLONES void add_row(const float* x, float* residual, int64_t hidden) {
+  for (int64_t k = 0; k < hidden; ++k) residual[k] += x[k];
+}
+
 }  // namespace
+
+void add_rms_norm(uintptr_t x, uintptr_t residual, uintptr_t weight, uintptr_t y, int64_t rows, int64_t hidden,
+                  double eps, int threads) {
+  const auto* in = reinterpret_cast<const float*>(x);
+  auto* sum = reinterpret_cast<float*>(residual);
+  const auto* w = reinterpret_cast<const float*>(weight);
+  auto* out = reinterpret_cast<float*>(y);
+#pragma omp parallel for num_threads(threads) if (rows * hidden >= kParallelValues) schedule(static)
+  for (int64_t r = 0; r < rows; ++r) {
+    add_row(in + r * hidden, sum + r * hidden, hidden);
+    norm_row(sum + r * hidden, w, out + r * hidden, hidden, static_cast<float>(eps));
+  }
+}
 
 void rms_norm(uintptr_t x, uintptr_t weight, uintptr_t y, int64_t rows, int64_t hidden, double eps, bool bf16,
               int threads) {

@@ -1,0 +1,128 @@
+"""Llama-form decoder layers (Llama, Qwen2, Qwen3, Mistral) run on a CPU in
+fp32 as a dozen calls rather than the fifty-odd operators and module calls of
+transformers' forward, as vLLM's own model code does it:
+
+- q, k and v in one product (`qkv_proj`), gate and up in another (`gate_up_proj`):
+  two weights read in one call, measured like every other shape (cpu_linear.py);
+- the rotary embedding of the queries and keys, and the keys' and values' store
+  into the cache, in one kernel call (csrc/fused_layer.cc);
+- the residual add and the norm after attention in one call; SwiGLU's
+  activation in one.
+
+Why: in a SmolLM2 decode step on two cores the products took 12-14 ms of 18-21,
+and the rest was not arithmetic but the layers' 195 us each of operator and
+module calls. Every pass of the engine takes this path on such a layer; the
+fused products keep the parts' weights only once: the original projections
+become views of them (`Part`), so transformers' own forward, which the
+start-up check compares the engine's passes with, still runs."""
+
+import types
+
+import torch
+from torch import nn
+from transformers.activations import SiLUActivation
+
+from verifier_service.attention import PassContext, layer_call
+from verifier_service.cpu_linear import is_plain_linear
+from verifier_service.device import cpu_kernels
+from verifier_service.rms_norm import LLAMA_FORM_NORMS
+
+# The layers whose forward `_fused_forward` computes: a pre-norm attention block with full-width rotary embeddings
+# (Qwen3's with a norm of each head's query and key) and a pre-norm SwiGLU MLP.
+FUSED_LAYERS = frozenset({"LlamaDecoderLayer", "Qwen2DecoderLayer", "Qwen3DecoderLayer", "MistralDecoderLayer"})
+
+
+def fuses_layers(device: torch.device, dtype: torch.dtype, tensor_parallel: bool) -> bool:
+    """The kernels are fp32 and a CPU's; tensor parallelism shards the projections by their type and name."""
+    return device.type == "cpu" and dtype == torch.float32 and not tensor_parallel
+
+
+def fuse_decoder_layers(model: nn.Module) -> int:
+    """Gives every Llama-form decoder layer of `model` the fused forward and its fused products; returns how many."""
+    layers = [module for module in model.modules() if type(module).__name__ in FUSED_LAYERS and fusable(module)]
+    for layer in layers:
+        attention, mlp = layer.self_attn, layer.mlp
+        attention.qkv_proj = concatenated(attention, ("q_proj", "k_proj", "v_proj"))
+        mlp.gate_up_proj = concatenated(mlp, ("gate_proj", "up_proj"))
+        layer.forward = types.MethodType(_fused_forward, layer)
+    return len(layers)
+
+
+def fusable(layer: nn.Module) -> bool:
+    attention, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+    projections = [getattr(attention, name, None) for name in ("q_proj", "k_proj", "v_proj", "o_proj")]
+    mlp_projections = [getattr(mlp, name, None) for name in ("gate_proj", "up_proj", "down_proj")]
+    norms = [layer.input_layernorm, layer.post_attention_layernorm,
+             *(getattr(attention, name) for name in ("q_norm", "k_norm") if hasattr(attention, name))]
+    return (all(p is not None and is_plain_linear(p) and p.weight.dtype == torch.float32
+                for p in projections + mlp_projections)
+            and len({p.bias is None for p in projections[:3]}) == 1
+            and len({p.bias is None for p in mlp_projections[:2]}) == 1
+            and isinstance(getattr(mlp, "act_fn", None), (SiLUActivation, nn.SiLU))
+            and all(type(norm).__name__ in LLAMA_FORM_NORMS for norm in norms)
+            and attention.head_dim % 2 == 0
+            and getattr(attention.config, "partial_rotary_factor", 1.0) == 1.0)
+
+
+class Part(nn.Module):
+    """Outputs [start, stop) of the fused product `owner.<name>`: the projection it replaced, for transformers' own
+    forward. The owner is held outside the module tree, so the product is one module, measured and replaced once."""
+
+    def __init__(self, owner: nn.Module, name: str, start: int, stop: int):
+        super().__init__()
+        object.__setattr__(self, "owner", owner)
+        self.name, self.start, self.stop = name, start, stop
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return getattr(self.owner, self.name)(x)[..., self.start:self.stop]
+
+
+def concatenated(owner: nn.Module, names: tuple[str, ...]) -> nn.Linear:
+    """One nn.Linear computing the projections `names` of `owner` side by side; they become its Parts."""
+    parts = [getattr(owner, name) for name in names]
+    whole = nn.Linear(parts[0].in_features, sum(p.out_features for p in parts), bias=parts[0].bias is not None,
+                      device="meta")
+    whole.weight = nn.Parameter(torch.cat([p.weight.detach() for p in parts]), requires_grad=False)
+    if whole.bias is not None:
+        whole.bias = nn.Parameter(torch.cat([p.bias.detach() for p in parts]), requires_grad=False)
+    fused_name = "qkv_proj" if names[0] == "q_proj" else "gate_up_proj"
+    start = 0
+    for name, part in zip(names, parts):
+        setattr(owner, name, Part(owner, fused_name, start, start + part.out_features))
+        start += part.out_features
+    return whole
+
+
+def _fused_forward(layer: nn.Module, hidden_states: torch.Tensor, attention_mask=None, position_ids=None,
+                   position_embeddings=None, **kwargs) -> torch.Tensor:
+    context: PassContext | None = kwargs.get("speclane_pass")
+    if context is None or context.cache.kv is None:  # transformers' reference forward, or a cache kept split
+        return type(layer).forward(layer, hidden_states, attention_mask=attention_mask, position_ids=position_ids,
+                                   position_embeddings=position_embeddings, **kwargs)
+    attention, mlp, kernels = layer.self_attn, layer.mlp, cpu_kernels()
+    threads = torch.get_num_threads()
+    x = hidden_states[0].contiguous()  # [tokens, hidden]
+    rows, dim = x.shape[0], attention.head_dim
+    heads, kv_heads = attention.config.num_attention_heads, attention.config.num_key_value_heads
+    qkv = attention.qkv_proj(layer.input_layernorm(x))
+    q, k, v = qkv.split((heads * dim, kv_heads * dim, kv_heads * dim), dim=-1)
+    if hasattr(attention, "q_norm"):  # Qwen3: each head's query and key normalized before the rotation
+        q = attention.q_norm(q.reshape(rows, heads, dim)).view(rows, -1)
+        k = attention.k_norm(k.reshape(rows, kv_heads, dim)).view(rows, -1)
+    cos, sin = (part[0].contiguous() for part in position_embeddings)
+    kernels.rope_store(q.data_ptr(), q.stride(0), heads, k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0),
+                       kv_heads, dim, cos.data_ptr(), sin.data_ptr(), context.cache.kv[attention.layer_idx].data_ptr(),
+                       context.metadata.slot_mapping.data_ptr(), rows, threads)
+    window = getattr(attention, "sliding_window", getattr(attention.config, "sliding_window", None))
+    attended = context.backend.attend(context.metadata, layer_call(attention, attention.scaling, window),
+                                      q.view(rows, heads, dim), context.cache)
+    residual = attention.o_proj(attended.reshape(rows, -1)).contiguous()
+    norm = layer.post_attention_layernorm
+    normed = torch.empty_like(residual)
+    kernels.add_rms_norm(x.data_ptr(), residual.data_ptr(), norm.weight.data_ptr(), normed.data_ptr(), rows,
+                         residual.shape[1], norm.variance_epsilon, threads)
+    gate_up = mlp.gate_up_proj(normed).contiguous()
+    width = gate_up.shape[1] // 2
+    activated = gate_up.new_empty(rows, width)
+    kernels.silu_mul(gate_up.data_ptr(), activated.data_ptr(), rows, width, threads)
+    return mlp.down_proj(activated).add_(residual)[None]
