@@ -17,6 +17,7 @@ become views of them (`Part`), so transformers' own forward, which the
 start-up check compares the engine's passes with, still runs."""
 
 import types
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -37,6 +38,23 @@ def fuses_layers(device: torch.device, dtype: torch.dtype, tensor_parallel: bool
     return device.type == "cpu" and dtype == torch.float32 and not tensor_parallel
 
 
+@dataclass(frozen=True)
+class LayerShape:
+    """A fused layer's attention geometry, read from its config once: a transformers config's attribute reads
+    cost a microsecond or more each, and a pass would make them in every layer."""
+
+    heads: int
+    kv_heads: int
+    head_dim: int
+    sliding_window: int | None  # Mistral's is its config's; Qwen's its module's, set where its layer type is windowed
+
+    @staticmethod
+    def of(attention: nn.Module) -> "LayerShape":
+        config = attention.config
+        return LayerShape(config.num_attention_heads, config.num_key_value_heads, attention.head_dim,
+                          getattr(attention, "sliding_window", getattr(config, "sliding_window", None)))
+
+
 def fuse_decoder_layers(model: nn.Module) -> int:
     """Gives every Llama-form decoder layer of `model` the fused forward and its fused products; returns how many."""
     layers = [module for module in model.modules() if type(module).__name__ in FUSED_LAYERS and fusable(module)]
@@ -44,6 +62,7 @@ def fuse_decoder_layers(model: nn.Module) -> int:
         attention, mlp = layer.self_attn, layer.mlp
         attention.qkv_proj = concatenated(attention, ("q_proj", "k_proj", "v_proj"))
         mlp.gate_up_proj = concatenated(mlp, ("gate_proj", "up_proj"))
+        layer.fused_shape = LayerShape.of(attention)
         layer.forward = types.MethodType(_fused_forward, layer)
     return len(layers)
 
@@ -102,8 +121,8 @@ def _fused_forward(layer: nn.Module, hidden_states: torch.Tensor, attention_mask
     attention, mlp, kernels = layer.self_attn, layer.mlp, cpu_kernels()
     threads = torch.get_num_threads()
     x = hidden_states[0].contiguous()  # [tokens, hidden]
-    rows, dim = x.shape[0], attention.head_dim
-    heads, kv_heads = attention.config.num_attention_heads, attention.config.num_key_value_heads
+    rows, shape = x.shape[0], layer.fused_shape
+    heads, kv_heads, dim = shape.heads, shape.kv_heads, shape.head_dim
     qkv = attention.qkv_proj(layer.input_layernorm(x))
     q, k, v = qkv.split((heads * dim, kv_heads * dim, kv_heads * dim), dim=-1)
     if hasattr(attention, "q_norm"):  # Qwen3: each head's query and key normalized before the rotation
@@ -113,8 +132,7 @@ def _fused_forward(layer: nn.Module, hidden_states: torch.Tensor, attention_mask
     kernels.rope_store(q.data_ptr(), q.stride(0), heads, k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0),
                        kv_heads, dim, cos.data_ptr(), sin.data_ptr(), context.cache.kv[attention.layer_idx].data_ptr(),
                        context.metadata.slot_mapping.data_ptr(), rows, threads)
-    window = getattr(attention, "sliding_window", getattr(attention.config, "sliding_window", None))
-    attended = context.backend.attend(context.metadata, layer_call(attention, attention.scaling, window),
+    attended = context.backend.attend(context.metadata, layer_call(attention, attention.scaling, shape.sliding_window),
                                       q.view(rows, heads, dim), context.cache)
     residual = attention.o_proj(attended.reshape(rows, -1)).contiguous()
     norm = layer.post_attention_layernorm
