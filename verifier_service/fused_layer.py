@@ -47,12 +47,14 @@ class LayerShape:
     kv_heads: int
     head_dim: int
     sliding_window: int | None  # Mistral's is its config's; Qwen's its module's, set where its layer type is windowed
+    qk_norm: bool  # Qwen3: each head's query and key normalized before the rotation
 
     @staticmethod
     def of(attention: nn.Module) -> "LayerShape":
         config = attention.config
         return LayerShape(config.num_attention_heads, config.num_key_value_heads, attention.head_dim,
-                          getattr(attention, "sliding_window", getattr(config, "sliding_window", None)))
+                          getattr(attention, "sliding_window", getattr(config, "sliding_window", None)),
+                          hasattr(attention, "q_norm"))
 
 
 def fuse_decoder_layers(model: nn.Module) -> int:
@@ -60,8 +62,8 @@ def fuse_decoder_layers(model: nn.Module) -> int:
     layers = [module for module in model.modules() if type(module).__name__ in FUSED_LAYERS and fusable(module)]
     for layer in layers:
         attention, mlp = layer.self_attn, layer.mlp
-        attention.qkv_proj = concatenated(attention, ("q_proj", "k_proj", "v_proj"))
-        mlp.gate_up_proj = concatenated(mlp, ("gate_proj", "up_proj"))
+        fuse_projections(attention, "qkv_proj", ("q_proj", "k_proj", "v_proj"))
+        fuse_projections(mlp, "gate_up_proj", ("gate_proj", "up_proj"))
         layer.fused_shape = LayerShape.of(attention)
         layer.forward = types.MethodType(_fused_forward, layer)
     return len(layers)
@@ -96,20 +98,20 @@ class Part(nn.Module):
         return getattr(self.owner, self.name)(x)[..., self.start:self.stop]
 
 
-def concatenated(owner: nn.Module, names: tuple[str, ...]) -> nn.Linear:
-    """One nn.Linear computing the projections `names` of `owner` side by side; they become its Parts."""
+def fuse_projections(owner: nn.Module, fused_name: str, names: tuple[str, ...]) -> None:
+    """Makes `owner.<fused_name>` one nn.Linear computing the projections `names` of `owner` side by side; they
+    become its Parts."""
     parts = [getattr(owner, name) for name in names]
     whole = nn.Linear(parts[0].in_features, sum(p.out_features for p in parts), bias=parts[0].bias is not None,
                       device="meta")
     whole.weight = nn.Parameter(torch.cat([p.weight.detach() for p in parts]), requires_grad=False)
     if whole.bias is not None:
         whole.bias = nn.Parameter(torch.cat([p.bias.detach() for p in parts]), requires_grad=False)
-    fused_name = "qkv_proj" if names[0] == "q_proj" else "gate_up_proj"
+    setattr(owner, fused_name, whole)
     start = 0
     for name, part in zip(names, parts):
         setattr(owner, name, Part(owner, fused_name, start, start + part.out_features))
         start += part.out_features
-    return whole
 
 
 def _fused_forward(layer: nn.Module, hidden_states: torch.Tensor, attention_mask=None, position_ids=None,
@@ -125,7 +127,7 @@ def _fused_forward(layer: nn.Module, hidden_states: torch.Tensor, attention_mask
     heads, kv_heads, dim = shape.heads, shape.kv_heads, shape.head_dim
     qkv = attention.qkv_proj(layer.input_layernorm(x))
     q, k, v = qkv.split((heads * dim, kv_heads * dim, kv_heads * dim), dim=-1)
-    if hasattr(attention, "q_norm"):  # Qwen3: each head's query and key normalized before the rotation
+    if shape.qk_norm:
         q = attention.q_norm(q.reshape(rows, heads, dim)).view(rows, -1)
         k = attention.k_norm(k.reshape(rows, kv_heads, dim)).view(rows, -1)
     cos, sin = (part[0].contiguous() for part in position_embeddings)
