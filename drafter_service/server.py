@@ -18,7 +18,7 @@ from drafter_service.service import SERVICE_NAME, DrafterServicer
 from protos.drafter.v1 import drafter_pb2_grpc
 from speclane.allocator import allocator, reexecute_with_tcmalloc
 from speclane.config import parse_config
-from speclane.grpc_server import serve
+from speclane.grpc_server import run_service, serve
 from speclane.log import configure_logging
 
 log = structlog.get_logger()
@@ -83,4 +83,4 @@ async def run(config: DrafterConfig, ready: Callable[[int], None] | None = None)
 
 def main(argv: list[str] | None = None, prog: str = "python -m drafter_service") -> None:
     reexecute_with_tcmalloc()
-    asyncio.run(run(parse_config(DrafterConfig, ENV_PREFIX, argv, prog, "the drafter service")))
+    run_service(run(parse_config(DrafterConfig, ENV_PREFIX, argv, prog, "the drafter service")))

@@ -150,4 +150,4 @@ async def run(config: GatewayConfig) -> None:
 
 def main(argv: list[str] | None = None, prog: str = "python -m gateway") -> None:
     hide_torch()  # before transformers is first imported
-    asyncio.run(run(parse_config(GatewayConfig, ENV_PREFIX, argv, prog, "the gateway")))
+    grpc_server.run_service(run(parse_config(GatewayConfig, ENV_PREFIX, argv, prog, "the gateway")))

@@ -3,7 +3,7 @@ limits, overload limit, TLS, warm-up before SERVING and a graceful drain on SIGT
 
 import asyncio
 import signal
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 
 import grpc
 import structlog
@@ -15,6 +15,18 @@ from speclane.log import bind_request_id, metadata_value, new_request_id
 from speclane.tls import TlsFiles
 
 log = structlog.get_logger()
+
+
+def run_service(main: Coroutine) -> None:
+    """Runs a service's main coroutine on uvloop's event loop where it is installed (as vLLM's API server does):
+    every step's gRPC messages and streamed HTTP chunks pass through the loop, and on it the gateway and the
+    drafter spent about an eighth less CPU a step than on asyncio's (docs/benchmarks/vllm-cpu, run 17)."""
+    try:
+        import uvloop
+    except ImportError:  # not built for this platform: asyncio's own loop
+        asyncio.run(main)
+        return
+    uvloop.run(main)
 
 
 def bind_request_id_from(context: grpc.aio.ServicerContext) -> str:

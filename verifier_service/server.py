@@ -1,7 +1,6 @@
 """Verifier process: load the model on the model thread (with its follower
 ranks under tensor parallelism), then serve gRPC."""
 
-import asyncio
 import dataclasses
 import os
 import random
@@ -13,7 +12,7 @@ from transformers.utils import logging as transformers_logging
 
 from speclane.allocator import allocator
 from speclane.config import parse_config
-from speclane.grpc_server import serve
+from speclane.grpc_server import run_service, serve
 from speclane.log import configure_logging
 from speclane.models import resolve_model
 from verifier_service.async_engine import AsyncEngine
@@ -68,6 +67,6 @@ async def run(config: VerifierConfig, *, ready: Callable[[int], None] | None = N
 def main(argv: list[str] | None = None, prog: str = "python -m verifier_service") -> None:
     config = parse_config(VerifierConfig, ENV_PREFIX, argv, prog, "the verifier service")
     try:
-        asyncio.run(run(config))
+        run_service(run(config))
     except ValueError as refused:  # a model or memory it cannot serve: one line, no traceback
         raise SystemExit(f"verifier: refused to start: {refused}") from None
