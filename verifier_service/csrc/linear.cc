@@ -22,8 +22,16 @@
 namespace speclane {
 namespace {
 
+// Where a tile asks for weight lines ahead of its loads. With one input row the hardware prefetcher alone streams
+// the weight at the machine's bandwidth. With more, a tile's products hold the core's schedulers, and the loads
+// behind them wait: the read and the products then take their sum, not the longer of the two, unless lines are
+// asked for ahead. 1 KB ahead in the same row pays at two and three rows; from four, asking for the next tile's
+// line at the same offset made SmolLM2's products 5-14% faster at 4-6 and 10 rows, and slower at 2 and 3
+// (docs/benchmarks/verifier-engine).
+enum class Ahead { kNone, kSameRow, kNextTile };
+
 // y[m, j] for the NB weight rows at w and the MG input rows at x (row strides: in for both, out for y).
-template <int NB, int MG>
+template <int NB, int MG, Ahead A>
 SPECLANE_INLINE void tile(const float* x, const float* w, float* y, int64_t in, int64_t out) {
   const int64_t whole = in / 16 * 16;
   v16 acc[NB][MG] = {};
@@ -31,9 +39,8 @@ SPECLANE_INLINE void tile(const float* x, const float* w, float* y, int64_t in, 
     v16 xv[MG];
     for (int m = 0; m < MG; ++m) xv[m] = load(x + m * in + k);
     for (int j = 0; j < NB; ++j) {
-      // A row's weight comes from memory 1 KB ahead of its use. One input row streams at the machine's bandwidth
-      // without this; with more, the products delay the loads, and this made a sweep at 3-8 rows 5-18% faster.
-      if (MG > 1) __builtin_prefetch(w + j * in + k + 256);
+      if (A == Ahead::kSameRow) __builtin_prefetch(w + j * in + k + 256);
+      if (A == Ahead::kNextTile) __builtin_prefetch(w + (NB + j) * in + k);
       const v16 wv = load(w + j * in + k);
       for (int m = 0; m < MG; ++m) acc[j][m] += wv * xv[m];
     }
@@ -49,25 +56,25 @@ SPECLANE_INLINE void tile(const float* x, const float* w, float* y, int64_t in, 
 constexpr int kGroup = 4;  // input rows a tile holds at most
 
 // The NB weight rows at w against every input row, kGroup rows a tile.
-template <int NB>
+template <int NB, Ahead A>
 SPECLANE_INLINE void weight_rows(const float* x, const float* w, float* y, int64_t rows, int64_t in, int64_t out) {
   int64_t m = 0;
-  for (; m + kGroup <= rows; m += kGroup) tile<NB, kGroup>(x + m * in, w, y + m * out, in, out);
+  for (; m + kGroup <= rows; m += kGroup) tile<NB, kGroup, A>(x + m * in, w, y + m * out, in, out);
   switch (rows - m) {
-    case 1: tile<NB, 1>(x + m * in, w, y + m * out, in, out); break;
-    case 2: tile<NB, 2>(x + m * in, w, y + m * out, in, out); break;
-    case 3: tile<NB, 3>(x + m * in, w, y + m * out, in, out); break;
+    case 1: tile<NB, 1, A>(x + m * in, w, y + m * out, in, out); break;
+    case 2: tile<NB, 2, A>(x + m * in, w, y + m * out, in, out); break;
+    case 3: tile<NB, 3, A>(x + m * in, w, y + m * out, in, out); break;
     default: break;
   }
 }
 
 // Outputs [first, last), NB weight rows at a time.
-template <int NB>
+template <int NB, Ahead A>
 SPECLANE_CLONES void outputs(const float* x, const float* w, float* y, int64_t rows, int64_t in, int64_t out,
                              int64_t first, int64_t last) {
   int64_t o = first;
-  for (; o + NB <= last; o += NB) weight_rows<NB>(x, w + o * in, y + o, rows, in, out);
-  for (; o < last; ++o) weight_rows<1>(x, w + o * in, y + o, rows, in, out);
+  for (; o + NB <= last; o += NB) weight_rows<NB, A>(x, w + o * in, y + o, rows, in, out);
+  for (; o < last; ++o) weight_rows<1, A>(x, w + o * in, y + o, rows, in, out);
 }
 
 using OutputsFn = void (*)(const float*, const float*, float*, int64_t, int64_t, int64_t, int64_t, int64_t);
@@ -80,9 +87,10 @@ struct Plan {
 };
 
 Plan plan(int64_t rows) {
-  if (rows <= 2) return {8, outputs<8>};
-  if (rows == 3) return {6, outputs<6>};
-  return {5, outputs<5>};
+  if (rows == 1) return {8, outputs<8, Ahead::kNone>};
+  if (rows == 2) return {8, outputs<8, Ahead::kSameRow>};
+  if (rows == 3) return {6, outputs<6, Ahead::kSameRow>};
+  return {5, outputs<5, Ahead::kNextTile>};
 }
 
 }  // namespace
