@@ -96,8 +96,8 @@ class VerifierSession:
                           next_round: verifier_pb2.NextRound | None = None) -> None:
         """Sends a step: `draft`, or with `use_head_draft` the verifier head's own;
         offers `next_round` for the step after it. answer() reads its answer."""
-        verify = verifier_pb2.Verify(draft=draft, use_head_draft=use_head_draft)
-        await self._send(verifier_pb2.SessionRequest(verify=verify), *_offer(next_round))
+        verify = verifier_pb2.Verify(draft=draft, use_head_draft=use_head_draft, next_round=next_round)
+        await self._send(verifier_pb2.SessionRequest(verify=verify))
 
     async def send_offer(self, next_round: verifier_pb2.NextRound | None) -> None:
         """Offers `next_round` while the verifier runs a step it started on its own

@@ -223,20 +223,24 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             await context.abort(*status)
 
     async def _read(self, request_iterator, inbox: asyncio.Queue, next_round: NextRound) -> None:
-        """Offers each NextRound at once; queues the other messages for the
-        session, then None at the stream's end, or the error that stopped it."""
+        """Offers each NextRound at once (alone or in a Verify); queues the other
+        messages for the session, then None at the stream's end, or the error that stopped it."""
         try:
             async for request in request_iterator:
-                if request.WhichOneof("kind") == "next_round":
-                    message = request.next_round
-                    next_round.offer(message.step_committed_len,
-                                     continuations_from_proto(message, self.max_draft_tokens), message.lookup_tokens,
-                                     message.run_ahead)
-                else:
-                    inbox.put_nowait(request)
+                kind = request.WhichOneof("kind")
+                if kind == "next_round":
+                    self._offer(next_round, request.next_round)
+                    continue
+                if kind == "verify" and request.verify.HasField("next_round"):  # a bad offer refuses its Verify
+                    self._offer(next_round, request.verify.next_round)
+                inbox.put_nowait(request)
             inbox.put_nowait(None)
         except Exception as exc:  # noqa: BLE001 - raised by the session, which answers with a status
             inbox.put_nowait(exc)
+
+    def _offer(self, next_round: NextRound, message: verifier_pb2.NextRound) -> None:
+        next_round.offer(message.step_committed_len, continuations_from_proto(message, self.max_draft_tokens),
+                         message.lookup_tokens, message.run_ahead)
 
     def _step(self, seq: Sequence, draft: Draft) -> asyncio.Future:
         """A verify step, started now; resolves to (result, seconds it took)."""

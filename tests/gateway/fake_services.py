@@ -101,11 +101,15 @@ class FakeVerifier(verifier_pb2_grpc.VerifierServicer):
 
         async def read():
             async for request in request_iterator:
-                if request.WhichOneof("kind") == "next_round":
-                    self.offers.append(request.next_round)
-                    offered[request.next_round.step_committed_len] = request.next_round
-                else:
+                kind = request.WhichOneof("kind")
+                if kind != "next_round":
                     inbox.put_nowait(request)
+                offer = (request.next_round if kind == "next_round" else
+                         request.verify.next_round if kind == "verify" and request.verify.HasField("next_round")
+                         else None)
+                if offer is not None:
+                    self.offers.append(offer)
+                    offered[offer.step_committed_len] = offer
             inbox.put_nowait(None)
 
         reader = asyncio.ensure_future(read())

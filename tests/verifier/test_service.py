@@ -203,6 +203,26 @@ def test_a_next_round_offer_that_matches_runs_without_a_verify_and_a_miss_waits_
     asyncio.run(main())
 
 
+def test_a_verify_carrying_its_next_round_runs_the_offer_that_matches_without_another_message(tiny_model_dir,
+                                                                                            engine):
+    """The gateway's form: the offers ride in the Verify, so they are there before its step ends."""
+    expected = plain_greedy(engine, PROMPT, OK_SAMPLING)
+    start = len(PROMPT) + 1
+
+    async def main():
+        async with running_verifier(tiny_model_dir) as (channel, _):
+            call = await prefilled_session(channel, PROMPT, OK_SAMPLING)
+            request = verify(expected[1:4], committed_len=start)
+            request.verify.next_round.CopyFrom(next_round(start, (expected[4], expected[5:7], start + 4)).next_round)
+            await call.write(request)
+            step = await call.read()
+            assert list(step.token_ids) == expected[1:5] and step.next_round_hit
+            ran_ahead = await call.read()  # no other message sent
+            assert list(ran_ahead.token_ids) == expected[5:8] and ran_ahead.num_accepted_draft_tokens == 2
+
+    asyncio.run(main())
+
+
 def test_where_no_offer_matches_a_next_round_with_lookups_runs_the_verifiers_own_draft(tiny_model_dir, engine):
     prompt = list(range(VOCAB))  # every token occurs in it, so a lookup always finds a match
     sampling = verifier_pb2.SamplingParams(max_new_tokens=12, ignore_eos=True)
@@ -268,6 +288,8 @@ BAD_SESSIONS = {
     "continuation without its length": ([prefill(), next_round(8, (1, [2], 0))], "needs its committed_len"),
     "continuation too long": ([prefill(), next_round(8, (1, [2] * (DEFAULT_MAX_DRAFT_TOKENS + 1), 10))], "at most"),
     "lookup too long": ([prefill(), next_round(8, lookup_tokens=DEFAULT_MAX_DRAFT_TOKENS + 1)], "look up at most"),
+    "bad offer in a verify": ([prefill(), verifier_pb2.SessionRequest(verify=verifier_pb2.Verify(
+        next_round=next_round(8, *[(1, [2], 10)] * 9).next_round))], "at most 8 continuations"),
 }
 
 

@@ -26,8 +26,8 @@ namespace {
 // the weight at the machine's bandwidth. With more, a tile's products hold the core's schedulers, and the loads
 // behind them wait: the read and the products then take their sum, not the longer of the two, unless lines are
 // asked for ahead. 1 KB ahead in the same row pays at two and three rows; from four, asking for the next tile's
-// line at the same offset made SmolLM2's products 5-14% faster at 4-6 and 10 rows, and slower at 2 and 3
-// (docs/benchmarks/verifier-engine).
+// line at the same offset made SmolLM2's products 0.62-0.87x the time at 4-10 rows, where at 2 and 3 it was
+// within the noise (docs/benchmarks/verifier-engine).
 enum class Ahead { kNone, kSameRow, kNextTile };
 
 // y[m, j] for the NB weight rows at w and the MG input rows at x (row strides: in for both, out for y).

@@ -65,12 +65,14 @@ class Prefill(_message.Message):
     def __init__(self, sequence_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., num_head_draft_tokens: _Optional[int] = ..., head_draft_on_demand: _Optional[bool] = ..., cache_salt: _Optional[str] = ...) -> None: ...
 
 class Verify(_message.Message):
-    __slots__ = ("draft", "use_head_draft")
+    __slots__ = ("draft", "use_head_draft", "next_round")
     DRAFT_FIELD_NUMBER: _ClassVar[int]
     USE_HEAD_DRAFT_FIELD_NUMBER: _ClassVar[int]
+    NEXT_ROUND_FIELD_NUMBER: _ClassVar[int]
     draft: _common_pb2.Draft
     use_head_draft: bool
-    def __init__(self, draft: _Optional[_Union[_common_pb2.Draft, _Mapping]] = ..., use_head_draft: _Optional[bool] = ...) -> None: ...
+    next_round: NextRound
+    def __init__(self, draft: _Optional[_Union[_common_pb2.Draft, _Mapping]] = ..., use_head_draft: _Optional[bool] = ..., next_round: _Optional[_Union[NextRound, _Mapping]] = ...) -> None: ...
 
 class NextRound(_message.Message):
     __slots__ = ("step_committed_len", "continuations", "lookup_tokens", "run_ahead")
