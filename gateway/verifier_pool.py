@@ -47,13 +47,8 @@ class VerifierSession:
         except TimeoutError:
             raise Unavailable(f"the verifier did not answer within {self._step_timeout:g} s") from None
 
-    async def _send(self, *messages: verifier_pb2.SessionRequest) -> None:
-        async def write_all():
-            for message in messages:
-                await self._call.write(message)
-
-        if messages:
-            await self._deadline(write_all())
+    async def _send(self, message: verifier_pb2.SessionRequest) -> None:
+        await self._deadline(self._call.write(message))
 
     async def _read(self) -> verifier_pb2.SessionResponse:
         response = await self._deadline(self._call.read())
@@ -102,7 +97,8 @@ class VerifierSession:
     async def send_offer(self, next_round: verifier_pb2.NextRound | None) -> None:
         """Offers `next_round` while the verifier runs a step it started on its own
         (the last answer's next_round_hit); answer() reads that step's answer."""
-        await self._send(*_offer(next_round))
+        if next_round is not None:
+            await self._send(verifier_pb2.SessionRequest(next_round=next_round))
 
     async def answer(self) -> verifier_pb2.SessionResponse:
         """The answer to the step in flight."""
@@ -116,10 +112,6 @@ class VerifierSession:
         self._call.cancel()
         if self._timer is not None:
             self._timer.close()
-
-
-def _offer(next_round: verifier_pb2.NextRound | None) -> tuple[verifier_pb2.SessionRequest, ...]:
-    return () if next_round is None else (verifier_pb2.SessionRequest(next_round=next_round),)
 
 
 def _optional(message, name: str):
