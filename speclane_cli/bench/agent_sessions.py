@@ -5,10 +5,13 @@ A scripted session is a coding agent editing one file (a HumanEval solution or a
 service's JSON configuration). The script hands the model the file (a `read_file`
 call and its result), asks for one change at a time, and answers every call the
 model makes: `write_file` (the file re-emitted with the edit) is saved, with test
-feedback, `read_file` returns the file, `run_tests` the feedback, anything else
-an error. After a reply without calls, the script asks for the next change. A call
-whose arguments are not JSON (cut short by max_tokens) could not be run by any
-agent: it is left out of the history, as is the whole reply's call list where none is.
+feedback, `run_tests` returns the feedback, anything else an error. `read_file` of a
+file the agent has already read or written answers as Claude Code's Read does (only
+the agent edits the file, so it is unchanged since): a short note to use the earlier
+result, not the file again; a path never seen is an error. After a reply without
+calls, the script asks for the next change. A call whose arguments are not a JSON
+object (cut short by max_tokens) could not be run by any agent: it is left out of
+the history, as is the whole reply's call list where none is.
 Everything the script says comes from the seed alone, so a session is the same
 whatever the model answers; the model's replies, tool calls included, go into a
 history that grows with every request.
@@ -65,13 +68,13 @@ class AgentSession:
                     {"role": "assistant", "content": None, "tool_calls": [_call("call_0", "read_file",
                                                                                 {"path": self.path})]},
                     {"role": "tool", "tool_call_id": "call_0", "content": self.content}]
-        asked, writes = 1, 0
+        asked, writes, seen = 1, 0, {self.path}
         for reply in replies:
             calls = [call for call in reply.get("tool_calls") or () if _readable(call["function"]["arguments"])]
             messages.append({**reply, "tool_calls": calls} if calls
                             else {"role": "assistant", "content": reply.get("content") or ""})
             for call in calls:
-                result, wrote = self._tool_result(call["function"]["name"], writes)
+                result, wrote = self._tool_result(call["function"], writes, seen)
                 writes += wrote
                 messages.append({"role": "tool", "tool_call_id": call["id"], "content": result})
             if not calls:  # the model says it is done: the next change
@@ -83,13 +86,18 @@ class AgentSession:
         change = self.changes[number % len(self.changes)]
         return {"role": "user", "content": f"In `{self.path}`, {change}. Then write the file back."}
 
-    def _tool_result(self, name: str, writes: int) -> tuple[str, int]:
-        """The script's answer to a call, and whether it was a write."""
+    def _tool_result(self, function: dict, writes: int, seen: set[str]) -> tuple[str, int]:
+        """The script's answer to a call, and whether it was a write; `seen` gathers the paths read or written."""
+        name, path = function["name"], json.loads(function["arguments"]).get("path")
+        path = path if isinstance(path, str) else None
         feedback = self.feedback[writes % len(self.feedback)]
         if name == "write_file":
-            return f"Wrote `{self.path}`. {feedback}", 1
+            seen.add(path or self.path)
+            return f"Wrote `{path or self.path}`. {feedback}", 1
         if name == "read_file":
-            return self.content, 0
+            if path in seen:
+                return f"`{path}` is unchanged since you last read or wrote it; use that earlier tool result.", 0
+            return f"error: there is no file {path!r}", 0
         if name == "run_tests":
             return feedback, 0
         return f"error: there is no tool {name!r}; use read_file, write_file or run_tests", 0
@@ -97,10 +105,9 @@ class AgentSession:
 
 def _readable(arguments: str) -> bool:
     try:
-        json.loads(arguments)
+        return isinstance(json.loads(arguments), dict)
     except ValueError:
         return False
-    return True
 
 
 def _call(call_id: str, name: str, arguments: dict) -> dict:

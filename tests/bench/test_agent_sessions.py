@@ -38,19 +38,27 @@ def test_the_history_grows_with_replies_tool_results_and_the_next_change():
     after_call = session.request([WRITE])["messages"]
     assert after_call[4] == WRITE
     assert after_call[5]["role"] == "tool" and after_call[5]["tool_call_id"] == "call_w"
-    assert after_call[5]["content"].startswith(f"Wrote `{session.path}`.")
+    assert after_call[5]["content"].startswith("Wrote `x`.")
     assert len(after_call) == 6  # a tool result is answered by the model, not by a new change
     after_text = session.request([WRITE, DONE])["messages"]
     assert after_text[:6] == after_call and after_text[6] == DONE
     assert after_text[7]["role"] == "user" and after_text[7]["content"] != after_call[1]["content"]
 
 
-def test_unknown_tools_get_an_error_and_reads_get_the_file():
+def test_unknown_tools_and_files_get_an_error_and_a_file_read_again_is_not_sent_again():
     session = agent_sessions(1, 2, seed=0)[0]
-    calls = [{"id": f"c{i}", "type": "function", "function": {"name": name, "arguments": "{}"}}
-             for i, name in enumerate(("read_file", "rm_rf"))]
-    messages = session.request([{"role": "assistant", "content": None, "tool_calls": calls}])["messages"]
-    assert messages[-2]["content"] == session.content and messages[-1]["content"].startswith("error:")
+    calls = [{"id": f"c{i}", "type": "function", "function": {"name": name, "arguments": json.dumps(arguments)}}
+             for i, (name, arguments) in enumerate((("read_file", {"path": session.path}), ("rm_rf", {}),
+                                                   ("read_file", {"path": "other.py"}),
+                                                   ("write_file", {"path": "other.py", "content": "x"}),
+                                                   ("read_file", {"path": "other.py"})))]
+    results = [m["content"] for m in
+               session.request([{"role": "assistant", "content": None, "tool_calls": calls}])["messages"][5:]]
+    # The file is already in the history (the first read) and only the agent edits it, as Claude Code's Read
+    # answers then: a note pointing at the earlier result, not the file again.
+    assert "unchanged" in results[0] and session.content not in results[0]
+    assert results[1].startswith("error:") and results[2].startswith("error:")  # no such tool, no such file
+    assert "unchanged" in results[4]  # the agent's own write is what it last saw
 
 
 def test_a_call_cut_short_is_left_out_of_the_history():
