@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from verifier_service.amx_linear import AmxGatedMlp, AmxLinear, amx_ready
+from verifier_service.bf16_linear import MAX_ROWS, StreamedLinear, bf16_linear_ready, fits
 from verifier_service.cpu_linear import replace_linears
 from verifier_service.tree import ancestors
 
@@ -162,9 +163,11 @@ class PaddedLinear(nn.Module):
         self.min_rows = min_rows
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, self.in_features)
-        out = F.linear(_at_least_rows(rows, self.min_rows), self.weight, self.bias)[:rows.shape[0]]
-        return out.reshape(*x.shape[:-1], self.out_features)
+        return self.rows_product(x.reshape(-1, self.in_features), self.bias).reshape(*x.shape[:-1],
+                                                                                      self.out_features)
+
+    def rows_product(self, rows: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return F.linear(_at_least_rows(rows, self.min_rows), self.weight, bias)[:rows.shape[0]]
 
 
 def spread_values(generator: torch.Generator, device: torch.device, dtype: torch.dtype, *shape: int) -> torch.Tensor:
@@ -197,8 +200,10 @@ def make_linears_invariant(model: nn.Module) -> bool:
     (amx_linear.py), a SwiGLU MLP's gate and up projections in one product;
     elsewhere its inputs are padded to the rows its weight's
     shape needs (the most fewest_rows finds for any layer of that shape: whether
-    a kernel path shows depends on the weights too). False, changing nothing,
-    where some layer has no such padding."""
+    a kernel path shows depends on the weights too), and on a CPU with
+    AVX512-BF16 its passes of a few rows go through our kernel where it gives
+    those bits (bf16_linear.py). False, changing nothing, where some layer has
+    no such padding."""
     amx = amx_ready()
 
     def by_amx(linear: nn.Linear) -> bool:
@@ -215,8 +220,20 @@ def make_linears_invariant(model: nn.Module) -> bool:
             if AmxGatedMlp.fuses(child) and by_amx(child.gate_proj)]
     for parent, name, child in mlps:
         setattr(parent, name, AmxGatedMlp(child))
-    replace_linears(model, lambda linear: (AmxLinear(linear) if by_amx(linear)
-                                           else PaddedLinear(linear, paddings[tuple(linear.weight.shape)])))
+    streamed = bf16_linear_ready()
+    probes: dict[int, torch.Tensor] = {}
+
+    def invariant(linear: nn.Linear) -> nn.Module:
+        if by_amx(linear):
+            return AmxLinear(linear)
+        padded = PaddedLinear(linear, paddings[tuple(linear.weight.shape)])
+        if not (streamed and fits(padded)):
+            return padded
+        probe = probes.setdefault(linear.in_features, spread_values(
+            torch.Generator().manual_seed(1), linear.weight.device, torch.bfloat16, MAX_ROWS, linear.in_features))
+        return StreamedLinear.of(padded, probe)
+
+    replace_linears(model, invariant)
     return True
 
 

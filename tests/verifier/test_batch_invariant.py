@@ -153,7 +153,8 @@ def test_linear_layers_are_padded_to_the_rows_their_kernels_need_and_compute_the
     x = torch.randn(5, 576).bfloat16()
     before = model(x)
     assert make_linears_invariant(model)
-    assert all(isinstance(layer, PaddedLinear) for layer in model)
+    # Padded, and on a CPU with AVX512-BF16 streamed through our kernel at a few rows with the same bits.
+    assert all(isinstance(layer, PaddedLinear) or isinstance(layer.padded, PaddedLinear) for layer in model)
     assert torch.equal(model(x), before)  # five rows: no padding
     assert torch.equal(model(x[:1])[0], model(x)[0])  # one row, padded: the bits it gets among five
 
