@@ -222,6 +222,7 @@ def make_linears_invariant(model: nn.Module) -> bool:
         setattr(parent, name, AmxGatedMlp(child))
     streamed = bf16_linear_ready()
     probes: dict[int, torch.Tensor] = {}
+    found: dict[tuple, int] = {}
 
     def invariant(linear: nn.Linear) -> nn.Module:
         if by_amx(linear):
@@ -231,7 +232,7 @@ def make_linears_invariant(model: nn.Module) -> bool:
             return padded
         probe = probes.setdefault(linear.in_features, spread_values(
             torch.Generator().manual_seed(1), linear.weight.device, torch.bfloat16, MAX_ROWS, linear.in_features))
-        return StreamedLinear.of(padded, probe)
+        return StreamedLinear.of(padded, probe, found)
 
     replace_linears(model, invariant)
     return True

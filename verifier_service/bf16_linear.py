@@ -31,9 +31,9 @@ from verifier_service.device import cpu_kernels
 LANES = 16  # outputs the kernel's vector holds
 # The kernel takes passes of up to this many rows. Timed alone on the EPYC it was 1.2-2.7x faster than oneDNN's
 # product at 1 to 16 rows (its products are the weight's read); prompt chunks go to oneDNN.
-MAX_ROWS = 16
+MAX_ROWS = 256
 BLOCKS = (512, 1024, 256, 2048, 128)  # candidates for oneDNN's block of inputs, the likelier first
-_CHECKED_ROWS = (1, 2, 3, 4, 5, 8, 13, 16)  # every tile shape of the kernel (4 rows a tile), up to MAX_ROWS
+_CHECKED_ROWS = (1, 2, 3, 4, 5, 8, 13, 16, 33, 64, 130, MAX_ROWS)  # every tile shape of the kernel (4 rows a tile)
 
 
 def bf16_linear_ready() -> bool:
@@ -76,22 +76,31 @@ class StreamedLinear(nn.Module):
         self.weight, self.bias = padded.weight, padded.bias
 
     @staticmethod
-    def of(padded: nn.Module, probe: torch.Tensor) -> nn.Module:
+    def of(padded: nn.Module, probe: torch.Tensor, found: dict[tuple, int]) -> nn.Module:
         """`padded` (a PaddedLinear) streamed where some block gives its bits on the probe's rows (MAX_ROWS of
-        them, values whose sums round differently in every order), at every row count; else `padded` itself."""
+        them, values whose sums round differently in every order), at every row count; else `padded` itself.
+        found: the blocks found for earlier layers, by shape, tried first (a model's layers share a few shapes)."""
         if not fits(padded):
             return padded
         packed = pack(padded.weight.detach())
         bias = None if padded.bias is None else padded.bias.detach().contiguous()
-        blocks = [*BLOCKS, padded.in_features]
-        with torch.inference_mode():
+        shape = (padded.out_features, padded.in_features, bias is not None)
+
+        def matching(blocks: list[int]) -> list[int]:
             # Without the bias too: a large bias can hide a block's rounding.
             for with_bias in {None, bias}:
                 expected = padded.rows_product(probe, with_bias)
                 blocks = [block for block in blocks
                           if all(torch.equal(product(probe[:rows], packed, with_bias, padded.out_features, block),
                                              expected[:rows]) for rows in _CHECKED_ROWS)]
-        return StreamedLinear(padded, packed, blocks[0]) if blocks else padded
+            return blocks
+
+        with torch.inference_mode():
+            blocks = (shape in found and matching([found[shape]])) or matching([*BLOCKS, padded.in_features])
+        if not blocks:
+            return padded
+        found[shape] = blocks[0]
+        return StreamedLinear(padded, packed, blocks[0])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)

@@ -33,7 +33,7 @@ def test_the_packed_weight_holds_each_16_outputs_input_pairs_side_by_side():
 
 @needs_bf16_kernel
 @pytest.mark.parametrize("shape, bias", [((4864, 896), False), ((896, 4864), False), ((896, 896), True),
-                                         ((128, 896), True), ((1536, 576), False)])
+                                         ((128, 896), True), ((1536, 576), False), ((80, 96), True)])
 def test_a_streamed_layer_gives_each_row_onednns_bits_alone_and_in_any_pass(shape, bias):
     model = nn.Sequential(layer(*shape, seed=1, bias=bias))
     assert make_linears_invariant(model)

@@ -112,7 +112,9 @@ bool bf16_linear_ready() { return __builtin_cpu_supports("avx512bf16") && __buil
 
 void bf16_linear(uintptr_t x, uintptr_t packed, uintptr_t bias, uintptr_t y, int64_t rows, int64_t in_features,
                  int64_t out_features, int64_t block, int threads) {
-  constexpr int kTiles = 2;  // groups of 16 outputs a tile holds
+  // Groups of 16 outputs a tile holds: 4 was the fastest of 1, 2 and 4 at every row count to 16 (a pass of
+  // Qwen2.5-0.5B's products at 16 rows: 31.5 ms against 37.7 with 2).
+  constexpr int kTiles = 4;
   const int64_t count = out_features / kLanes;
   const int64_t tiles = (count + kTiles - 1) / kTiles;
 #pragma omp parallel num_threads(std::max<int64_t>(1, std::min<int64_t>(threads, tiles)))
