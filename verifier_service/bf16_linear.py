@@ -3,8 +3,9 @@ CPUs with AVX512-BF16 and no AMX, with the bits oneDNN's product gives.
 
 Why: a decode step or a short verify pass reads every weight once, and oneDNN's
 bf16 product reads them at a third of the memory's speed (on a 2-core AMD EPYC:
-24 GB/s, against 66-75 GB/s for a plain read of the same bytes); the kernel read
-Qwen2.5-0.5B's vocabulary projection 1.6x faster, its layers' weights 2.5x.
+24 GB/s, against 66-75 GB/s for a plain read of the same bytes). Qwen2.5-0.5B's
+products in a pass's order took the kernel 0.59x oneDNN's time at one row, 0.67x at
+16, 0.95x at 256; a decode step took 0.65x (docs/benchmarks/bf16).
 
 Why the same bits: bf16 speculation is lossless only with batch-invariant passes
 (batch_invariant.py), and on these CPUs those are oneDNN's products, padded to a
@@ -29,8 +30,9 @@ from torch import nn
 from verifier_service.device import cpu_kernels
 
 LANES = 16  # outputs the kernel's vector holds
-# The kernel takes passes of up to this many rows. Timed alone on the EPYC it was 1.2-2.7x faster than oneDNN's
-# product at 1 to 16 rows (its products are the weight's read); prompt chunks go to oneDNN.
+# The kernel takes passes of up to this many rows, prompt chunks above it go to oneDNN: on the EPYC it was faster
+# than oneDNN at every row count measured, but only 0.95-0.97x the time from 256 rows on, and the load-time check
+# multiplies up to this many rows for every layer.
 MAX_ROWS = 256
 BLOCKS = (512, 1024, 256, 2048, 128)  # candidates for oneDNN's block of inputs, the likelier first
 _CHECKED_ROWS = (1, 2, 3, 4, 5, 8, 13, 16, 33, 64, 130, MAX_ROWS)  # every tile shape of the kernel (4 rows a tile)

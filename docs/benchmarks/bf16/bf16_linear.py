@@ -1,0 +1,62 @@
+"""Qwen2.5-0.5B's linear products in a pass's order (24 layers of q, k, v, o, gate, up, down, then the vocabulary
+projection; random bf16 weights of its shapes, 0.99 GB) at 1 to 512 rows on a CPU with AVX512-BF16: oneDNN's
+product (`PaddedLinear`) against our kernel (`bf16_linear.product`, with the block of inputs `StreamedLinear.of`
+found to give oneDNN's bits; the batch-invariant mode takes the kernel up to MAX_ROWS rows). The host's threads;
+the ways alternate sweep by sweep; prints the best of `--sweeps` in ms.
+
+    flock /tmp/speclane-bench.lock .venv/bin/python docs/benchmarks/bf16/bf16_linear.py
+"""
+
+import argparse
+import time
+
+import torch
+from torch import nn
+
+from verifier_service.batch_invariant import PaddedLinear, spread_values
+from verifier_service.bf16_linear import MAX_ROWS, StreamedLinear, bf16_linear_ready, product
+
+LAYERS = 24
+SHAPES = [(896, 896), (128, 896), (128, 896), (896, 896), (4864, 896), (4864, 896), (896, 4864)] * LAYERS + [
+    (151936, 896)]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--rows", default="1,4,16,64,128,256,512")
+    parser.add_argument("--sweeps", type=int, default=4)
+    args = parser.parse_args()
+    if not bf16_linear_ready():
+        raise SystemExit("this CPU has no AVX512-BF16")
+    torch.manual_seed(0)
+    padded = [PaddedLinear(nn.Linear(n_in, n_out, bias=False).bfloat16(), 2) for n_out, n_in in SHAPES]
+    probes = {n: spread_values(torch.Generator().manual_seed(1), torch.device("cpu"), torch.bfloat16, MAX_ROWS, n)
+              for n in {n_in for _, n_in in SHAPES}}
+    found: dict[tuple, int] = {}
+    streamed = [StreamedLinear.of(linear, probes[linear.in_features], found) for linear in padded]
+    if not all(isinstance(linear, StreamedLinear) for linear in streamed):
+        raise SystemExit("some layer's bits no block gives: the mode keeps oneDNN's product for it")
+    print(f"threads: {torch.get_num_threads()}; blocks of inputs found, by shape: {found}\n\n"
+          "| rows | oneDNN | kernel | kernel / oneDNN |\n|---|---|---|---|")
+
+    def by_kernel(layer: StreamedLinear, x: torch.Tensor) -> torch.Tensor:
+        return product(x, layer.packed, None, layer.out_features, layer.block)
+
+    ways = {"oneDNN": [(linear, PaddedLinear.__call__) for linear in padded],
+            "kernel": [(linear, by_kernel) for linear in streamed]}
+    with torch.inference_mode():
+        for rows in map(int, args.rows.split(",")):
+            inputs = {n: torch.randn(rows, n).bfloat16() for n in probes}
+            best = dict.fromkeys(ways, float("inf"))
+            for _ in range(args.sweeps):
+                for name, layers in ways.items():
+                    started = time.perf_counter()
+                    for layer, call in layers:
+                        call(layer, inputs[layer.in_features])
+                    best[name] = min(best[name], (time.perf_counter() - started) * 1e3)
+            dnn, kernel = best.values()
+            print(f"| {rows} | {dnn:.1f} | {kernel:.1f} | {kernel / dnn:.2f}x |")
+
+
+if __name__ == "__main__":
+    main()
