@@ -3,8 +3,10 @@ takes about a millisecond, enough to test cache handling and acceptance."""
 
 import pytest
 import torch
+from torch import nn
 from transformers import AutoModelForCausalLM, LlamaConfig
 
+from verifier_service.batch_invariant import spread_values
 from verifier_service.block_manager import BlockManager
 from verifier_service.engine import Engine
 from verifier_service.model_runner import ModelRunner
@@ -65,3 +67,14 @@ def sequence_kv(runner, seq, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The keys and values [kv_heads, num_cached, dim] the cache holds for a sequence, through its block table."""
     slots = torch.tensor([seq.blocks.slot(i, runner.cache.block_size) for i in range(seq.num_cached)])
     return tuple(t[slots].transpose(0, 1) for t in (runner.cache.keys[layer], runner.cache.values[layer]))
+
+
+def spread_bf16_layer(out: int, inputs: int, seed: int, bias: bool = False) -> nn.Linear:
+    """A bf16 nn.Linear of values whose sums round differently in every order: a kernel that sums in another order
+    than its reference shows in the rounded output."""
+    linear = nn.Linear(inputs, out, bias=bias).bfloat16()
+    generator = torch.Generator().manual_seed(seed)
+    linear.weight.data = spread_values(generator, torch.device("cpu"), torch.bfloat16, out, inputs)
+    if bias:
+        linear.bias.data = spread_values(generator, torch.device("cpu"), torch.bfloat16, out)
+    return linear

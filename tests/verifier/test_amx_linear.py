@@ -12,18 +12,12 @@ from torch import nn
 from transformers.models.gemma.modeling_gemma import GemmaMLP
 from transformers.models.qwen2.modeling_qwen2 import Qwen2MLP
 
+from tests.verifier.conftest import spread_bf16_layer
 from verifier_service.amx_linear import AmxGatedMlp, AmxLinear, amx_ready, interleave, pack
 from verifier_service.batch_invariant import PaddedLinear, make_linears_invariant, spread_values
 
 CPU = torch.device("cpu")
 needs_amx = pytest.mark.skipif(not amx_ready(), reason="this CPU has no AMX-BF16 (or the OS does not grant it)")
-
-
-def layer(out: int, inputs: int, seed: int, bias: bool = False) -> nn.Linear:
-    linear = nn.Linear(inputs, out, bias=bias).bfloat16()
-    generator = torch.Generator().manual_seed(seed)
-    linear.weight.data = spread_values(generator, CPU, torch.bfloat16, out, inputs)
-    return linear
 
 
 def test_the_weight_is_packed_in_tiles_of_16_outputs_by_16_input_pairs():
@@ -58,7 +52,7 @@ def test_a_gated_mlp_packs_its_gate_and_up_blocks_alternately():
 
 def amx_layer(kind: str, out: int, inputs: int) -> tuple[nn.Module, int]:
     if kind == "linear":
-        return AmxLinear(layer(out, inputs, seed=0)), inputs
+        return AmxLinear(spread_bf16_layer(out, inputs, seed=0)), inputs
     return AmxGatedMlp(swiglu(out, inputs, seed=0)), out  # out: the hidden size, inputs: the intermediate
 
 
@@ -110,7 +104,7 @@ def test_the_invariant_mode_fuses_swiglu_mlps_only():
 
 @needs_amx
 def test_a_bias_and_leading_dimensions_are_kept():
-    linear = layer(48, 64, seed=2, bias=True)
+    linear = spread_bf16_layer(48, 64, seed=2, bias=True)
     linear.bias.data = torch.randn(48).bfloat16()
     x = torch.randn(2, 3, 64).bfloat16()
     with torch.inference_mode():
@@ -121,7 +115,7 @@ def test_a_bias_and_leading_dimensions_are_kept():
 
 @needs_amx
 def test_the_invariant_mode_takes_the_kernel_for_bf16_layers_on_amx():
-    model = nn.Sequential(layer(1536, 576, seed=3), layer(576, 1536, seed=4), nn.Linear(16, 16))
+    model = nn.Sequential(spread_bf16_layer(1536, 576, seed=3), spread_bf16_layer(576, 1536, seed=4), nn.Linear(16, 16))
     assert make_linears_invariant(model)
     assert [type(module) for module in model] == [AmxLinear, AmxLinear, PaddedLinear]  # fp32: padded as before
     x = spread_values(torch.Generator().manual_seed(5), CPU, torch.bfloat16, 9, 576)

@@ -6,21 +6,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tests.verifier.conftest import spread_bf16_layer
 from verifier_service import bf16_linear
 from verifier_service.batch_invariant import PaddedLinear, make_linears_invariant, spread_values
 from verifier_service.bf16_linear import MAX_ROWS, StreamedLinear, bf16_linear_ready, pack
 
 CPU = torch.device("cpu")
 needs_bf16_kernel = pytest.mark.skipif(not bf16_linear_ready(), reason="this CPU has no AVX512-BF16")
-
-
-def layer(out_features: int, in_features: int, seed: int, bias: bool = False) -> nn.Linear:
-    linear = nn.Linear(in_features, out_features, bias=bias).bfloat16()
-    generator = torch.Generator().manual_seed(seed)
-    linear.weight.data = spread_values(generator, CPU, torch.bfloat16, out_features, in_features)
-    if bias:
-        linear.bias.data = spread_values(generator, CPU, torch.bfloat16, out_features)
-    return linear
 
 
 def test_the_packed_weight_holds_each_16_outputs_input_pairs_side_by_side():
@@ -35,7 +27,7 @@ def test_the_packed_weight_holds_each_16_outputs_input_pairs_side_by_side():
 @pytest.mark.parametrize("shape, bias", [((4864, 896), False), ((896, 4864), False), ((896, 896), True),
                                          ((128, 896), True), ((1536, 576), False), ((80, 96), True)])
 def test_a_streamed_layer_gives_each_row_onednns_bits_alone_and_in_any_pass(shape, bias):
-    model = nn.Sequential(layer(*shape, seed=1, bias=bias))
+    model = nn.Sequential(spread_bf16_layer(*shape, seed=1, bias=bias))
     assert make_linears_invariant(model)
     streamed = model[0]
     assert isinstance(streamed, StreamedLinear) and streamed.block in (*bf16_linear.BLOCKS, shape[1])
@@ -54,7 +46,7 @@ def test_a_streamed_layer_gives_each_row_onednns_bits_alone_and_in_any_pass(shap
 
 @needs_bf16_kernel
 def test_a_layer_whose_bits_no_block_gives_stays_with_onednn(monkeypatch):
-    linear = layer(256, 512, seed=3)
+    linear = spread_bf16_layer(256, 512, seed=3)
     monkeypatch.setattr(bf16_linear, "product", lambda rows, packed, bias, out_features, block:
                         torch.zeros(rows.shape[0], out_features, dtype=torch.bfloat16))
     model = nn.Sequential(linear)
@@ -63,7 +55,7 @@ def test_a_layer_whose_bits_no_block_gives_stays_with_onednn(monkeypatch):
 
 
 def test_only_bf16_cpu_layers_of_whole_vectors_are_streamed():
-    assert bf16_linear.fits(layer(32, 64, seed=4))
+    assert bf16_linear.fits(spread_bf16_layer(32, 64, seed=4))
     assert not bf16_linear.fits(nn.Linear(64, 32))  # fp32
-    assert not bf16_linear.fits(layer(24, 64, seed=5))  # outputs not a multiple of 16
-    assert not bf16_linear.fits(layer(32, 63, seed=6))  # an odd number of inputs
+    assert not bf16_linear.fits(spread_bf16_layer(24, 64, seed=5))  # outputs not a multiple of 16
+    assert not bf16_linear.fits(spread_bf16_layer(32, 63, seed=6))  # an odd number of inputs

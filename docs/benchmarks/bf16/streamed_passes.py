@@ -42,7 +42,8 @@ def main() -> None:
             setattr(parent, name, child if kernel else child.padded)
 
     params = GenerationParams(max_new_tokens=100_000, ignore_eos=True)
-    print(f"{len(streamed)} layers streamed\n\n| sequences | k | kernel | oneDNN | kernel / oneDNN |\n|---|---|---|---|---|")
+    print(f"{len(streamed)} layers streamed\n\n| sequences | k | kernel | oneDNN | kernel / oneDNN |\n"
+          "|---|---|---|---|---|")
     for count in map(int, args.sequences.split(",")):
         seqs = [engine.open(f"{count}-{i}", [(j * 7919 + i * 31) % runner.vocab_size for j in range(args.context)],
                             params) for i in range(count)]
