@@ -1,5 +1,6 @@
-"""bf16 linear layers of a few rows through our kernel (csrc/bf16_linear.cc) on
-CPUs with AVX512-BF16 and no AMX, with the bits oneDNN's product gives.
+"""bf16 linear layers of up to a few hundred rows through our kernel
+(csrc/bf16_linear.cc) on CPUs with AVX512-BF16 and no AMX, with the bits
+oneDNN's product gives.
 
 Why: a decode step or a short verify pass reads every weight once, and oneDNN's
 bf16 product reads them at a third of the memory's speed (on a 2-core AMD EPYC:

@@ -1,5 +1,5 @@
-// bf16 products of a few rows on CPUs with AVX512-BF16 and no AMX (AMD Zen 4 and 5, Intel Cooper Lake), with the
-// bits oneDNN's own product gives: bf16_linear.py documents why and how the two are checked equal.
+// bf16 products of up to a few hundred rows on CPUs with AVX512-BF16 and no AMX (AMD Zen 4 and 5, Intel Cooper
+// Lake), with the bits oneDNN's own product gives: bf16_linear.py documents why and how the two are checked equal.
 //
 // oneDNN streams a decode step's weights at a third of this machine's memory bandwidth (24 against 66-75 GB/s for a
 // plain read of the same bytes): its bf16 product is built for many rows. This kernel reads each weight byte once

@@ -55,7 +55,7 @@ bool amx_ready();
 void amx_linear(uintptr_t x, uintptr_t packed, uintptr_t y, int64_t rows, int64_t in_features, int64_t out_features,
                 bool gated, int threads);
 
-// bf16 products of a few rows on CPUs with AVX512-BF16, in oneDNN's order of sums (bf16_linear.cc: layout, order);
+// bf16 products on CPUs with AVX512-BF16, in oneDNN's order of sums (bf16_linear.cc: layout, order);
 // bf16_linear_ready says whether this CPU has the instructions. bias: 0 for none.
 bool bf16_linear_ready();
 void bf16_linear(uintptr_t x, uintptr_t packed, uintptr_t bias, uintptr_t y, int64_t rows, int64_t in_features,

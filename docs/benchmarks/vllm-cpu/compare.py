@@ -5,7 +5,8 @@ so each ratio compares runs a few minutes apart: this host's speed drifts by 10%
 quarter of an hour. For every (system, method) a fresh server is started at its defaults, warmed up
 with one short request, measured with `speclane bench serve` on every (data set, concurrency), and stopped:
 
-  vLLM      `vllm serve MODEL --dtype float32 --max-model-len 4096` (VLLM_CPU_KVCACHE_SPACE=4), one server
+  vLLM      `vllm serve MODEL --dtype float32 --max-model-len 4096` (VLLM_CPU_KVCACHE_SPACE=4; `--dtype bfloat16`
+            serves both systems in bf16), one server
             per method: none; ngram ('{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}');
             suffix ('{"method": "suffix"}', vLLM's defaults: tree depth 24). Requests send no speculation
             field (`--methods default`): the server's configuration applies.
@@ -120,11 +121,12 @@ def spec_counters(port: int) -> dict[str, float]:
 
 
 class Server:
-    def __init__(self, system: str, method: str, port: int, vllm_venv: pathlib.Path, log_dir: pathlib.Path):
+    def __init__(self, system: str, method: str, port: int, vllm_venv: pathlib.Path, log_dir: pathlib.Path,
+                 dtype: str):
         self.system, self.method, self.port = system, method, port
         env = dict(os.environ)
         if system == "vllm":
-            argv = [str(vllm_venv / "bin" / "vllm"), "serve", str(MODEL_DIR), "--dtype", "float32",
+            argv = [str(vllm_venv / "bin" / "vllm"), "serve", str(MODEL_DIR), "--dtype", dtype,
                     "--max-model-len", "4096", "--port", str(port), "--served-model-name", MODEL_NAME]
             if VLLM_SPEC[method] is not None:
                 argv += ["--speculative-config", json.dumps(VLLM_SPEC[method])]
@@ -137,7 +139,7 @@ class Server:
                 env["LD_PRELOAD"] = ":".join(preload)
             self.preload = preload
         else:
-            argv = [str(SPECLANE), "serve", "--port", str(port)]
+            argv = [str(SPECLANE), "serve", "--port", str(port)] + ([] if dtype == "float32" else ["--dtype", dtype])
             self.preload = []
         self.argv = argv
         self.log_path = log_dir / f"{system}-{method}.log"
@@ -350,6 +352,8 @@ def main() -> int:
     parser.add_argument("--c1-prompts", type=int, default=8, help="prompts per data set at concurrency 1")
     parser.add_argument("--c32-prompts", type=int, default=32, help="prompts per data set at concurrency 32")
     parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
+                        help="both systems' (speclane's CPU default is float32; bfloat16 passes --dtype to it too)")
     parser.add_argument("--vllm-venv", default="/work/vllm-venv", type=pathlib.Path)
     parser.add_argument("--vllm-port", type=int, default=8100)
     parser.add_argument("--speclane-port", type=int, default=8200)
@@ -384,7 +388,7 @@ def main() -> int:
     t0 = time.perf_counter()
     for method, system in itertools.product(args.methods.split(","), args.systems.split(",")):
         port = args.vllm_port if system == "vllm" else args.speclane_port
-        server = Server(system, method, port, args.vllm_venv, args.log_dir)
+        server = Server(system, method, port, args.vllm_venv, args.log_dir, args.dtype)
         entry = {"argv": server.argv, "ld_preload": server.preload, "runs": [],
                  "speclane_uncommitted": subprocess.run(
                      ["git", "status", "--short", "--untracked-files=no"], cwd=REPO, capture_output=True,
