@@ -80,11 +80,10 @@ class StreamedLinear(nn.Module):
 
     @staticmethod
     def of(padded: nn.Module, probe: torch.Tensor, found: dict[tuple, int]) -> nn.Module:
-        """`padded` (a PaddedLinear) streamed where some block gives its bits on the probe's rows (MAX_ROWS of
-        them, values whose sums round differently in every order), at every row count; else `padded` itself.
-        found: the blocks found for earlier layers, by shape, tried first (a model's layers share a few shapes)."""
-        if not fits(padded):
-            return padded
+        """`padded` (a PaddedLinear that `fits`) streamed where some block gives its bits on the probe's rows
+        (MAX_ROWS of them, values whose sums round differently in every order), at every row count; else `padded`
+        itself. found: the blocks found for earlier layers, by shape, tried first (a model's layers share a few
+        shapes)."""
         packed = pack(padded.weight.detach())
         bias = None if padded.bias is None else padded.bias.detach().contiguous()
         shape = (padded.out_features, padded.in_features, bias is not None)

@@ -70,38 +70,32 @@ SPECLANE_BF16_TARGET inline void tile(const uint16_t* x, const uint16_t* packed,
 
 constexpr int kGroup = 4;  // input rows a tile holds at most
 
-// Groups [first, last) of 16 outputs, NT at a time, against every input row.
+// The tile of NT groups for mg (1 to kGroup) input rows.
+template <int NT>
+SPECLANE_BF16_TARGET inline void tile_rows(int mg, const uint16_t* x, const uint16_t* packed, const uint16_t* bias,
+                                           uint16_t* y, int64_t in, int64_t out, int64_t block, int64_t group) {
+  switch (mg) {
+    case 1: tile<NT, 1>(x, packed, bias, y, in, out, block, group); break;
+    case 2: tile<NT, 2>(x, packed, bias, y, in, out, block, group); break;
+    case 3: tile<NT, 3>(x, packed, bias, y, in, out, block, group); break;
+    default: tile<NT, kGroup>(x, packed, bias, y, in, out, block, group); break;
+  }
+}
+
+// Groups [first, last) of 16 outputs, NT at a time (one at a time in a thread's last, short run), against every
+// input row.
 template <int NT>
 SPECLANE_BF16_TARGET void groups(const uint16_t* x, const uint16_t* packed, const uint16_t* bias, uint16_t* y,
                                  int64_t rows, int64_t in, int64_t out, int64_t block, int64_t first, int64_t last) {
   for (int64_t g = first; g < last; g += NT) {
-    const int n = static_cast<int>(std::min<int64_t>(NT, last - g));
+    const int64_t n = std::min<int64_t>(NT, last - g);
     for (int64_t m = 0; m < rows; m += kGroup) {
       const int mg = static_cast<int>(std::min<int64_t>(kGroup, rows - m));
-      const uint16_t* xm = x + m * in;
-      uint16_t* ym = y + m * out;
-      // n < NT only in a thread's last groups.
-#define SPECLANE_TILE(N)                                                             \
-  switch (mg) {                                                                      \
-    case 1: tile<N, 1>(xm, packed, bias, ym, in, out, block, g); break;              \
-    case 2: tile<N, 2>(xm, packed, bias, ym, in, out, block, g); break;              \
-    case 3: tile<N, 3>(xm, packed, bias, ym, in, out, block, g); break;              \
-    default: tile<N, kGroup>(xm, packed, bias, ym, in, out, block, g); break;        \
-  }
       if (n == NT) {
-        SPECLANE_TILE(NT)
+        tile_rows<NT>(mg, x + m * in, packed, bias, y + m * out, in, out, block, g);
       } else {
-        for (int j = 0; j < n; ++j) {
-          const int64_t one = g + j;
-          switch (mg) {
-            case 1: tile<1, 1>(xm, packed, bias, ym, in, out, block, one); break;
-            case 2: tile<1, 2>(xm, packed, bias, ym, in, out, block, one); break;
-            case 3: tile<1, 3>(xm, packed, bias, ym, in, out, block, one); break;
-            default: tile<1, kGroup>(xm, packed, bias, ym, in, out, block, one); break;
-          }
-        }
+        for (int64_t j = 0; j < n; ++j) tile_rows<1>(mg, x + m * in, packed, bias, y + m * out, in, out, block, g + j);
       }
-#undef SPECLANE_TILE
     }
   }
 }
