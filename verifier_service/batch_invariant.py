@@ -249,12 +249,25 @@ def make_invariant(mode: str, model: nn.Module, device: torch.device, dtype: tor
     nn.Linear by type and reduces across ranks, so it is not covered."""
     if mode == "off" or (mode == "auto" and (dtype == torch.float32 or tensor_parallel)):
         return False
-    holds = not tensor_parallel and (kernel or holds_on(device, dtype, sizes)) and make_linears_invariant(model)
+    uncovered = uncovered_products(model)
+    holds = (not tensor_parallel and not uncovered and (kernel or holds_on(device, dtype, sizes))
+             and make_linears_invariant(model))
     if mode == "on" and not holds:
         raise ValueError(f"--batch-invariant on: this platform's {str(dtype).removeprefix('torch.')} kernels on "
-                         f"{device.type} are not batch-invariant" + (" under tensor parallelism" if tensor_parallel
-                                                                    else " (start-up check)"))
+                         f"{device.type} are not batch-invariant" + (
+                             " under tensor parallelism" if tensor_parallel
+                             else f" in {', '.join(uncovered)}, whose products are not linear layers" if uncovered
+                             else " (start-up check)"))
     return holds
+
+
+def uncovered_products(model: nn.Module) -> list[str]:
+    """The kinds of module that multiply by weights of their own other than through nn.Linear (an MoE's fused
+    experts, a router's F.linear, a gated DeltaNet's convolution): the mode does not make their rows
+    batch-invariant (the experts' rows, for one, depend on how many tokens of the pass each one is routed)."""
+    return sorted({type(module).__name__ for module in model.modules()
+                   if not isinstance(module, (nn.Linear, nn.Embedding))
+                   and any(param.dim() >= 2 for param in module.parameters(recurse=False))})
 
 
 def holds_on(device: torch.device, dtype: torch.dtype, sizes: tuple[int, int, int]) -> bool:

@@ -43,7 +43,10 @@ class VerifierConfig:
     model_name: str = option("", "model name reported to clients; empty means the model id, or the directory name")
     address: str = option("127.0.0.1:50062", "gRPC listen address host:port")
     device: str = option("auto", "auto, cpu, cuda[:N] or npu[:N] (npu needs torch_npu)")
-    dtype: str = option("auto", "auto (fp32 on CPU, bf16 on NPU, bf16/fp16 on CUDA), float32, bfloat16 or float16")
+    dtype: str = option("auto", "auto (on a CPU bf16 where it multiplies bf16 natively, AVX512-BF16 or AMX, and "
+                                "the passes are batch-invariant: one rank, --batch-invariant not off, the start-up "
+                                "check passed; else fp32. bf16 on NPU, bf16/fp16 on CUDA), float32, bfloat16 or "
+                                "float16")
     head_dtype: str = option("auto", "the draft head's dtype: auto (int8 on a CPU that multiplies bf16 natively, "
                                      "AVX512-BF16 or AMX; else --dtype's), float32, bfloat16, float16 or int8 (int8 "
                                      "linear weights over bf16, CPU only). The head only proposes, so its dtype never "

@@ -92,17 +92,15 @@ def draft_limit(device: str) -> int:
     return NPU_MAX_DRAFT_TOKENS if device.startswith("npu") else 0
 
 
-def resolve_dtype(requested: str, device: str, *, cuda=torch.cuda) -> torch.dtype:
-    """"auto" is fp32 on CPU (bf16 is faster on CPUs with AVX512-BF16, but its
-    multi-token passes round differently from one-token steps, so speculation
-    would change greedy outputs: docs/benchmarks/bf16), bf16 on NPU, bf16 on CUDA
-    when supported else fp16; otherwise the named dtype."""
+def resolve_dtype(requested: str, device: str, *, cpu_bf16: bool = False, cuda=torch.cuda) -> torch.dtype:
+    """"auto" is bf16 on a CPU where `cpu_bf16` (auto_cpu_bf16) else fp32, bf16
+    on NPU, bf16 on CUDA when supported else fp16; otherwise the named dtype."""
     if requested != "auto":
         if requested not in DTYPES:
             raise ValueError(f"unknown dtype {requested!r}; use auto, {', '.join(DTYPES)}")
         return getattr(torch, requested)
     if device == "cpu":
-        return torch.float32
+        return torch.bfloat16 if cpu_bf16 else torch.float32
     if device.startswith("npu"):
         return torch.bfloat16
     return torch.bfloat16 if cuda.is_bf16_supported() else torch.float16
@@ -117,6 +115,15 @@ def cpu_has_native_bf16(cpuinfo_path: str = "/proc/cpuinfo") -> bool:
     except OSError:
         return False
     return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def auto_cpu_bf16(native_bf16: bool, tensor_parallel_size: int, batch_invariant: str, attention_backend: str) -> bool:
+    """Whether --dtype auto serves bf16 on a CPU, as vLLM's auto does: where the CPU multiplies bf16 natively
+    (elsewhere torch widens it to fp32 first and it saves no time) and the passes can be batch-invariant, so
+    that speculation never changes a greedy output (batch_invariant.py): one rank (tensor parallelism's
+    reductions are not covered), the mode not switched off, the attention backend not named. A model whose
+    bf16 passes fail the start-up check is then served in fp32 (workers.Rank0.load)."""
+    return native_bf16 and tensor_parallel_size == 1 and batch_invariant != "off" and attention_backend == "auto"
 
 
 @dataclass(frozen=True)

@@ -4,6 +4,7 @@ group, load their shard and run every plan rank 0 broadcasts, until it
 broadcasts None (or dies)."""
 
 import argparse
+import dataclasses
 import json
 import pathlib
 import subprocess
@@ -21,10 +22,13 @@ from speclane.log import configure_logging
 from speclane.net import free_port
 from verifier_service import tuning_cache
 from verifier_service.batch import Segment, StepPlan
+from verifier_service.batch_invariant import uncovered_products
 from verifier_service.block_manager import BlockManager
 from verifier_service.config import VerifierConfig
 from verifier_service.device import (
     Memory,
+    auto_cpu_bf16,
+    cpu_has_native_bf16,
     draft_limit,
     free_memory_bytes,
     kv_cache_blocks,
@@ -61,12 +65,17 @@ def build_runner(config: VerifierConfig, device: str, tp: TensorParallel | None)
         model_config = AutoConfig.from_pretrained(config.model, trust_remote_code=config.trust_remote_code)
         check_shardable(model_config.get_text_config(), tp.world_size)
         device = rank_device(device, tp.rank)
-    return ModelRunner(config.model, device, resolve_dtype(config.dtype, device), tp=tp,
+    return ModelRunner(config.model, device, served_dtype(config, device), tp=tp,
                        max_model_len=config.max_model_len, trust_remote_code=config.trust_remote_code,
                        batch_invariant=config.batch_invariant, attention_backend=config.attention_backend,
                        tuning_dir=tuning_dir(config),
                        cuda_graph_sizes=() if config.enforce_eager else capture_sizes(config.cuda_graph_sizes,
                                                                                       config.max_batch_tokens))
+
+
+def served_dtype(config: VerifierConfig, device: str) -> torch.dtype:
+    return resolve_dtype(config.dtype, device, cpu_bf16=auto_cpu_bf16(
+        cpu_has_native_bf16(), config.tensor_parallel_size, config.batch_invariant, config.attention_backend))
 
 
 def batch_limits(config: VerifierConfig, device: str) -> BatchLimits:
@@ -137,8 +146,22 @@ class Rank0:
         self.followers: list[subprocess.Popen] = []
 
     def load(self) -> Engine:
-        config = self.config
-        device = resolve_device(config.device)
+        """The engine. Where --dtype auto chose bf16 on a CPU but its passes are not batch-invariant or fail the
+        start-up check (attention the invariant mode does not compute, logits beyond bf16's bound), the engine in
+        fp32: auto never serves a bf16 whose speculation could change an output, nor refuses what fp32 serves."""
+        device = resolve_device(self.config.device)
+        auto_bf16 = self.config.dtype == "auto" and served_dtype(self.config, device) == torch.bfloat16
+        if not (auto_bf16 and device == "cpu"):
+            return self._load(self.config, device)
+        try:
+            return self._load(self.config, device, lossless_bf16=True)
+        except ValueError as exc:  # outside this block, the failed engine's frames are freed before the next load
+            reason = str(exc)
+        log.warning("dtype_fallback", dtype="float32", reason=reason)
+        self.config = dataclasses.replace(self.config, dtype="float32")
+        return self._load(self.config, device)
+
+    def _load(self, config: VerifierConfig, device: str, lossless_bf16: bool = False) -> Engine:
         if config.tensor_parallel_size > 1:
             model_config = AutoConfig.from_pretrained(config.model, trust_remote_code=config.trust_remote_code)
             check_shardable(model_config.get_text_config(), config.tensor_parallel_size)
@@ -146,6 +169,11 @@ class Rank0:
             self.followers = [_spawn(config, rank, port) for rank in range(1, config.tensor_parallel_size)]
             self.tp = init_tensor_parallel(device, 0, config.tensor_parallel_size, port)
         runner = build_runner(config, device, self.tp)
+        if lossless_bf16 and not runner.batch_invariant:
+            uncovered = uncovered_products(runner.model)
+            raise ValueError("its bf16 passes would not be batch-invariant: " + (
+                f"{', '.join(uncovered)} multiply outside linear layers" if uncovered
+                else "this CPU's kernels failed the start-up check"))
         # The head runs on rank 0 only (draft_tensor_parallel_size 1, as in vLLM), loaded before the KV cache
         # is sized, so that its memory is not counted twice.
         draft = config.draft

@@ -20,6 +20,7 @@ from verifier_service.batch_invariant import (
     make_invariant,
     make_linears_invariant,
     spread_values,
+    uncovered_products,
 )
 from verifier_service.block_manager import BlockManager
 from verifier_service.engine import Engine
@@ -145,6 +146,16 @@ def test_the_mode_follows_the_flag_the_dtype_and_the_start_up_check(monkeypatch)
     assert not mode("auto")
     with pytest.raises(ValueError, match="start-up check"):
         mode("on")
+
+
+def test_products_outside_linear_layers_keep_the_mode_off_or_are_refused(monkeypatch, tmp_path):
+    monkeypatch.setattr(batch_invariant, "holds_on", lambda *args: True)
+    experts = ModelRunner(save_tiny("qwen3_moe", tmp_path), "cpu", torch.bfloat16).model  # auto: off, unchanged
+    assert uncovered_products(experts) == ["Qwen3MoeExperts", "Qwen3MoeTopKRouter"]
+    assert not make_invariant("auto", experts, CPU, torch.bfloat16, False, SMOLLM2_SIZES)
+    with pytest.raises(ValueError, match="in Qwen3MoeExperts, Qwen3MoeTopKRouter, whose products are not linear"):
+        make_invariant("on", experts, CPU, torch.bfloat16, False, SMOLLM2_SIZES)
+    assert uncovered_products(nn.Sequential(nn.Embedding(8, 4), nn.Linear(4, 4), nn.LayerNorm(4))) == []
 
 
 @needs_invariant_bf16_mlp

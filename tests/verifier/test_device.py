@@ -9,6 +9,7 @@ import torch
 from verifier_service.device import (
     DeviceError,
     HeadPrecision,
+    auto_cpu_bf16,
     cpu_has_native_bf16,
     resolve_device,
     resolve_dtype,
@@ -85,12 +86,27 @@ def test_real_host_resolves_to_cpu_without_loading_torch_npu():
 
 def test_dtype_defaults_per_device():
     assert resolve_dtype("auto", "cpu") is torch.float32
+    assert resolve_dtype("auto", "cpu", cpu_bf16=True) is torch.bfloat16
+    assert resolve_dtype("float32", "cpu", cpu_bf16=True) is torch.float32
     assert resolve_dtype("auto", "npu:0") is torch.bfloat16
     assert resolve_dtype("auto", "cuda:0", cuda=fake_backend(True, bf16=True)) is torch.bfloat16
     assert resolve_dtype("auto", "cuda:0", cuda=fake_backend(True, bf16=False)) is torch.float16
     assert resolve_dtype("float16", "cpu") is torch.float16
     with pytest.raises(ValueError, match="unknown dtype"):
         resolve_dtype("fp8", "cpu")
+
+
+def test_auto_is_bf16_on_a_cpu_only_where_it_multiplies_bf16_natively_and_passes_can_be_batch_invariant():
+    cases = [  # native bf16, tensor-parallel size, --batch-invariant, --attention-backend -> bf16
+        (True, 1, "auto", "auto", True),
+        (True, 1, "on", "auto", True),
+        (False, 1, "auto", "auto", False),  # torch widens bf16 to fp32 first: no faster
+        (True, 2, "auto", "auto", False),  # the ranks' reductions are not invariant
+        (True, 1, "off", "auto", False),  # speculation could change a greedy output
+        (True, 1, "auto", "TORCH_SDPA", False),  # a named backend attends as it does, not invariantly
+    ]
+    for native, ranks, invariant, backend, expected in cases:
+        assert auto_cpu_bf16(native, ranks, invariant, backend) is expected, (native, ranks, invariant, backend)
 
 
 def test_auto_threads_share_the_cores_among_the_ranks():

@@ -19,6 +19,7 @@ from speclane.grpc_server import serve
 from verifier_service import server
 from verifier_service.async_engine import AsyncEngine
 from verifier_service.config import DEFAULT_MAX_DRAFT_TOKENS, VerifierConfig
+from verifier_service.device import cpu_has_native_bf16
 from verifier_service.draft_cost import BATCH_SIZES
 from verifier_service.model_runner import ModelRunner
 from verifier_service.prompt_lookup import lookup_draft
@@ -354,7 +355,9 @@ def test_server_run_serves_model_info_and_tokenizer_files(tiny_model_dir):
         assert info.vocab_size == VOCAB
         assert info.max_context_len == MAX_CONTEXT
         assert list(info.eos_token_ids) == list(GENERATION_EOS)
-        assert (info.device, info.dtype, info.tensor_parallel_size) == ("cpu", "float32", 1)
+        # --dtype auto: bf16 on a CPU that multiplies it natively (test_auto_dtype.py).
+        served = "bfloat16" if cpu_has_native_bf16() else "float32"
+        assert (info.device, info.dtype, info.tensor_parallel_size) == ("cpu", served, 1)
         # Measured at start-up at each batch size, for the gateway to cut drafts by (draft_cost.py).
         costs = dict(info.draft_token_cost_by_batch_size)
         assert set(costs) == {size for size, _ in BATCH_SIZES} and all(cost >= 0 for cost in costs.values())

@@ -10,8 +10,8 @@ with one short request, measured with `speclane bench serve` on every (data set,
             per method: none; ngram ('{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}');
             suffix ('{"method": "suffix"}', vLLM's defaults: tree depth 24). Requests send no speculation
             field (`--methods default`): the server's configuration applies.
-  speclane  `speclane serve` at its defaults, one server per method too; the request chooses the method
-            (`--methods none|ngram|suffix`, k: each method's own default on the server).
+  speclane  `speclane serve --dtype D` (vLLM's dtype) at its other defaults, one server per method too; the
+            request chooses the method (`--methods none|ngram|suffix`, k: each method's own default on the server).
 
 Every (data set, concurrency) pair samples its own prompts (a seed of its own, checked below to give
 problem sets disjoint from every other pair's), so no server ever sees a prompt twice: neither
@@ -139,7 +139,7 @@ class Server:
                 env["LD_PRELOAD"] = ":".join(preload)
             self.preload = preload
         else:
-            argv = [str(SPECLANE), "serve", "--port", str(port)] + ([] if dtype == "float32" else ["--dtype", dtype])
+            argv = [str(SPECLANE), "serve", "--port", str(port), "--dtype", dtype]
             self.preload = []
         self.argv = argv
         self.log_path = log_dir / f"{system}-{method}.log"
@@ -353,7 +353,7 @@ def main() -> int:
     parser.add_argument("--c32-prompts", type=int, default=32, help="prompts per data set at concurrency 32")
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
-                        help="both systems' (speclane's CPU default is float32; bfloat16 passes --dtype to it too)")
+                        help="both systems' (each gets --dtype: their auto differs by CPU)")
     parser.add_argument("--vllm-venv", default="/work/vllm-venv", type=pathlib.Path)
     parser.add_argument("--vllm-port", type=int, default=8100)
     parser.add_argument("--speclane-port", type=int, default=8200)
