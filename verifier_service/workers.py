@@ -22,7 +22,6 @@ from speclane.log import configure_logging
 from speclane.net import free_port
 from verifier_service import tuning_cache
 from verifier_service.batch import Segment, StepPlan
-from verifier_service.batch_invariant import uncovered_products
 from verifier_service.block_manager import BlockManager
 from verifier_service.config import VerifierConfig
 from verifier_service.device import (
@@ -149,19 +148,18 @@ class Rank0:
         """The engine. Where --dtype auto chose bf16 on a CPU but its passes are not batch-invariant or fail the
         start-up check (attention the invariant mode does not compute, logits beyond bf16's bound), the engine in
         fp32: auto never serves a bf16 whose speculation could change an output, nor refuses what fp32 serves."""
-        device = resolve_device(self.config.device)
-        auto_bf16 = self.config.dtype == "auto" and served_dtype(self.config, device) == torch.bfloat16
-        if not (auto_bf16 and device == "cpu"):
-            return self._load(self.config, device)
-        try:
-            return self._load(self.config, device, lossless_bf16=True)
+        config, device = self.config, resolve_device(self.config.device)
+        if not (device == "cpu" and config.dtype == "auto" and served_dtype(config, device) == torch.bfloat16):
+            return self._load(config, device)
+        try:  # --batch-invariant on: the mode itself refuses, with the reason, what it cannot make invariant
+            return self._load(dataclasses.replace(config, batch_invariant="on"), device)
         except ValueError as exc:  # outside this block, the failed engine's frames are freed before the next load
             reason = str(exc)
         log.warning("dtype_fallback", dtype="float32", reason=reason)
-        self.config = dataclasses.replace(self.config, dtype="float32")
+        self.config = dataclasses.replace(config, dtype="float32")
         return self._load(self.config, device)
 
-    def _load(self, config: VerifierConfig, device: str, lossless_bf16: bool = False) -> Engine:
+    def _load(self, config: VerifierConfig, device: str) -> Engine:
         if config.tensor_parallel_size > 1:
             model_config = AutoConfig.from_pretrained(config.model, trust_remote_code=config.trust_remote_code)
             check_shardable(model_config.get_text_config(), config.tensor_parallel_size)
@@ -169,11 +167,6 @@ class Rank0:
             self.followers = [_spawn(config, rank, port) for rank in range(1, config.tensor_parallel_size)]
             self.tp = init_tensor_parallel(device, 0, config.tensor_parallel_size, port)
         runner = build_runner(config, device, self.tp)
-        if lossless_bf16 and not runner.batch_invariant:
-            uncovered = uncovered_products(runner.model)
-            raise ValueError("its bf16 passes would not be batch-invariant: " + (
-                f"{', '.join(uncovered)} multiply outside linear layers" if uncovered
-                else "this CPU's kernels failed the start-up check"))
         # The head runs on rank 0 only (draft_tensor_parallel_size 1, as in vLLM), loaded before the KV cache
         # is sized, so that its memory is not counted twice.
         draft = config.draft

@@ -11,14 +11,11 @@ import argparse
 import time
 
 import torch
+from amx_linear import SHAPES  # this folder's AMX script: the same products, in the same order
 from torch import nn
 
 from verifier_service.batch_invariant import PaddedLinear, spread_values
 from verifier_service.bf16_linear import MAX_ROWS, StreamedLinear, bf16_linear_ready, product
-
-LAYERS = 24
-SHAPES = [(896, 896), (128, 896), (128, 896), (896, 896), (4864, 896), (4864, 896), (896, 4864)] * LAYERS + [
-    (151936, 896)]
 
 
 def main() -> None:
