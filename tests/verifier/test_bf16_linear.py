@@ -9,7 +9,7 @@ from torch import nn
 from tests.verifier.conftest import spread_bf16_layer
 from verifier_service import bf16_linear
 from verifier_service.batch_invariant import PaddedLinear, make_linears_invariant, spread_values
-from verifier_service.bf16_linear import MAX_ROWS, StreamedLinear, bf16_linear_ready, pack
+from verifier_service.bf16_linear import AHEAD_ROWS, MAX_ROWS, StreamedLinear, bf16_linear_ready, pack
 
 CPU = torch.device("cpu")
 needs_bf16_kernel = pytest.mark.skipif(not bf16_linear_ready(), reason="this CPU has no AVX512-BF16")
@@ -34,8 +34,9 @@ def test_a_streamed_layer_gives_each_row_onednns_bits_alone_and_in_any_pass(shap
     x = spread_values(torch.Generator().manual_seed(2), CPU, torch.bfloat16, MAX_ROWS + 8, shape[1])
     with torch.inference_mode():
         alone = torch.cat([streamed(x[i:i + 1]) for i in range(len(x))])
-        # Up to MAX_ROWS rows the kernel computes; beyond, oneDNN: a row's bits are the same either way.
-        for rows in (2, 5, MAX_ROWS, MAX_ROWS + 1, MAX_ROWS + 8):
+        # Up to MAX_ROWS rows the kernel computes (from AHEAD_ROWS fetching ahead); beyond, oneDNN: a row's bits
+        # are the same either way.
+        for rows in (2, 5, AHEAD_ROWS, MAX_ROWS, MAX_ROWS + 1, MAX_ROWS + 8):
             assert torch.equal(streamed(x[:rows]), alone[:rows]), rows
         padded = streamed.padded(x)
         assert torch.equal(padded, alone)

@@ -1,8 +1,9 @@
 """Qwen2.5-0.5B's linear products in a pass's order (24 layers of q, k, v, o, gate, up, down, then the vocabulary
 projection; random bf16 weights of its shapes, 0.99 GB) at 1 to 512 rows on a CPU with AVX512-BF16: oneDNN's
 product (`PaddedLinear`) against our kernel (`bf16_linear.product`, with the block of inputs `StreamedLinear.of`
-found to give oneDNN's bits; the batch-invariant mode takes the kernel up to MAX_ROWS rows). The host's threads;
-the ways alternate sweep by sweep; prints the best of `--sweeps` in ms.
+found to give oneDNN's bits; the batch-invariant mode takes the kernel up to MAX_ROWS rows), and the kernel without
+fetching the next weights ahead (`ahead_rows=0`). The host's threads; the ways alternate sweep by sweep; prints the
+best of `--sweeps` in ms.
 
     flock /tmp/speclane-bench.lock .venv/bin/python docs/benchmarks/bf16/bf16_linear.py
 """
@@ -34,13 +35,18 @@ def main() -> None:
     if not all(isinstance(linear, StreamedLinear) for linear in streamed):
         raise SystemExit("some layer's bits no block gives: the mode keeps oneDNN's product for it")
     print(f"threads: {torch.get_num_threads()}; blocks of inputs found, by shape: {found}\n\n"
-          "| rows | oneDNN | kernel | kernel / oneDNN |\n|---|---|---|---|")
+          "| rows | oneDNN | kernel | kernel / oneDNN | not fetching ahead | kernel / not fetching ahead |\n"
+          "|---|---|---|---|---|---|")
 
     def by_kernel(layer: StreamedLinear, x: torch.Tensor) -> torch.Tensor:
         return product(x, layer.packed, None, layer.out_features, layer.block)
 
+    def not_ahead(layer: StreamedLinear, x: torch.Tensor) -> torch.Tensor:
+        return product(x, layer.packed, None, layer.out_features, layer.block, ahead_rows=0)
+
     ways = {"oneDNN": [(linear, PaddedLinear.__call__) for linear in padded],
-            "kernel": [(linear, by_kernel) for linear in streamed]}
+            "kernel": [(linear, by_kernel) for linear in streamed],
+            "not ahead": [(linear, not_ahead) for linear in streamed]}
     with torch.inference_mode():
         for rows in map(int, args.rows.split(",")):
             inputs = {n: torch.randn(rows, n).bfloat16() for n in probes}
@@ -51,8 +57,9 @@ def main() -> None:
                     for layer, call in layers:
                         call(layer, inputs[layer.in_features])
                     best[name] = min(best[name], (time.perf_counter() - started) * 1e3)
-            dnn, kernel = best.values()
-            print(f"| {rows} | {dnn:.1f} | {kernel:.1f} | {kernel / dnn:.2f}x |")
+            dnn, kernel, behind = best.values()
+            print(f"| {rows} | {dnn:.1f} | {kernel:.1f} | {kernel / dnn:.2f}x | {behind:.1f} | "
+                  f"{kernel / behind:.2f}x |")
 
 
 if __name__ == "__main__":

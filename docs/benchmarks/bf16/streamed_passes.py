@@ -1,7 +1,8 @@
 """Verifier passes with and without the bf16 kernel of AVX512-BF16 hosts (bf16_linear.py), in one process: the model
 loads once, then every linear layer the batch-invariant mode streamed is swapped between `StreamedLinear` and its
 oneDNN `PaddedLinear`, alternating round by round; each pass is the fastest of 4 steps, each side the best of its
-rounds (ms). Both cores.
+rounds (ms). Both cores. With `--not-ahead`, the other side is the kernel without fetching the next weights ahead
+(`ahead_rows=0`) instead of oneDNN.
 
     flock /tmp/speclane-bench.lock .venv/bin/python docs/benchmarks/bf16/streamed_passes.py \
         --model qwen2.5-coder-0.5b-instruct
@@ -13,7 +14,7 @@ import time
 import torch
 
 from speclane.models import resolve_model
-from verifier_service.bf16_linear import StreamedLinear
+from verifier_service.bf16_linear import AHEAD_ROWS, StreamedLinear
 from verifier_service.block_manager import BlockManager
 from verifier_service.device import set_threads
 from verifier_service.engine import Engine
@@ -28,6 +29,7 @@ def main() -> None:
     parser.add_argument("--k", default="0,4,8", help="draft tokens per sequence")
     parser.add_argument("--context", type=int, default=600)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--not-ahead", action="store_true", help="compare with the kernel not fetching ahead")
     args = parser.parse_args()
     set_threads(0)
     runner = ModelRunner(str(resolve_model(args.model)), "cpu", torch.bfloat16)
@@ -37,12 +39,17 @@ def main() -> None:
     if not streamed:
         raise SystemExit("no layer is streamed: this host has no AVX512-BF16, or no layer's bits matched")
 
+    other = "not fetching ahead" if args.not_ahead else "oneDNN"
+
     def use_kernel(kernel: bool) -> None:
         for parent, name, child in streamed:
-            setattr(parent, name, child if kernel else child.padded)
+            if args.not_ahead:
+                child.ahead_rows = AHEAD_ROWS if kernel else 0
+            else:
+                setattr(parent, name, child if kernel else child.padded)
 
     params = GenerationParams(max_new_tokens=100_000, ignore_eos=True)
-    print(f"{len(streamed)} layers streamed\n\n| sequences | k | kernel | oneDNN | kernel / oneDNN |\n"
+    print(f"{len(streamed)} layers streamed\n\n| sequences | k | kernel | {other} | kernel / {other} |\n"
           "|---|---|---|---|---|")
     for count in map(int, args.sequences.split(",")):
         seqs = [engine.open(f"{count}-{i}", [(j * 7919 + i * 31) % runner.vocab_size for j in range(args.context)],
