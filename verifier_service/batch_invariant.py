@@ -24,6 +24,8 @@ from torch import nn
 from verifier_service.amx_linear import AmxGatedMlp, AmxLinear, amx_ready
 from verifier_service.bf16_linear import MAX_ROWS, StreamedLinear, bf16_linear_ready, fits
 from verifier_service.cpu_linear import replace_linears
+from verifier_service.invariant_moe import make_moe_invariant, moe_blocks, own_products
+from verifier_service.row_padding import at_least_rows, fewest_rows, spread_values
 from verifier_service.tree import ancestors
 
 
@@ -49,15 +51,6 @@ def key_order(num_pending: int, parents: tuple[int, ...], device) -> KeyOrder:
     columns = [row + sorted(set(range(n)) - set(row)) for row in rows]
     attends = torch.arange(n)[None, :] < torch.tensor([len(row) for row in rows])[:, None]
     return KeyOrder(torch.tensor(columns, device=device), attends.to(device), True)
-
-
-def _at_least_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
-    """A product of few rows can take another kernel path than one of many;
-    padded with copies of its first row, it takes the many-row path."""
-    missing = rows - x.shape[-2]
-    if missing <= 0 or x.shape[-2] == 0:  # no rows: a prompt chunk before the last keeps no logits
-        return x
-    return torch.cat([x, x[..., :1, :].expand(*x.shape[:-2], missing, x.shape[-1])], dim=-2)
 
 
 # A prompt chunk's queries go this many at a time, so that their fp32 scores stay in the caches (a 500-token
@@ -96,7 +89,7 @@ def segment_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Ten
     kv_heads, capacity, _ = keys.shape
     group = heads // kv_heads
     grouped = query.reshape(kv_heads, group * n, dim)  # heads h = j * group + g share kv head j
-    scores = (_at_least_rows(grouped, _MIN_ROWS) @ keys.transpose(1, 2))[:, :group * n].float().mul_(scaling)
+    scores = (at_least_rows(grouped, _MIN_ROWS) @ keys.transpose(1, 2))[:, :group * n].float().mul_(scaling)
     scores = scores.view(kv_heads, group, n, capacity)
     new = scores[..., start:start + n]
     if order.is_tree:
@@ -126,7 +119,7 @@ def _weighted_values(probs: torch.Tensor, values: torch.Tensor, start: int, orde
     blocks = []
     if shared:
         weights = probs[..., :shared].reshape(kv_heads, group * n, shared // KEY_BLOCK, KEY_BLOCK).transpose(1, 2)
-        products = _at_least_rows(weights, _MIN_ROWS) @ values[:, :shared].view(kv_heads, -1, KEY_BLOCK, dim)
+        products = at_least_rows(weights, _MIN_ROWS) @ values[:, :shared].view(kv_heads, -1, KEY_BLOCK, dim)
         blocks.append(products[..., :group * n, :].reshape(kv_heads, -1, group, n, dim))
     if order.is_tree:  # each query's own values from there: the cached ones, its path, then the rest
         rest = torch.arange(start + n, length, device=probs.device).expand(n, -1)
@@ -134,7 +127,7 @@ def _weighted_values(probs: torch.Tensor, values: torch.Tensor, start: int, orde
                            rest], dim=1)
         own = values[:, index].view(kv_heads, n, -1, KEY_BLOCK, dim)
         weights = probs[..., shared:].transpose(1, 2).reshape(kv_heads, n, group, -1, KEY_BLOCK).transpose(2, 3)
-        products = (_at_least_rows(weights, _MIN_ROWS) @ own)[..., :group, :]
+        products = (at_least_rows(weights, _MIN_ROWS) @ own)[..., :group, :]
         blocks.append(products.permute(0, 2, 3, 1, 4))
     # Summed in sequence order; a plain step's store, longer or shorter, only adds zeros.
     return in_order_sum(torch.cat(blocks, dim=1) if len(blocks) > 1 else blocks[0], group * n)
@@ -167,31 +160,7 @@ class PaddedLinear(nn.Module):
                                                                                       self.out_features)
 
     def rows_product(self, rows: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        return F.linear(_at_least_rows(rows, self.min_rows), self.weight, bias)[:rows.shape[0]]
-
-
-def spread_values(generator: torch.Generator, device: torch.device, dtype: torch.dtype, *shape: int) -> torch.Tensor:
-    """Values of scales 2^-8 to 2^8: their sums round differently in every order,
-    so that a kernel path summing in another order shows in the rounded output."""
-    scale = torch.exp2(torch.randint(-8, 9, shape, generator=generator).float())
-    return (torch.randn(*shape, generator=generator) * scale).to(device, dtype)
-
-
-_PADDINGS = (1, 2, 3, 4, 8, 16)
-
-
-def fewest_rows(weight: torch.Tensor) -> int | None:
-    """The fewest rows (1: no padding) a product with `weight` must have for every
-    row to get the bits it gets in products of up to 64 rows (checked on random
-    rows), or None where no padding in _PADDINGS does."""
-    x = spread_values(torch.Generator().manual_seed(0), weight.device, weight.dtype, 64, weight.shape[1])
-    with torch.inference_mode():
-        for min_rows in _PADDINGS:
-            alone = torch.cat([F.linear(_at_least_rows(x[i:i + 1], min_rows), weight)[:1] for i in range(64)])
-            if all(torch.equal(F.linear(x[:rows], weight), alone[:rows])
-                   for rows in sorted({min_rows, 5, 6, 17, 33, 64}) if rows >= min_rows):
-                return min_rows
-    return None
+        return F.linear(at_least_rows(rows, self.min_rows), self.weight, bias)[:rows.shape[0]]
 
 
 def make_linears_invariant(model: nn.Module) -> bool:
@@ -241,8 +210,8 @@ def make_linears_invariant(model: nn.Module) -> bool:
 def make_invariant(mode: str, model: nn.Module, device: torch.device, dtype: torch.dtype, tensor_parallel: bool,
                    sizes: tuple[int, int, int], kernel: bool = False) -> bool:
     """Applies --batch-invariant's mode to a loaded model (its linear layers
-    made invariant where the checks pass); returns whether its passes are.
-    kernel: the CPU's invariant attention kernel attends this model
+    and MoE blocks made invariant where the checks pass); returns whether its
+    passes are. kernel: the CPU's invariant attention kernel attends this model
     (attention/cpu_invariant.py), so only the torch operators' attention needs
     the start-up check. fp32 is left as it is under auto (its kernels'
     differences stay below a greedy choice); tensor parallelism shards
@@ -250,24 +219,26 @@ def make_invariant(mode: str, model: nn.Module, device: torch.device, dtype: tor
     if mode == "off" or (mode == "auto" and (dtype == torch.float32 or tensor_parallel)):
         return False
     uncovered = uncovered_products(model)
+    reason = (" under tensor parallelism" if tensor_parallel
+              else f" in {', '.join(uncovered)}, whose products are not linear layers" if uncovered
+              else " (start-up check)")
     holds = (not tensor_parallel and not uncovered and (kernel or holds_on(device, dtype, sizes))
              and make_linears_invariant(model))
+    if holds and (blocks := make_moe_invariant(model)):
+        holds, reason = False, f" in {', '.join(blocks)}, whose experts' or router's rows no padding makes invariant"
     if mode == "on" and not holds:
         raise ValueError(f"--batch-invariant on: this platform's {str(dtype).removeprefix('torch.')} kernels on "
-                         f"{device.type} are not batch-invariant" + (
-                             " under tensor parallelism" if tensor_parallel
-                             else f" in {', '.join(uncovered)}, whose products are not linear layers" if uncovered
-                             else " (start-up check)"))
+                         f"{device.type} are not batch-invariant{reason}")
     return holds
 
 
 def uncovered_products(model: nn.Module) -> list[str]:
-    """The kinds of module that multiply by weights of their own other than through nn.Linear (an MoE's fused
-    experts, a router's F.linear, a gated DeltaNet's convolution): the mode does not make their rows
-    batch-invariant (the experts' rows, for one, depend on how many tokens of the pass each one is routed)."""
+    """The kinds of module that multiply by weights of their own other than through nn.Linear and outside the MoE
+    blocks invariant_moe.py covers (a gated DeltaNet's convolution, experts without a block of their own): the mode
+    does not make their rows batch-invariant."""
+    covered = {id(module) for _, experts, routers in moe_blocks(model) for module in (experts, *routers)}
     return sorted({type(module).__name__ for module in model.modules()
-                   if not isinstance(module, (nn.Linear, nn.Embedding))
-                   and any(param.dim() >= 2 for param in module.parameters(recurse=False))})
+                   if own_products(module) and id(module) not in covered})
 
 
 def holds_on(device: torch.device, dtype: torch.dtype, sizes: tuple[int, int, int]) -> bool:

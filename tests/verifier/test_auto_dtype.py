@@ -44,11 +44,17 @@ def test_auto_falls_back_to_fp32_for_attention_the_invariant_mode_does_not_compu
         load(model_dir, dtype="bfloat16")
 
 
-def test_auto_falls_back_to_fp32_for_products_the_invariant_mode_does_not_cover(native_bf16, tmp_path):
-    # Qwen3-MoE's fused experts: how many rows each multiplies depends on the pass.
+def test_auto_serves_an_moe_in_bf16_with_invariant_passes(native_bf16, tmp_path):
+    # Its experts' and router's rows padded (invariant_moe.py): the half of the memory an MoE most needs.
     runner, fallbacks = load(save_tiny("qwen3_moe", tmp_path))
+    assert (runner.dtype, runner.batch_invariant, fallbacks) == (torch.bfloat16, True, [])
+
+
+def test_auto_falls_back_to_fp32_for_products_the_invariant_mode_does_not_cover(native_bf16, tmp_path):
+    # Qwen3-Next's gated DeltaNet convolves its inputs with weights of its own.
+    runner, fallbacks = load(save_tiny("qwen3_next", tmp_path))
     assert runner.dtype == torch.float32
-    assert len(fallbacks) == 1 and "Qwen3MoeExperts" in fallbacks[0]["reason"]
+    assert len(fallbacks) == 1 and "Conv1d" in fallbacks[0]["reason"]
 
 
 def test_auto_serves_fp32_where_invariant_passes_are_switched_off(native_bf16, tmp_path):

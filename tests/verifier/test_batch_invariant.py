@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from tests.verifier.architectures import save_tiny
+from tests.verifier.architectures import SERVED, save_tiny
 from tests.verifier.conftest import BLOCK
 from verifier_service import batch_invariant
 from verifier_service.attention import cpu_invariant
@@ -92,15 +92,16 @@ def greedy(engine: Engine, prompt, steps: int, tree_from=None, companion=None):
     return tokens[:steps], logprobs[:steps]
 
 
+@pytest.mark.parametrize("model_type", ["llama", "qwen3_moe", "glm4_moe"])  # and MoE blocks (invariant_moe.py)
 @pytest.mark.parametrize("kernel", [True, False], ids=["cpu-kernel", "torch-operators"])
-def test_a_bf16_model_verifies_trees_with_the_bits_of_plain_decoding(tmp_path, kernel, monkeypatch):
+def test_a_bf16_model_verifies_trees_with_the_bits_of_plain_decoding(tmp_path, kernel, model_type, monkeypatch):
     if not kernel:  # the torch operators' backend, which serves other devices, MLA and other head dimensions
         if not holds_on(CPU, torch.bfloat16, SMOLLM2_SIZES):
             pytest.skip("this CPU's bf16 attention is not batch-invariant")
         monkeypatch.setattr(cpu_invariant, "attends", lambda *args, **kwargs: False)
     # Heads of 16, a dimension the kernel is compiled for.
-    runner = ModelRunner(save_tiny("llama", tmp_path, {"hidden_size": 64}), "cpu", torch.bfloat16,
-                         batch_invariant="on")
+    fields = {**SERVED[model_type], "hidden_size": 64, "head_dim": 16}
+    runner = ModelRunner(save_tiny(model_type, tmp_path, fields), "cpu", torch.bfloat16, batch_invariant="on")
     assert runner.backend.name == ("cpu-invariant" if kernel else "batch-invariant")
     engine = Engine(runner, BlockManager(4096 // BLOCK, BLOCK, False))
     prompt = [5, 9, 14, 3, 22, 40, 7, 19, 33]
@@ -150,11 +151,12 @@ def test_the_mode_follows_the_flag_the_dtype_and_the_start_up_check(monkeypatch)
 
 def test_products_outside_linear_layers_keep_the_mode_off_or_are_refused(monkeypatch, tmp_path):
     monkeypatch.setattr(batch_invariant, "holds_on", lambda *args: True)
-    experts = ModelRunner(save_tiny("qwen3_moe", tmp_path), "cpu", torch.bfloat16).model  # auto: off, unchanged
-    assert uncovered_products(experts) == ["Qwen3MoeExperts", "Qwen3MoeTopKRouter"]
-    assert not make_invariant("auto", experts, CPU, torch.bfloat16, False, SMOLLM2_SIZES)
-    with pytest.raises(ValueError, match="in Qwen3MoeExperts, Qwen3MoeTopKRouter, whose products are not linear"):
-        make_invariant("on", experts, CPU, torch.bfloat16, False, SMOLLM2_SIZES)
+    # Qwen3-Next: its MoE blocks are covered (invariant_moe.py), its gated DeltaNet's convolution is not.
+    hybrid = ModelRunner(save_tiny("qwen3_next", tmp_path), "cpu", torch.bfloat16).model  # auto: off, unchanged
+    assert uncovered_products(hybrid) == ["Conv1d"]
+    assert not make_invariant("auto", hybrid, CPU, torch.bfloat16, False, SMOLLM2_SIZES)
+    with pytest.raises(ValueError, match="in Conv1d, whose products are not linear"):
+        make_invariant("on", hybrid, CPU, torch.bfloat16, False, SMOLLM2_SIZES)
     assert uncovered_products(nn.Sequential(nn.Embedding(8, 4), nn.Linear(4, 4), nn.LayerNorm(4))) == []
 
 
