@@ -70,10 +70,11 @@ _LOOP_ROWS = 64  # query rows (heads x tokens) from which the blocks' sum is a l
 
 def segment_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int, order: KeyOrder,
                       scaling: float) -> torch.Tensor:
-    """query [heads, n, d] for a segment's new tokens; keys/values
-    [kv_heads, capacity, d] in sequence order (each head's rows contiguous),
-    the new tokens' at start..start+n, the positions after them weighing 0;
-    returns [heads, n, d]. Each query's scores are laid out by sequence position
+    """query [heads, n, d] for a segment's new tokens; keys [kv_heads,
+    capacity, d] and values [kv_heads, capacity, d_v] (MLA's d_v differs) in
+    sequence order (each head's rows contiguous), the new tokens' at
+    start..start+n, the positions after them weighing 0; returns
+    [heads, n, d_v]. Each query's scores are laid out by sequence position
     (its tree path moved to where a plain decode has it) with -inf after them,
     softmaxed in fp32, and weight the values laid out the same way."""
     heads, n, dim = query.shape
@@ -98,7 +99,7 @@ def segment_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Ten
         new.masked_fill_(~order.attends, float("-inf"))
     scores[..., start + n:] = float("-inf")
     out = _weighted_values(torch.softmax(scores, dim=-1).to(values.dtype), values, start, order)
-    return out.to(query.dtype).reshape(heads, n, dim)
+    return out.to(query.dtype).reshape(heads, n, values.shape[-1])
 
 
 def _first(rows: int, *tensors: torch.Tensor) -> list[torch.Tensor]:

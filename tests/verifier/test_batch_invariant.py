@@ -92,15 +92,18 @@ def greedy(engine: Engine, prompt, steps: int, tree_from=None, companion=None):
     return tokens[:steps], logprobs[:steps]
 
 
-@pytest.mark.parametrize("model_type", ["llama", "qwen3_moe", "glm4_moe"])  # and MoE blocks (invariant_moe.py)
-@pytest.mark.parametrize("kernel", [True, False], ids=["cpu-kernel", "torch-operators"])
+# MoE blocks too (invariant_moe.py); MLA (DeepSeek-V3: values narrower than keys) through the torch operators.
+@pytest.mark.parametrize("model_type, kernel", [("llama", True), ("llama", False), ("qwen3_moe", True),
+                                                ("qwen3_moe", False), ("glm4_moe", True), ("deepseek_v3", False)])
 def test_a_bf16_model_verifies_trees_with_the_bits_of_plain_decoding(tmp_path, kernel, model_type, monkeypatch):
     if not kernel:  # the torch operators' backend, which serves other devices, MLA and other head dimensions
         if not holds_on(CPU, torch.bfloat16, SMOLLM2_SIZES):
             pytest.skip("this CPU's bf16 attention is not batch-invariant")
         monkeypatch.setattr(cpu_invariant, "attends", lambda *args, **kwargs: False)
     # Heads of 16, a dimension the kernel is compiled for.
-    fields = {**SERVED[model_type], "hidden_size": 64, "head_dim": 16}
+    fields = {**SERVED[model_type], "hidden_size": 64}
+    if "head_dim" in fields:
+        fields["head_dim"] = 16
     runner = ModelRunner(save_tiny(model_type, tmp_path, fields), "cpu", torch.bfloat16, batch_invariant="on")
     assert runner.backend.name == ("cpu-invariant" if kernel else "batch-invariant")
     engine = Engine(runner, BlockManager(4096 // BLOCK, BLOCK, False))
