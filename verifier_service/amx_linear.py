@@ -50,13 +50,13 @@ def product(x: torch.Tensor, packed: torch.Tensor, in_features: int, out_feature
 
 
 class AmxLinear(nn.Module):
-    """nn.Linear's computation in bf16, every row's sums in a fixed order. Holds the weight's tiles beside it
-    (the weight itself stays: a tied embedding reads it)."""
+    """nn.Linear's computation in bf16, every row's sums in a fixed order, from the weight's tiles. keep_weight:
+    the layer keeps the weight itself too (the output layer's: a tied embedding and the draft heads read it)."""
 
-    def __init__(self, linear: nn.Linear):
+    def __init__(self, linear: nn.Linear, keep_weight: bool = True):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.weight, self.bias = linear.weight, linear.bias
+        self.weight, self.bias = (linear.weight if keep_weight else None), linear.bias
         self.packed = pack(linear.weight.detach())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from verifier_service.amx_linear import AmxGatedMlp, AmxLinear, amx_ready
-from verifier_service.bf16_linear import MAX_ROWS, StreamedLinear, bf16_linear_ready, fits
+from verifier_service.bf16_linear import StreamedLinear, bf16_linear_ready, fits
 from verifier_service.cpu_linear import replace_linears
 from verifier_service.invariant_moe import make_moe_invariant, moe_blocks, own_products
 from verifier_service.row_padding import at_least_rows, fewest_rows, spread_values
@@ -166,22 +166,26 @@ class PaddedLinear(nn.Module):
 
 def make_linears_invariant(model: nn.Module) -> bool:
     """Makes each nn.Linear's rows batch-invariant: on a CPU with AMX, a bf16
-    layer computes through our kernel, whose sums have one order for any rows
-    (amx_linear.py), a SwiGLU MLP's gate and up projections in one product;
-    elsewhere its inputs are padded to the rows its weight's
-    shape needs (the most fewest_rows finds for any layer of that shape: whether
-    a kernel path shows depends on the weights too), and on a CPU with
-    AVX512-BF16 its passes of a few rows go through our kernel where it gives
-    those bits (bf16_linear.py). False, changing nothing, where some layer has
-    no such padding."""
-    amx = amx_ready()
+    layer computes through our AMX kernel, whose sums have one order for any
+    rows (amx_linear.py), a SwiGLU MLP's gate and up projections in one
+    product; on a CPU with AVX512-BF16, through our kernel likewise
+    (bf16_linear.py); elsewhere its inputs are padded to the rows its weight's
+    shape needs (the most fewest_rows finds for any layer of that shape:
+    whether a kernel path shows depends on the weights too). Our kernels keep
+    only their packed copy of a weight, but the output layer's. False,
+    changing nothing, where some layer has no such padding."""
+    amx, streamed = amx_ready(), bf16_linear_ready()
+    output = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
 
     def by_amx(linear: nn.Linear) -> bool:
         return amx and linear.weight.dtype == torch.bfloat16 and linear.weight.device.type == "cpu"
 
+    def by_kernel(linear: nn.Linear) -> bool:
+        return by_amx(linear) or (streamed and fits(linear))
+
     paddings: dict[tuple[int, int], int] = {}
     for module in model.modules():
-        if type(module) is nn.Linear and not by_amx(module):
+        if type(module) is nn.Linear and not by_kernel(module):
             shape, needed = tuple(module.weight.shape), fewest_rows(module.weight.detach())
             if needed is None:
                 return False
@@ -190,19 +194,13 @@ def make_linears_invariant(model: nn.Module) -> bool:
             if AmxGatedMlp.fuses(child) and by_amx(child.gate_proj)]
     for parent, name, child in mlps:
         setattr(parent, name, AmxGatedMlp(child))
-    streamed = bf16_linear_ready()
-    probes: dict[int, torch.Tensor] = {}
-    found: dict[tuple, int] = {}
 
     def invariant(linear: nn.Linear) -> nn.Module:
         if by_amx(linear):
-            return AmxLinear(linear)
-        padded = PaddedLinear(linear, paddings[tuple(linear.weight.shape)])
-        if not (streamed and fits(padded)):
-            return padded
-        probe = probes.setdefault(linear.in_features, spread_values(
-            torch.Generator().manual_seed(1), linear.weight.device, torch.bfloat16, MAX_ROWS, linear.in_features))
-        return StreamedLinear.of(padded, probe, found)
+            return AmxLinear(linear, keep_weight=linear is output)
+        if by_kernel(linear):
+            return StreamedLinear(linear, keep_weight=linear is output)
+        return PaddedLinear(linear, paddings[tuple(linear.weight.shape)])
 
     replace_linears(model, invariant)
     return True

@@ -6,6 +6,7 @@ without CANN breaks torch. The importer and the CUDA module are parameters so
 the selection logic is testable without either backend.
 """
 
+import ctypes
 import functools
 import importlib
 import itertools
@@ -195,6 +196,17 @@ def total_memory_bytes(device: str, *, meminfo_path: str = "/proc/meminfo") -> i
     if device.startswith("cpu"):
         return _meminfo_bytes("MemTotal", meminfo_path)
     return _mem_get_info(device)[1]
+
+
+def release_freed_memory() -> None:
+    """Hands memory freed at load (the weights our CPU kernels keep only packed) back to the OS: tcmalloc and
+    glibc keep freed pages for the process's own reuse, and the host would go on counting them as ours. A no-op
+    where the process's allocator offers neither call."""
+    process = ctypes.CDLL(None)
+    if hasattr(process, "MallocExtension_ReleaseFreeMemory"):  # tcmalloc, which the services preload
+        process.MallocExtension_ReleaseFreeMemory()
+    elif hasattr(process, "malloc_trim"):  # glibc
+        process.malloc_trim(0)
 
 
 def weights_bytes(model: torch.nn.Module) -> int:

@@ -20,6 +20,7 @@ from verifier_service.attention.mla import is_mla, latent_geometry, serve_latent
 from verifier_service.batch import StepPlan, pass_inputs
 from verifier_service.batch_invariant import make_invariant
 from verifier_service.cpu_linear import add_measured_linears, layout_bytes, measures_linear_ways
+from verifier_service.device import release_freed_memory
 from verifier_service.distributed import TensorParallel
 from verifier_service.fused_layer import fuse_decoder_layers, fuses_layers
 from verifier_service.graphs import PassGraphs
@@ -149,6 +150,8 @@ class ModelRunner:
         kernel = cpu_invariant.attends(self.device, dtype, g.key_dim, latent=g.value_dim == 0)
         self.batch_invariant = make_invariant(batch_invariant, self.model, self.device, dtype, tp is not None,
                                               (heads, g.kv_heads, g.key_dim), kernel=kernel)
+        if self.device.type == "cpu":
+            release_freed_memory()
         try:
             self.backend = select_backend(self.device, dtype, self.batch_invariant, heads, g.kv_heads, g.key_dim,
                                           latent=g.value_dim == 0, choice=attention_backend)

@@ -1,15 +1,17 @@
-"""The bf16 kernel for passes of a few rows on CPUs with AVX512-BF16 (bf16_linear.py): it must give every row
-oneDNN's bits, at any row count and across the switch to oneDNN, or not be used."""
+"""The bf16 kernel of CPUs with AVX512-BF16 (bf16_linear.py): it gives every row the same bits alone and in a
+pass of any length, near fp32's product, and a model keeps only its packed weights but the output layer's."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from transformers import AutoModelForCausalLM
 
+from tests.verifier.architectures import save_tiny
 from tests.verifier.conftest import spread_bf16_layer
 from verifier_service import bf16_linear
-from verifier_service.batch_invariant import PaddedLinear, make_linears_invariant, spread_values
-from verifier_service.bf16_linear import AHEAD_ROWS, MAX_ROWS, StreamedLinear, bf16_linear_ready, pack
+from verifier_service.batch_invariant import make_linears_invariant, spread_values
+from verifier_service.bf16_linear import AHEAD_ROWS, StreamedLinear, bf16_linear_ready, pack
 
 CPU = torch.device("cpu")
 needs_bf16_kernel = pytest.mark.skipif(not bf16_linear_ready(), reason="this CPU has no AVX512-BF16")
@@ -26,33 +28,35 @@ def test_the_packed_weight_holds_each_16_outputs_input_pairs_side_by_side():
 @needs_bf16_kernel
 @pytest.mark.parametrize("shape, bias", [((4864, 896), False), ((896, 4864), False), ((896, 896), True),
                                          ((128, 896), True), ((1536, 576), False), ((80, 96), True)])
-def test_a_streamed_layer_gives_each_row_onednns_bits_alone_and_in_any_pass(shape, bias):
-    model = nn.Sequential(spread_bf16_layer(*shape, seed=1, bias=bias))
-    assert make_linears_invariant(model)
-    streamed = model[0]
-    assert isinstance(streamed, StreamedLinear) and streamed.block in (*bf16_linear.BLOCKS, shape[1])
-    x = spread_values(torch.Generator().manual_seed(2), CPU, torch.bfloat16, MAX_ROWS + 8, shape[1])
+def test_a_streamed_layer_gives_each_row_the_same_bits_alone_and_in_any_pass(shape, bias):
+    linear = spread_bf16_layer(*shape, seed=1, bias=bias)
+    streamed = StreamedLinear(linear, keep_weight=False)
+    assert streamed.weight is None  # only the packed copy
+    x = spread_values(torch.Generator().manual_seed(2), CPU, torch.bfloat16, 600, shape[1])
     with torch.inference_mode():
         alone = torch.cat([streamed(x[i:i + 1]) for i in range(len(x))])
-        # Up to MAX_ROWS rows the kernel computes (from AHEAD_ROWS fetching ahead); beyond, oneDNN: a row's bits
-        # are the same either way.
-        for rows in (2, 5, AHEAD_ROWS, MAX_ROWS, MAX_ROWS + 1, MAX_ROWS + 8):
+        # Every tile shape, fetching ahead from AHEAD_ROWS, and prompt chunks of hundreds of rows.
+        for rows in (2, 3, 5, AHEAD_ROWS, 64, 257, 600):
             assert torch.equal(streamed(x[:rows]), alone[:rows]), rows
-        padded = streamed.padded(x)
-        assert torch.equal(padded, alone)
         # And they are a product's: near fp32's.
-        exact = F.linear(x.float(), streamed.weight.float(), None if streamed.bias is None else streamed.bias.float())
+        exact = F.linear(x.float(), linear.weight.float(), None if linear.bias is None else linear.bias.float())
         assert torch.allclose(alone.float(), exact, rtol=2 ** -7, atol=exact.abs().max().item() * 2 ** -7)
 
 
 @needs_bf16_kernel
-def test_a_layer_whose_bits_no_block_gives_stays_with_onednn(monkeypatch):
-    linear = spread_bf16_layer(256, 512, seed=3)
-    monkeypatch.setattr(bf16_linear, "product", lambda rows, packed, bias, out_features, block:
-                        torch.zeros(rows.shape[0], out_features, dtype=torch.bfloat16))
-    model = nn.Sequential(linear)
+def test_a_model_keeps_only_the_packed_weights_but_its_output_layer_s(tmp_path):
+    model = AutoModelForCausalLM.from_pretrained(save_tiny("llama", tmp_path, {"hidden_size": 64}),
+                                                 dtype=torch.bfloat16)
+    ids = torch.tensor([[5, 9, 14, 3, 22]])
+    with torch.inference_mode():
+        before = model(ids).logits.float()
     assert make_linears_invariant(model)
-    assert type(model[0]) is PaddedLinear
+    layers = [m for m in model.model.modules() if isinstance(m, StreamedLinear)]
+    assert len(layers) == 2 * 7 and all(layer.weight is None for layer in layers)  # q, k, v, o, gate, up, down
+    assert isinstance(model.lm_head, StreamedLinear) and model.lm_head.weight is not None
+    with torch.inference_mode():
+        after = model(ids).logits.float()
+    assert torch.allclose(after, before, rtol=2 ** -5, atol=before.abs().max().item() * 2 ** -5)
 
 
 def test_only_bf16_cpu_layers_of_whole_vectors_are_streamed():

@@ -1,9 +1,8 @@
 """Qwen2.5-0.5B's linear products in a pass's order (24 layers of q, k, v, o, gate, up, down, then the vocabulary
 projection; random bf16 weights of its shapes, 0.99 GB) at 1 to 512 rows on a CPU with AVX512-BF16: oneDNN's
-product (`PaddedLinear`) against our kernel (`bf16_linear.product`, with the block of inputs `StreamedLinear.of`
-found to give oneDNN's bits; the batch-invariant mode takes the kernel up to MAX_ROWS rows), and the kernel without
-fetching the next weights ahead (`ahead_rows=0`). The host's threads; the ways alternate sweep by sweep; prints the
-best of `--sweeps` in ms.
+product (`PaddedLinear`) against our kernel (`bf16_linear.product`, which the batch-invariant mode takes for every
+pass), and the kernel without fetching the next weights ahead (`ahead_rows=0`). The host's threads; the ways
+alternate sweep by sweep; prints the best of `--sweeps` in ms.
 
     flock /tmp/speclane-bench.lock .venv/bin/python docs/benchmarks/bf16/bf16_linear.py
 """
@@ -15,8 +14,8 @@ import torch
 from amx_linear import SHAPES  # this folder's AMX script: the same products, in the same order
 from torch import nn
 
-from verifier_service.batch_invariant import PaddedLinear, spread_values
-from verifier_service.bf16_linear import MAX_ROWS, StreamedLinear, bf16_linear_ready, product
+from verifier_service.batch_invariant import PaddedLinear
+from verifier_service.bf16_linear import StreamedLinear, bf16_linear_ready, product
 
 
 def main() -> None:
@@ -27,29 +26,25 @@ def main() -> None:
     if not bf16_linear_ready():
         raise SystemExit("this CPU has no AVX512-BF16")
     torch.manual_seed(0)
-    padded = [PaddedLinear(nn.Linear(n_in, n_out, bias=False).bfloat16(), 2) for n_out, n_in in SHAPES]
-    probes = {n: spread_values(torch.Generator().manual_seed(1), torch.device("cpu"), torch.bfloat16, MAX_ROWS, n)
-              for n in {n_in for _, n_in in SHAPES}}
-    found: dict[tuple, int] = {}
-    streamed = [StreamedLinear.of(linear, probes[linear.in_features], found) for linear in padded]
-    if not all(isinstance(linear, StreamedLinear) for linear in streamed):
-        raise SystemExit("some layer's bits no block gives: the mode keeps oneDNN's product for it")
-    print(f"threads: {torch.get_num_threads()}; blocks of inputs found, by shape: {found}\n\n"
+    linears = [nn.Linear(n_in, n_out, bias=False).bfloat16() for n_out, n_in in SHAPES]
+    padded = [PaddedLinear(linear, 2) for linear in linears]
+    streamed = [StreamedLinear(linear, keep_weight=False) for linear in linears]
+    print(f"threads: {torch.get_num_threads()}\n\n"
           "| rows | oneDNN | kernel | kernel / oneDNN | not fetching ahead | kernel / not fetching ahead |\n"
           "|---|---|---|---|---|---|")
 
     def by_kernel(layer: StreamedLinear, x: torch.Tensor) -> torch.Tensor:
-        return product(x, layer.packed, None, layer.out_features, layer.block)
+        return product(x, layer.packed, None, layer.out_features)
 
     def not_ahead(layer: StreamedLinear, x: torch.Tensor) -> torch.Tensor:
-        return product(x, layer.packed, None, layer.out_features, layer.block, ahead_rows=0)
+        return product(x, layer.packed, None, layer.out_features, ahead_rows=0)
 
     ways = {"oneDNN": [(linear, PaddedLinear.__call__) for linear in padded],
             "kernel": [(linear, by_kernel) for linear in streamed],
             "not ahead": [(linear, not_ahead) for linear in streamed]}
     with torch.inference_mode():
         for rows in map(int, args.rows.split(",")):
-            inputs = {n: torch.randn(rows, n).bfloat16() for n in probes}
+            inputs = {n: torch.randn(rows, n).bfloat16() for n in {n_in for _, n_in in SHAPES}}
             best = dict.fromkeys(ways, float("inf"))
             for _ in range(args.sweeps):
                 for name, layers in ways.items():

@@ -1,8 +1,8 @@
 """Verifier passes with and without the bf16 kernel of AVX512-BF16 hosts (bf16_linear.py), in one process: the model
-loads once, then every linear layer the batch-invariant mode streamed is swapped between `StreamedLinear` and its
-oneDNN `PaddedLinear`, alternating round by round; each pass is the fastest of 4 steps, each side the best of its
-rounds (ms). Both cores. With `--not-ahead`, the other side is the kernel without fetching the next weights ahead
-(`ahead_rows=0`) instead of oneDNN.
+loads once, then every linear layer the batch-invariant mode streamed is swapped between `StreamedLinear` and a
+oneDNN `PaddedLinear` of its weights, alternating round by round; each pass is the fastest of 4 steps, each side
+the best of its rounds (ms). Both cores. With `--not-ahead`, the other side is the kernel without fetching the next
+weights ahead (`ahead_rows=0`) instead of oneDNN.
 
     flock /tmp/speclane-bench.lock .venv/bin/python docs/benchmarks/bf16/streamed_passes.py \
         --model qwen2.5-coder-0.5b-instruct
@@ -10,10 +10,12 @@ rounds (ms). Both cores. With `--not-ahead`, the other side is the kernel withou
 
 import argparse
 import time
+from types import SimpleNamespace
 
 import torch
 
 from speclane.models import resolve_model
+from verifier_service.batch_invariant import PaddedLinear
 from verifier_service.bf16_linear import AHEAD_ROWS, StreamedLinear
 from verifier_service.block_manager import BlockManager
 from verifier_service.device import set_threads
@@ -37,16 +39,21 @@ def main() -> None:
     streamed = [(parent, name, child) for parent in runner.model.modules()
                 for name, child in parent.named_children() if isinstance(child, StreamedLinear)]
     if not streamed:
-        raise SystemExit("no layer is streamed: this host has no AVX512-BF16, or no layer's bits matched")
+        raise SystemExit("no layer is streamed: this host has no AVX512-BF16")
 
     other = "not fetching ahead" if args.not_ahead else "oneDNN"
+    # oneDNN's padded products of the same weights, unpacked (the layers keep only their packed copies).
+    onednn = {id(child): PaddedLinear(SimpleNamespace(
+        in_features=child.in_features, out_features=child.out_features, bias=child.bias,
+        weight=child.packed.permute(0, 2, 1, 3).reshape(child.out_features, child.in_features)), 2)
+        for _, _, child in streamed}
 
     def use_kernel(kernel: bool) -> None:
         for parent, name, child in streamed:
             if args.not_ahead:
                 child.ahead_rows = AHEAD_ROWS if kernel else 0
             else:
-                setattr(parent, name, child if kernel else child.padded)
+                setattr(parent, name, child if kernel else onednn[id(child)])
 
     params = GenerationParams(max_new_tokens=100_000, ignore_eos=True)
     print(f"{len(streamed)} layers streamed\n\n| sequences | k | kernel | {other} | kernel / {other} |\n"
