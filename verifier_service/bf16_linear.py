@@ -47,9 +47,14 @@ def fits(linear: nn.Module) -> bool:
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:
-    """weight [out, in] as the kernel reads it: [out / 16][in / 2][16 outputs][2 inputs]."""
-    out, inputs = weight.shape
-    return weight.view(out // LANES, LANES, inputs // 2, 2).permute(0, 2, 1, 3).contiguous()
+    """weight [..., out, in] (an MoE's experts stacked in front) as the kernel reads each:
+    [..., out / 16][in / 2][16 outputs][2 inputs]."""
+    return weight.unflatten(-2, (-1, LANES)).unflatten(-1, (-1, 2)).transpose(-3, -2).contiguous()
+
+
+def unpack(packed: torch.Tensor) -> torch.Tensor:
+    """pack's inverse: [..., out, in]."""
+    return packed.transpose(-3, -2).flatten(-2).flatten(-3, -2)
 
 
 def product(rows: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int,

@@ -9,8 +9,10 @@ lossless.
 
 transformers dispatches an experts module's forward through its experts interface
 (`config._experts_implementation`), as it does attention. We register INVARIANT there: the eager loop over the
-experts a pass hits, each expert's rows padded to the rows its weights need, each token's weighted expert outputs
-summed in fp32 in the router's order. A router's rows are padded likewise. `make_moe_invariant` applies both and
+experts a pass hits, each expert's products through the bf16 kernel of AVX512-BF16 hosts (one order of sums for any
+rows, the weights kept only packed: PackedExperts) or else through oneDNN with its rows padded to the rows its
+weights need (PaddedExperts), each token's weighted expert outputs summed in fp32 in the router's order. A router's
+rows are padded likewise. `make_moe_invariant` applies both and
 checks each kind of MoE block at load: a row alone gets the bits it gets among others."""
 
 import torch
@@ -18,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
+from verifier_service.bf16_linear import LANES, bf16_linear_ready, pack, product, unpack
 from verifier_service.row_padding import at_least_rows, fewest_rows, spread_values
 
 INVARIANT = "speclane_invariant"
@@ -49,28 +52,74 @@ def moe_blocks(model: nn.Module) -> list[tuple[nn.Module, nn.Module, list[nn.Mod
     return blocks
 
 
-def _product(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, transposed: bool,
-             min_rows: int) -> torch.Tensor:
-    # Transposed layouts (GPT-OSS) store an expert's weight [in, out].
-    return F.linear(at_least_rows(rows, min_rows), weight.t() if transposed else weight, bias)[:rows.shape[0]]
+class PaddedExperts:
+    """Each expert's products through oneDNN, its rows padded to `rows` (the most any of its weights needs)."""
+
+    def __init__(self, rows: int):
+        self.rows = rows
+
+    def __call__(self, experts: nn.Module, name: str, expert: int, x: torch.Tensor) -> torch.Tensor:
+        weight = getattr(experts, name)[expert]
+        bias = getattr(experts, f"{name}_bias")[expert] if experts.has_bias else None
+        # Transposed layouts (GPT-OSS) store an expert's weight [in, out].
+        weight = weight.t() if experts.is_transposed else weight
+        return F.linear(at_least_rows(x, self.rows), weight, bias)[:x.shape[0]]
+
+
+class PackedExperts:
+    """Each expert's products through the bf16 kernel of AVX512-BF16 hosts (bf16_linear.py), whose sums have one
+    order for any rows: no padding, the weights read at the memory's speed. The experts' stacked weights live
+    only packed, here."""
+
+    def __init__(self, experts: nn.Module, names: tuple[str, ...]):
+        self.names = names
+        self.packed = {}
+        for name in names:
+            stacked = getattr(experts, name).detach()
+            self.packed[name] = pack(stacked.transpose(1, 2) if experts.is_transposed else stacked)
+            setattr(experts, name, None)
+
+    @staticmethod
+    def fit(experts: nn.Module, names: tuple[str, ...]) -> bool:
+        """Whether this host runs the kernel and every expert weight is one it takes (as bf16_linear.fits)."""
+        def takes(weight: torch.Tensor) -> bool:
+            out, inputs = weight.shape[-1:-3:-1] if experts.is_transposed else weight.shape[-2:]
+            return (weight.dtype == torch.bfloat16 and weight.device.type == "cpu" and out % LANES == 0
+                    and inputs % 2 == 0)
+
+        return bf16_linear_ready() and all(takes(getattr(experts, name)) for name in names)
+
+    def restore(self, experts: nn.Module) -> None:
+        """The stacked weights back as they were (a block that failed its check computes as before)."""
+        for name, packed in self.packed.items():
+            stacked = unpack(packed)
+            setattr(experts, name, nn.Parameter(stacked.transpose(1, 2).contiguous() if experts.is_transposed
+                                                else stacked, requires_grad=False))
+
+    def __call__(self, experts: nn.Module, name: str, expert: int, x: torch.Tensor) -> torch.Tensor:
+        packed = self.packed[name][expert]
+        bias = getattr(experts, f"{name}_bias")[expert] if experts.has_bias else None
+        return product(x.contiguous(), packed, None if bias is None else bias.contiguous(), packed.shape[0] * LANES)
+
+
+def _names(experts: nn.Module) -> tuple[str, str]:
+    return ("gate_up_proj" if experts.has_gate else "up_proj", "down_proj")
 
 
 def invariant_experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                               top_k_weights: torch.Tensor) -> torch.Tensor:
     """transformers' experts forward (hidden [tokens, hidden], the router's top-k experts and weights [tokens, k])
-    with each expert's rows padded to `self.invariant_rows`."""
-    up = self.gate_up_proj if self.has_gate else self.up_proj
-    up_bias = (self.gate_up_proj_bias if self.has_gate else self.up_proj_bias) if self.has_bias else None
+    with each expert's products in `self.invariant_products` (PaddedExperts or PackedExperts)."""
+    up, down = _names(self)
+    products = self.invariant_products
     outputs = hidden_states.new_zeros(*top_k_index.shape, hidden_states.shape[-1], dtype=torch.float32)
     for expert in top_k_index.unique().tolist():
-        if expert >= up.shape[0]:  # expert parallelism's placeholder for another rank's expert
+        if expert >= self.invariant_count:  # expert parallelism's placeholder for another rank's expert
             continue
         token, slot = torch.where(top_k_index == expert)
-        h = _product(hidden_states[token], up[expert], None if up_bias is None else up_bias[expert],
-                     self.is_transposed, self.invariant_rows)
+        h = products(self, up, expert, hidden_states[token])
         h = self._apply_gate(h) if self.has_gate else self.act_fn(h)
-        h = _product(h, self.down_proj[expert], self.down_proj_bias[expert] if self.has_bias else None,
-                     self.is_transposed, self.invariant_rows)
+        h = products(self, down, expert, h)
         if self.has_post_expert_norm:
             h = self.post_expert_norm(h)
         outputs[token, slot] = (h * top_k_weights[token, slot, None]).float()
@@ -80,15 +129,18 @@ def invariant_experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_
     return total.to(hidden_states.dtype)
 
 
-def _experts_rows(experts: nn.Module) -> int | None:
-    """The rows an expert's products need: the most fewest_rows finds for the first and last expert's weights."""
-    up = experts.gate_up_proj if experts.has_gate else experts.up_proj
+def _experts_products(experts: nn.Module) -> PaddedExperts | PackedExperts | None:
+    """The bf16 kernel's products where the experts' weights fit it; else oneDNN's, padded to the most rows
+    fewest_rows finds for the first and last expert's weights; None where no padding does."""
+    names = _names(experts)
+    if PackedExperts.fit(experts, names):
+        return PackedExperts(experts, names)
     needed = []
-    for weights in (up, experts.down_proj):
+    for weights in (getattr(experts, name) for name in names):
         for expert in {0, weights.shape[0] - 1}:
             weight = weights[expert].detach()
             needed.append(fewest_rows(weight.t() if experts.is_transposed else weight))
-    return None if None in needed else max(needed)
+    return None if None in needed else PaddedExperts(max(needed))
 
 
 def _pad_router(router: nn.Module, min_rows: int) -> None:
@@ -129,24 +181,29 @@ def make_moe_invariant(model: nn.Module) -> list[str]:
     before = [experts.config._experts_implementation for _, experts, _ in blocks]
     failed, checked = set(), set()
     for block, experts, routers in blocks:
-        experts_rows = _experts_rows(experts)
+        down = experts.down_proj  # [experts, hidden, intermediate], or transposed
+        hidden_size, count = down.shape[2 if experts.is_transposed else 1], down.shape[0]
+        dtype, device = down.dtype, down.device
         weights = [[param for param in router.parameters(recurse=False) if param.dim() >= 2] for router in routers]
         routers_rows = [fewest_rows(found[0].detach()) if len(found) == 1 else None for found in weights]
-        if experts_rows is None or None in routers_rows:
+        products = None if None in routers_rows else _experts_products(experts)
+        if products is None:
             failed.add(type(block).__name__)
             continue
-        experts.invariant_rows = experts_rows
+        experts.invariant_products, experts.invariant_count = products, count
         for router, rows in zip(routers, routers_rows, strict=True):
             _pad_router(router, rows)
         experts.config._experts_implementation = INVARIANT
         if type(block) not in checked:
             checked.add(type(block))
-            hidden_size = (experts.down_proj.shape[1] if not experts.is_transposed else experts.down_proj.shape[2])
-            if _differs_by_pass(block, hidden_size, experts.down_proj.dtype, experts.down_proj.device):
+            if _differs_by_pass(block, hidden_size, dtype, device):
                 failed.add(type(block).__name__)
     if failed:
         for (_, experts, routers), implementation in zip(blocks, before, strict=True):
             experts.config._experts_implementation = implementation
+            products = experts.__dict__.pop("invariant_products", None)
+            if isinstance(products, PackedExperts):
+                products.restore(experts)
             for router in routers:
                 router.__dict__.pop("forward", None)
     return sorted(failed)
