@@ -42,8 +42,13 @@ def bf16_linear_ready() -> bool:
 
 
 def fits(linear: nn.Module) -> bool:
-    return (linear.weight.dtype == torch.bfloat16 and linear.weight.device.type == "cpu"
-            and linear.out_features % LANES == 0 and linear.in_features % 2 == 0)
+    return fits_weight(linear.weight)
+
+
+def fits_weight(weight: torch.Tensor) -> bool:
+    """Whether the kernel takes weight [..., out, in]: bf16 on a CPU, whole vectors of outputs, pairs of inputs."""
+    out, inputs = weight.shape[-2:]
+    return weight.dtype == torch.bfloat16 and weight.device.type == "cpu" and out % LANES == 0 and inputs % 2 == 0
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:

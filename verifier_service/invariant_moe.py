@@ -12,15 +12,15 @@ transformers dispatches an experts module's forward through its experts interfac
 experts a pass hits, each expert's products through the bf16 kernel of AVX512-BF16 hosts (one order of sums for any
 rows, the weights kept only packed: PackedExperts) or else through oneDNN with its rows padded to the rows its
 weights need (PaddedExperts), each token's weighted expert outputs summed in fp32 in the router's order. A router's
-rows are padded likewise. `make_moe_invariant` applies both and
-checks each kind of MoE block at load: a row alone gets the bits it gets among others."""
+rows are padded likewise. `make_moe_invariant` applies both and checks each kind of MoE block at load: a row alone
+gets the bits it gets among others."""
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
-from verifier_service.bf16_linear import LANES, bf16_linear_ready, pack, product, unpack
+from verifier_service.bf16_linear import LANES, bf16_linear_ready, fits_weight, pack, product, unpack
 from verifier_service.row_padding import at_least_rows, fewest_rows, spread_values
 
 INVARIANT = "speclane_invariant"
@@ -59,11 +59,8 @@ class PaddedExperts:
         self.rows = rows
 
     def __call__(self, experts: nn.Module, name: str, expert: int, x: torch.Tensor) -> torch.Tensor:
-        weight = getattr(experts, name)[expert]
         bias = getattr(experts, f"{name}_bias")[expert] if experts.has_bias else None
-        # Transposed layouts (GPT-OSS) store an expert's weight [in, out].
-        weight = weight.t() if experts.is_transposed else weight
-        return F.linear(at_least_rows(x, self.rows), weight, bias)[:x.shape[0]]
+        return F.linear(at_least_rows(x, self.rows), _stacked(experts, name)[expert], bias)[:x.shape[0]]
 
 
 class PackedExperts:
@@ -72,22 +69,15 @@ class PackedExperts:
     only packed, here."""
 
     def __init__(self, experts: nn.Module, names: tuple[str, ...]):
-        self.names = names
         self.packed = {}
         for name in names:
-            stacked = getattr(experts, name).detach()
-            self.packed[name] = pack(stacked.transpose(1, 2) if experts.is_transposed else stacked)
+            self.packed[name] = pack(_stacked(experts, name))
             setattr(experts, name, None)
 
     @staticmethod
     def fit(experts: nn.Module, names: tuple[str, ...]) -> bool:
-        """Whether this host runs the kernel and every expert weight is one it takes (as bf16_linear.fits)."""
-        def takes(weight: torch.Tensor) -> bool:
-            out, inputs = weight.shape[-1:-3:-1] if experts.is_transposed else weight.shape[-2:]
-            return (weight.dtype == torch.bfloat16 and weight.device.type == "cpu" and out % LANES == 0
-                    and inputs % 2 == 0)
-
-        return bf16_linear_ready() and all(takes(getattr(experts, name)) for name in names)
+        """Whether this host runs the kernel and takes every expert weight."""
+        return bf16_linear_ready() and all(fits_weight(_stacked(experts, name)) for name in names)
 
     def restore(self, experts: nn.Module) -> None:
         """The stacked weights back as they were (a block that failed its check computes as before)."""
@@ -106,6 +96,12 @@ def _names(experts: nn.Module) -> tuple[str, str]:
     return ("gate_up_proj" if experts.has_gate else "up_proj", "down_proj")
 
 
+def _stacked(experts: nn.Module, name: str) -> torch.Tensor:
+    """The experts' weights `name` as [experts, out, in] (transposed layouts, GPT-OSS's, store [in, out])."""
+    weight = getattr(experts, name).detach()
+    return weight.transpose(1, 2) if experts.is_transposed else weight
+
+
 def invariant_experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                               top_k_weights: torch.Tensor) -> torch.Tensor:
     """transformers' experts forward (hidden [tokens, hidden], the router's top-k experts and weights [tokens, k])
@@ -114,7 +110,7 @@ def invariant_experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_
     products = self.invariant_products
     outputs = hidden_states.new_zeros(*top_k_index.shape, hidden_states.shape[-1], dtype=torch.float32)
     for expert in top_k_index.unique().tolist():
-        if expert >= self.invariant_count:  # expert parallelism's placeholder for another rank's expert
+        if expert >= self.num_experts:  # expert parallelism's placeholder for another rank's expert
             continue
         token, slot = torch.where(top_k_index == expert)
         h = products(self, up, expert, hidden_states[token])
@@ -135,11 +131,8 @@ def _experts_products(experts: nn.Module) -> PaddedExperts | PackedExperts | Non
     names = _names(experts)
     if PackedExperts.fit(experts, names):
         return PackedExperts(experts, names)
-    needed = []
-    for weights in (getattr(experts, name) for name in names):
-        for expert in {0, weights.shape[0] - 1}:
-            weight = weights[expert].detach()
-            needed.append(fewest_rows(weight.t() if experts.is_transposed else weight))
+    needed = [fewest_rows(weights[expert]) for weights in (_stacked(experts, name) for name in names)
+              for expert in {0, weights.shape[0] - 1}]
     return None if None in needed else PaddedExperts(max(needed))
 
 
@@ -181,16 +174,15 @@ def make_moe_invariant(model: nn.Module) -> list[str]:
     before = [experts.config._experts_implementation for _, experts, _ in blocks]
     failed, checked = set(), set()
     for block, experts, routers in blocks:
-        down = experts.down_proj  # [experts, hidden, intermediate], or transposed
-        hidden_size, count = down.shape[2 if experts.is_transposed else 1], down.shape[0]
-        dtype, device = down.dtype, down.device
+        down = _stacked(experts, "down_proj")  # [experts, hidden, intermediate]
+        hidden_size, dtype, device = down.shape[1], down.dtype, down.device
         weights = [[param for param in router.parameters(recurse=False) if param.dim() >= 2] for router in routers]
         routers_rows = [fewest_rows(found[0].detach()) if len(found) == 1 else None for found in weights]
         products = None if None in routers_rows else _experts_products(experts)
         if products is None:
             failed.add(type(block).__name__)
             continue
-        experts.invariant_products, experts.invariant_count = products, count
+        experts.invariant_products = products
         for router, rows in zip(routers, routers_rows, strict=True):
             _pad_router(router, rows)
         experts.config._experts_implementation = INVARIANT

@@ -1,5 +1,5 @@
-// bf16 products of up to a few hundred rows on CPUs with AVX512-BF16 and no AMX (AMD Zen 4 and 5, Intel Cooper
-// Lake), with the bits oneDNN's own product gives: bf16_linear.py documents why and how the two are checked equal.
+// bf16 products on CPUs with AVX512-BF16 and no AMX (AMD Zen 4 and 5, Intel Cooper Lake), every row summed in one
+// order whatever else the pass holds: bf16_linear.py documents why.
 //
 // oneDNN streams a decode step's weights at a third of this machine's memory bandwidth (24 against 66-75 GB/s for a
 // plain read of the same bytes): its bf16 product is built for many rows. This kernel reads each weight byte once
@@ -8,8 +8,7 @@
 //
 // The sums: each output is the instruction's running sum over the pairs of inputs (odd product, then even), from
 // zero in each block of `block` inputs, and the blocks' sums are added in order; the bias last; then rounded to
-// bf16 (nearest even). That is oneDNN's order for the shapes its check passed, so a row's bits do not depend on
-// whether this kernel or oneDNN computed it, nor on the other rows.
+// bf16 (nearest even). So a row's bits do not depend on the other rows.
 
 #include <omp.h>
 

@@ -16,7 +16,7 @@ import torch
 
 from speclane.models import resolve_model
 from verifier_service.batch_invariant import PaddedLinear
-from verifier_service.bf16_linear import AHEAD_ROWS, StreamedLinear
+from verifier_service.bf16_linear import AHEAD_ROWS, StreamedLinear, unpack
 from verifier_service.block_manager import BlockManager
 from verifier_service.device import set_threads
 from verifier_service.engine import Engine
@@ -45,7 +45,7 @@ def main() -> None:
     # oneDNN's padded products of the same weights, unpacked (the layers keep only their packed copies).
     onednn = {id(child): PaddedLinear(SimpleNamespace(
         in_features=child.in_features, out_features=child.out_features, bias=child.bias,
-        weight=child.packed.permute(0, 2, 1, 3).reshape(child.out_features, child.in_features)), 2)
+        weight=unpack(child.packed)), 2)
         for _, _, child in streamed}
 
     def use_kernel(kernel: bool) -> None:
