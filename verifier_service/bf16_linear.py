@@ -6,7 +6,10 @@ Why: a decode step or a short verify pass reads every weight once, and oneDNN's
 bf16 product reads them at a third of the memory's speed (on a 2-core AMD EPYC:
 24 GB/s, against 66-75 GB/s for a plain read of the same bytes). Qwen2.5-0.5B's
 products in a pass's order took the kernel 0.58x oneDNN's time at one row,
-0.55-0.66x up to 32, 0.86-0.96x from 256 rows on (docs/benchmarks/bf16).
+0.55-0.66x up to 32, 0.86-0.96x from 256 rows on (docs/benchmarks/bf16). A
+short pass (a decode step of a few sequences, one sequence's verify pass) goes
+as one tile of all its rows, streaming each weight once while the tile
+multiplies, so up to WIDE_ROWS rows cost about what one does.
 
 Why every pass: bf16 speculation is lossless only with batch-invariant passes
 (batch_invariant.py). The kernel sums each output over blocks of BLOCK inputs,
@@ -27,7 +30,10 @@ from verifier_service.device import cpu_kernels
 
 LANES = 16  # outputs the kernel's vector holds
 BLOCK = 512  # inputs summed from zero before their sum joins the output's (oneDNN's block for most of Qwen2.5's)
-# Passes of at least this many rows (4 tiles of 4 rows, one for each 16 outputs of a tile) fetch the next weights
+# Passes of 2 to this many rows go as one tile of all the rows by 16 outputs, fetching the weights well ahead of
+# the tile: Qwen2.5-0.5B's products at 2-16 rows took 0.80-0.96x the time of 4 x 4 tiles (docs/benchmarks/bf16).
+WIDE_ROWS = 16
+# Longer passes of at least this many rows (4 tiles of 4 rows, one for each 16 outputs of a tile) fetch the next weights
 # into cache while the later tiles compute from it, instead of leaving the memory idle: Qwen2.5-0.5B's products took
 # 0.77-0.96x the time at 16-128 rows on a 2-core EPYC; with fewer rows, fetching was no faster (docs/benchmarks/bf16).
 AHEAD_ROWS = 13
@@ -63,12 +69,12 @@ def unpack(packed: torch.Tensor) -> torch.Tensor:
 
 
 def product(rows: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int,
-            block: int = BLOCK, ahead_rows: int = AHEAD_ROWS) -> torch.Tensor:
-    """rows [n, in] (contiguous bf16) times the packed weight: [n, out_features]. ahead_rows 0: never fetch
-    ahead (the benchmarks' comparison); the bits are the same either way."""
+            block: int = BLOCK, wide_rows: int = WIDE_ROWS, ahead_rows: int = AHEAD_ROWS) -> torch.Tensor:
+    """rows [n, in] (contiguous bf16) times the packed weight: [n, out_features]. wide_rows or ahead_rows 0:
+    never one tile, never fetch ahead (the benchmarks' comparisons); the bits are the same any way."""
     out = rows.new_empty(rows.shape[0], out_features)
     cpu_kernels().bf16_linear(rows.data_ptr(), packed.data_ptr(), 0 if bias is None else bias.data_ptr(),
-                              out.data_ptr(), rows.shape[0], rows.shape[1], out_features, block, ahead_rows,
+                              out.data_ptr(), rows.shape[0], rows.shape[1], out_features, block, wide_rows, ahead_rows,
                               torch.get_num_threads())
     return out
 
@@ -82,11 +88,11 @@ class StreamedLinear(nn.Module):
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.packed = pack(linear.weight.detach())
         self.weight, self.bias = (linear.weight if keep_weight else None), linear.bias
-        self.ahead_rows = AHEAD_ROWS
+        self.wide_rows, self.ahead_rows = WIDE_ROWS, AHEAD_ROWS
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features).contiguous()
-        out = product(rows, self.packed, self.bias, self.out_features, BLOCK, self.ahead_rows)
+        out = product(rows, self.packed, self.bias, self.out_features, BLOCK, self.wide_rows, self.ahead_rows)
         return out.view(*x.shape[:-1], self.out_features)
 
     def layout_bytes(self) -> int:

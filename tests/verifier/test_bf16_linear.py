@@ -11,7 +11,7 @@ from tests.verifier.architectures import save_tiny
 from tests.verifier.conftest import spread_bf16_layer
 from verifier_service import bf16_linear
 from verifier_service.batch_invariant import make_linears_invariant, spread_values
-from verifier_service.bf16_linear import AHEAD_ROWS, StreamedLinear, bf16_linear_ready, pack
+from verifier_service.bf16_linear import WIDE_ROWS, StreamedLinear, bf16_linear_ready, pack
 
 CPU = torch.device("cpu")
 needs_bf16_kernel = pytest.mark.skipif(not bf16_linear_ready(), reason="this CPU has no AVX512-BF16")
@@ -35,8 +35,8 @@ def test_a_streamed_layer_gives_each_row_the_same_bits_alone_and_in_any_pass(sha
     x = spread_values(torch.Generator().manual_seed(2), CPU, torch.bfloat16, 600, shape[1])
     with torch.inference_mode():
         alone = torch.cat([streamed(x[i:i + 1]) for i in range(len(x))])
-        # Every tile shape, fetching ahead from AHEAD_ROWS, and prompt chunks of hundreds of rows.
-        for rows in (2, 3, 5, AHEAD_ROWS, 64, 257, 600):
+        # Every one-tile pass (up to WIDE_ROWS rows), tiles of 4 x 4 rows fetching ahead, prompt chunks.
+        for rows in (0, *range(2, WIDE_ROWS + 4), 64, 257, 600):
             assert torch.equal(streamed(x[:rows]), alone[:rows]), rows
         # And they are a product's: near fp32's.
         exact = F.linear(x.float(), linear.weight.float(), None if linear.bias is None else linear.bias.float())

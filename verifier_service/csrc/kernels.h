@@ -56,10 +56,11 @@ void amx_linear(uintptr_t x, uintptr_t packed, uintptr_t y, int64_t rows, int64_
                 bool gated, int threads);
 
 // bf16 products on CPUs with AVX512-BF16, one order of sums for any rows (bf16_linear.cc: layout, order);
-// bf16_linear_ready says whether this CPU has the instructions. bias: 0 for none. ahead_rows: the rows of a pass
-// from which it fetches weights ahead into cache, 0 for never.
+// bf16_linear_ready says whether this CPU has the instructions. bias: 0 for none. wide_rows: the most rows of a
+// pass that go in one tile (at most 16; 0 for never); ahead_rows: the rows of a longer pass from which it fetches
+// weights ahead into cache, 0 for never. Neither changes the bits.
 bool bf16_linear_ready();
 void bf16_linear(uintptr_t x, uintptr_t packed, uintptr_t bias, uintptr_t y, int64_t rows, int64_t in_features,
-                 int64_t out_features, int64_t block, int64_t ahead_rows, int threads);
+                 int64_t out_features, int64_t block, int64_t wide_rows, int64_t ahead_rows, int threads);
 
 }  // namespace speclane

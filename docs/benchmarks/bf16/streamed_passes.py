@@ -1,8 +1,8 @@
 """Verifier passes with and without the bf16 kernel of AVX512-BF16 hosts (bf16_linear.py), in one process: the model
 loads once, then every linear layer the batch-invariant mode streamed is swapped between `StreamedLinear` and a
 oneDNN `PaddedLinear` of its weights, alternating round by round; each pass is the fastest of 4 steps, each side
-the best of its rounds (ms). Both cores. With `--not-ahead`, the other side is the kernel without fetching the next
-weights ahead (`ahead_rows=0`) instead of oneDNN.
+the best of its rounds (ms). Both cores. With `--four-by-four`, the other side is the kernel without its one tile of
+every row for short passes (`wide_rows=0`) instead of oneDNN.
 
     flock /tmp/speclane-bench.lock .venv/bin/python docs/benchmarks/bf16/streamed_passes.py \
         --model qwen2.5-coder-0.5b-instruct
@@ -16,7 +16,7 @@ import torch
 
 from speclane.models import resolve_model
 from verifier_service.batch_invariant import PaddedLinear
-from verifier_service.bf16_linear import AHEAD_ROWS, StreamedLinear, unpack
+from verifier_service.bf16_linear import WIDE_ROWS, StreamedLinear, unpack
 from verifier_service.block_manager import BlockManager
 from verifier_service.device import set_threads
 from verifier_service.engine import Engine
@@ -31,7 +31,8 @@ def main() -> None:
     parser.add_argument("--k", default="0,4,8", help="draft tokens per sequence")
     parser.add_argument("--context", type=int, default=600)
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--not-ahead", action="store_true", help="compare with the kernel not fetching ahead")
+    parser.add_argument("--four-by-four", action="store_true",
+                        help="compare with the kernel's tiles of 4 x 4 only (no one tile of every row)")
     args = parser.parse_args()
     set_threads(0)
     runner = ModelRunner(str(resolve_model(args.model)), "cpu", torch.bfloat16)
@@ -41,7 +42,7 @@ def main() -> None:
     if not streamed:
         raise SystemExit("no layer is streamed: this host has no AVX512-BF16")
 
-    other = "not fetching ahead" if args.not_ahead else "oneDNN"
+    other = "4 x 4 tiles only" if args.four_by_four else "oneDNN"
     # oneDNN's padded products of the same weights, unpacked (the layers keep only their packed copies).
     onednn = {id(child): PaddedLinear(SimpleNamespace(
         in_features=child.in_features, out_features=child.out_features, bias=child.bias,
@@ -50,8 +51,8 @@ def main() -> None:
 
     def use_kernel(kernel: bool) -> None:
         for parent, name, child in streamed:
-            if args.not_ahead:
-                child.ahead_rows = AHEAD_ROWS if kernel else 0
+            if args.four_by_four:
+                child.wide_rows = WIDE_ROWS if kernel else 0
             else:
                 setattr(parent, name, child if kernel else onednn[id(child)])
 
