@@ -9,6 +9,12 @@ first, until its space is needed. So a system prompt shared by concurrent
 requests is computed once, and an agent's next turn resumes from its cached
 blocks whichever request computed them.
 
+A finished sequence's last block, partly full, stays findable too (a tail,
+under its parent's hash), as SGLang's token-granular cache keeps it: a prompt
+that continues those tokens gets a block of its own with the tail's first
+matching slots copied in, so a conversation's next turn does not compute
+again the up to block_size - 1 tokens its previous turn left in that block.
+
 This module is rank 0's bookkeeping: it never touches a tensor. The engine
 copies KV rows inside a sequence's own blocks (an accepted tree path) through
 `moves`, which reach every rank with the next pass.
@@ -65,6 +71,9 @@ class BlockManager:
         self._refs = [0] * num_blocks
         self._hash_of: list[bytes | None] = [None] * num_blocks
         self._cached: dict[bytes, int] = {}  # hash -> block, for blocks in use or evictable
+        # Free blocks holding a finished sequence's last, partly full block: parent hash -> {block: its tokens}.
+        self._tails: dict[bytes, dict[int, tuple[int, ...]]] = {}
+        self._tail_parent: dict[int, bytes] = {}  # tail block -> its parent hash
         # Blocks no sequence holds, least recently freed first: evictable cached ones and empty ones alike.
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self._num_free_cached = 0
@@ -101,7 +110,11 @@ class BlockManager:
         that hold the start of `tokens`; returns how many tokens they already
         hold (the sequence computes the rest), or None when the cache cannot
         spare the blocks and keep `headroom_blocks` free."""
-        hits = self._cached_prefix(tokens, table.root) if self.enable_prefix_caching else []
+        hits, parent = self._cached_prefix(tokens, table.root) if self.enable_prefix_caching else ([], b"")
+        start = len(hits) * self.block_size
+        # A tail continuing the hits: its matching tokens, never the prompt's last.
+        tail, matched = self._tail_match(parent, tokens[start:len(tokens) - 1]) if self.enable_prefix_caching \
+            else (None, 0)
         # Hit blocks that were free come out of the free pool: they must be counted as needed too.
         reused_free = sum(1 for block in hits if self._refs[block] == 0)
         needed = self.blocks_for(num_tokens) - len(hits)
@@ -111,7 +124,13 @@ class BlockManager:
             self._hold(block)
         table.blocks = hits + [self._take() for _ in range(needed)]
         table.hashes = [self._hash_of[block] for block in hits]
-        num_cached = len(hits) * self.block_size
+        if matched:
+            # Copied before the pass that computes the rest of the block (moves go first, in order); the tail
+            # block may have been taken just now, but nothing writes it before then.
+            own = table.blocks[len(hits)]
+            self.moves.append(MoveSlots(tuple(tail * self.block_size + i for i in range(matched)),
+                                        tuple(own * self.block_size + i for i in range(matched))))
+        num_cached = start + matched
         if self.enable_prefix_caching:
             self.prefix_cache_queries += len(tokens)
             self.prefix_cache_hits += num_cached
@@ -145,15 +164,24 @@ class BlockManager:
                 self._hash_of[block] = digest
                 self._cached[digest] = block
 
-    def free(self, table: BlockTable) -> None:
-        """Gives a sequence's blocks back: cached ones stay findable until evicted.
-        The last blocks go back first, so that a prefix's first blocks, which
-        more prompts share, are evicted last."""
+    def free(self, table: BlockTable, tokens=(), num_computed: int = 0) -> None:
+        """Gives a sequence's blocks back: cached ones stay findable until evicted,
+        and so does its last block's part holding `num_computed` committed
+        tokens' KV. The last blocks go back first, so that a prefix's first
+        blocks, which more prompts share, are evicted last."""
+        size = self.block_size
+        full, rest = divmod(num_computed, size)
+        if (self.enable_prefix_caching and rest and len(table.hashes) == full and full < len(table.blocks)
+                and self._refs[table.blocks[full]] == 1):
+            parent = table.hashes[-1] if table.hashes else table.root
+            block = table.blocks[full]
+            self._tails.setdefault(parent, {})[block] = tuple(tokens[full * size:num_computed])
+            self._tail_parent[block] = parent
         for block in reversed(table.blocks):
             self._refs[block] -= 1
             if self._refs[block] == 0:
                 self._free[block] = None
-                self._num_free_cached += self._hash_of[block] is not None
+                self._num_free_cached += self._holds_cache(block)
         table.blocks, table.hashes = [], []
 
     def take_moves(self) -> list[MoveSlots]:
@@ -165,23 +193,41 @@ class BlockManager:
         assert all(ref >= 0 for ref in self._refs)
         assert {b for b in range(self.num_blocks) if self._refs[b] == 0} == set(self._free)
         assert all(self._hash_of[block] == digest for digest, block in self._cached.items())
-        assert self._num_free_cached == sum(1 for block in self._free if self._hash_of[block] is not None)
+        assert all(block in self._free and block in self._tails[parent] for block, parent in self._tail_parent.items())
+        assert sum(len(tails) for tails in self._tails.values()) == len(self._tail_parent)
+        assert self._num_free_cached == sum(1 for block in self._free if self._holds_cache(block))
 
     def cached_tokens(self, tokens, salt: str = "") -> int:
         """How many of `tokens`' first tokens the cache holds now for `salt` (whole blocks)."""
-        return len(self._cached_prefix(tokens, root_hash(salt))) * self.block_size if self.enable_prefix_caching else 0
+        if not self.enable_prefix_caching:
+            return 0
+        return len(self._cached_prefix(tokens, root_hash(salt))[0]) * self.block_size
 
-    def _cached_prefix(self, tokens, root: bytes) -> list[int]:
-        """The cached blocks holding `tokens`' first full blocks. The last token
-        is never among them: it must run to give the next token's logits."""
+    def _cached_prefix(self, tokens, root: bytes) -> tuple[list[int], bytes]:
+        """The cached blocks holding `tokens`' first full blocks, and the hash
+        of the last (the root where none). The last token is never among them:
+        it must run to give the next token's logits."""
         size, parent, hits = self.block_size, root, []
         for i in range((len(tokens) - 1) // size):
-            parent = block_hash(parent, tokens[i * size:(i + 1) * size])
-            block = self._cached.get(parent)
+            digest = block_hash(parent, tokens[i * size:(i + 1) * size])
+            block = self._cached.get(digest)
             if block is None:
                 break
             hits.append(block)
-        return hits
+            parent = digest
+        return hits, parent
+
+    def _tail_match(self, parent: bytes, tokens) -> tuple[int | None, int]:
+        """The tail under `parent` that starts with most of `tokens`, and how many it holds."""
+        best, matched = None, 0
+        for block, held in self._tails.get(parent, {}).items():
+            n = next((i for i, (a, b) in enumerate(zip(held, tokens)) if a != b), min(len(held), len(tokens)))
+            if n > matched:
+                best, matched = block, n
+        return best, matched
+
+    def _holds_cache(self, block: int) -> bool:
+        return self._hash_of[block] is not None or block in self._tail_parent
 
     def _hold(self, block: int) -> None:
         if self._refs[block] == 0:
@@ -192,10 +238,16 @@ class BlockManager:
     def _take(self) -> int:
         """A free block for new tokens: the least recently freed, its cached prefix forgotten."""
         block, _ = self._free.popitem(last=False)
+        self._num_free_cached -= self._holds_cache(block)
         digest = self._hash_of[block]
         if digest is not None:
             del self._cached[digest]
             self._hash_of[block] = None
-            self._num_free_cached -= 1
+        parent = self._tail_parent.pop(block, None)
+        if parent is not None:
+            tails = self._tails[parent]
+            del tails[block]
+            if not tails:
+                del self._tails[parent]
         self._refs[block] = 1
         return block

@@ -83,7 +83,7 @@ class Scheduler:
 
     def release(self, seq: Sequence) -> None:
         if seq.blocks is not None:
-            self.blocks.free(seq.blocks)
+            self.blocks.free(seq.blocks, seq.tokens, seq.num_cached)
             seq.blocks = None
             seq.num_cached = 0
             self.admitted.pop(seq, None)

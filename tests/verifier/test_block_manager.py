@@ -12,7 +12,7 @@ import hypothesis.strategies as st
 from hypothesis import settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from verifier_service.block_manager import BlockManager, BlockTable
+from verifier_service.block_manager import BlockManager, BlockTable, MoveSlots
 
 BLOCK = 4
 NUM_BLOCKS = 12
@@ -47,7 +47,11 @@ class BlockManagerMachine(RuleBasedStateMachine):
         cached = self.blocks.allocate(seq.table, prompt, len(prompt))
         if cached is None:
             return
-        assert cached % BLOCK == 0 and cached < len(prompt)  # whole blocks, never the last prompt token
+        assert cached < len(prompt)  # never the last prompt token
+        for move in self.blocks.take_moves():  # a tail's slots, copied as the next pass would
+            copied = [self.slots.get(src) for src in move.src]
+            for dst, token in zip(move.dst, copied):
+                self.slots[dst] = token
         for i in range(cached):  # what the cache hands over is this prompt's
             assert self.slots.get(seq.table.slot(i, BLOCK)) == prompt[i]
         seq.num_cached = cached
@@ -67,7 +71,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
     @rule(index=st.integers(0, 50))
     def finish(self, index):
         seq = self.running.pop(index % len(self.running))
-        self.blocks.free(seq.table)
+        self.blocks.free(seq.table, seq.tokens, seq.num_cached)
         assert seq.table.blocks == []
 
     @invariant()
@@ -126,3 +130,40 @@ def test_blocks_are_shared_only_among_sequences_with_the_same_salt():
     assert blocks.allocate(BlockTable(), prompt, 9) == 0
     assert blocks.allocate(BlockTable("team-a"), prompt, 9) == 8
     assert blocks.cached_tokens(prompt, "team-a") == 8 and blocks.cached_tokens(prompt, "team-b") == 0
+
+
+def test_a_finished_sequences_last_block_is_copied_for_a_prompt_continuing_it():
+    blocks = BlockManager(16, BLOCK)
+    turn = BlockTable("chat")
+    tokens = list(range(10, 17))  # a full block and 3 tokens of the next
+    blocks.allocate(turn, tokens, 8)
+    blocks.commit(turn, tokens, 7)
+    tail_block = turn.blocks[1]
+    blocks.free(turn, tokens, 7)
+    assert blocks.cached_blocks == 2
+    # The next turn continues it: the full block is shared, the tail's 3 slots copied into a block of its own.
+    follow = BlockTable("chat")
+    assert blocks.allocate(follow, tokens + [1, 2], 9) == 7
+    assert blocks.take_moves() == [MoveSlots(tuple(tail_block * BLOCK + i for i in range(3)),
+                                             tuple(follow.blocks[1] * BLOCK + i for i in range(3)))]
+    assert (blocks.prefix_cache_queries, blocks.prefix_cache_hits) == (7 + 9, 7)
+    # Only as far as the tokens agree, never the prompt's last token, and never under another salt.
+    assert blocks.allocate(BlockTable("chat"), tokens[:5] + [99, 98], 7) == 5
+    assert blocks.allocate(BlockTable("chat"), tokens[:6], 6) == 5
+    assert blocks.allocate(BlockTable("other"), tokens + [1], 8) == 0
+    blocks.take_moves()
+    blocks.check()
+
+
+def test_an_evicted_tail_is_forgotten():
+    blocks = BlockManager(2, BLOCK)
+    turn = BlockTable()
+    blocks.allocate(turn, [5, 6, 7], 3)
+    blocks.commit(turn, [5, 6, 7], 2)
+    blocks.free(turn, [5, 6, 7], 2)
+    assert blocks.cached_blocks == 1
+    taker = BlockTable()
+    assert blocks.allocate(taker, [1] * 8, 8) == 0  # both blocks, the tail's among them
+    blocks.check()
+    blocks.free(taker)
+    assert blocks.allocate(BlockTable(), [5, 6, 7, 8], 4) == 0

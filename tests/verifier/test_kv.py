@@ -145,12 +145,18 @@ def test_a_follow_up_turn_reuses_the_conversation_kv(runner, hf_model):
         engine.verify(turn1, Draft())
     assert engine.blocks.cached_blocks > 0
     second_prompt = turn1.tokens + [9, 10, 11]
+    # Turn 1's KV ends inside a block: the tail's slots are copied, not computed again.
+    assert (len(turn1.tokens) - 1) % BLOCK
     turn2 = engine.open("t2", second_prompt, params)
     passes.clear()
     first = engine.prefill(turn2)
-    # Only the tokens after the cached conversation's full blocks ran through the model.
-    assert passes[0].num_tokens == len(second_prompt) - (len(turn1.tokens) - 1) // BLOCK * BLOCK
+    # Only the tokens after the cached conversation ran through the model: turn 1's last (its KV was never
+    # computed) and the new ones.
+    assert passes[0].num_tokens == len(second_prompt) - (len(turn1.tokens) - 1) == 4
     assert first.token_ids == reference(hf_model, second_prompt, 1)
+    while not turn2.finished:
+        engine.verify(turn2, Draft())
+    assert turn2.tokens[len(second_prompt):] == reference(hf_model, second_prompt, 6)
     # What the prefill's answer reports as cached (usage's cached_tokens).
     assert (turn1.num_cached_prompt_tokens, turn2.num_cached_prompt_tokens) == (
         0, len(second_prompt) - passes[0].num_tokens)
