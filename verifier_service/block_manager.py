@@ -9,11 +9,14 @@ first, until its space is needed. So a system prompt shared by concurrent
 requests is computed once, and an agent's next turn resumes from its cached
 blocks whichever request computed them.
 
-A finished sequence's last block, partly full, stays findable too (a tail,
-under its parent's hash), as SGLang's token-granular cache keeps it: a prompt
-that continues those tokens gets a block of its own with the tail's first
-matching slots copied in, so a conversation's next turn does not compute
-again the up to block_size - 1 tokens its previous turn left in that block.
+Where a prompt leaves the cached blocks inside a block, the tokens it still
+shares with a cached block of that place count too, as SGLang's token-granular
+cache finds them: the prompt gets a block of its own with that block's first
+matching slots copied in. Finished sequences' last blocks, partly full, stay
+findable for this (tails). So a conversation's next turn, whose template
+renders the last reply otherwise than it was generated, or which ends inside
+a block, does not compute again the up to block_size - 1 tokens before that
+point.
 
 This module is rank 0's bookkeeping: it never touches a tensor. The engine
 copies KV rows inside a sequence's own blocks (an accepted tree path) through
@@ -71,9 +74,10 @@ class BlockManager:
         self._refs = [0] * num_blocks
         self._hash_of: list[bytes | None] = [None] * num_blocks
         self._cached: dict[bytes, int] = {}  # hash -> block, for blocks in use or evictable
-        # Free blocks holding a finished sequence's last, partly full block: parent hash -> {block: its tokens}.
-        self._tails: dict[bytes, dict[int, tuple[int, ...]]] = {}
-        self._tail_parent: dict[int, bytes] = {}  # tail block -> its parent hash
+        # Cached blocks by their parent's hash, full ones and tails (a finished sequence's last, partly full
+        # block, free): parent hash -> {block: its tokens}; and each such block's parent.
+        self._children: dict[bytes, dict[int, tuple[int, ...]]] = {}
+        self._parent_of: dict[int, bytes] = {}
         # Blocks no sequence holds, least recently freed first: evictable cached ones and empty ones alike.
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self._num_free_cached = 0
@@ -112,9 +116,9 @@ class BlockManager:
         spare the blocks and keep `headroom_blocks` free."""
         hits, parent = self._cached_prefix(tokens, table.root) if self.enable_prefix_caching else ([], b"")
         start = len(hits) * self.block_size
-        # A tail continuing the hits: its matching tokens, never the prompt's last.
-        tail, matched = self._tail_match(parent, tokens[start:len(tokens) - 1]) if self.enable_prefix_caching \
-            else (None, 0)
+        # A cached block continuing the hits part of the way: its matching tokens, never the prompt's last.
+        source, matched = self._partial_match(parent, tokens[start:len(tokens) - 1]) \
+            if self.enable_prefix_caching else (None, 0)
         # Hit blocks that were free come out of the free pool: they must be counted as needed too.
         reused_free = sum(1 for block in hits if self._refs[block] == 0)
         needed = self.blocks_for(num_tokens) - len(hits)
@@ -125,10 +129,10 @@ class BlockManager:
         table.blocks = hits + [self._take() for _ in range(needed)]
         table.hashes = [self._hash_of[block] for block in hits]
         if matched:
-            # Copied before the pass that computes the rest of the block (moves go first, in order); the tail
-            # block may have been taken just now, but nothing writes it before then.
+            # Copied before the pass that computes the rest of the block (moves go first, in order); a free
+            # source may have been taken just now, but nothing writes it before then.
             own = table.blocks[len(hits)]
-            self.moves.append(MoveSlots(tuple(tail * self.block_size + i for i in range(matched)),
+            self.moves.append(MoveSlots(tuple(source * self.block_size + i for i in range(matched)),
                                         tuple(own * self.block_size + i for i in range(matched))))
         num_cached = start + matched
         if self.enable_prefix_caching:
@@ -157,12 +161,14 @@ class BlockManager:
         while len(table.hashes) < num_computed // size:
             i = len(table.hashes)
             parent = table.hashes[-1] if table.hashes else table.root
-            digest = block_hash(parent, tokens[i * size:(i + 1) * size])
+            held = tuple(tokens[i * size:(i + 1) * size])
+            digest = block_hash(parent, held)
             table.hashes.append(digest)
             block = table.blocks[i]
             if self._hash_of[block] is None and digest not in self._cached:
                 self._hash_of[block] = digest
                 self._cached[digest] = block
+                self._adopt(block, parent, held)
 
     def free(self, table: BlockTable, tokens=(), num_computed: int = 0) -> None:
         """Gives a sequence's blocks back: cached ones stay findable until evicted,
@@ -173,10 +179,8 @@ class BlockManager:
         full, rest = divmod(num_computed, size)
         if (self.enable_prefix_caching and rest and len(table.hashes) == full and full < len(table.blocks)
                 and self._refs[table.blocks[full]] == 1):
-            parent = table.hashes[-1] if table.hashes else table.root
-            block = table.blocks[full]
-            self._tails.setdefault(parent, {})[block] = tuple(tokens[full * size:num_computed])
-            self._tail_parent[block] = parent
+            self._adopt(table.blocks[full], table.hashes[-1] if table.hashes else table.root,
+                        tuple(tokens[full * size:num_computed]))
         for block in reversed(table.blocks):
             self._refs[block] -= 1
             if self._refs[block] == 0:
@@ -193,8 +197,9 @@ class BlockManager:
         assert all(ref >= 0 for ref in self._refs)
         assert {b for b in range(self.num_blocks) if self._refs[b] == 0} == set(self._free)
         assert all(self._hash_of[block] == digest for digest, block in self._cached.items())
-        assert all(block in self._free and block in self._tails[parent] for block, parent in self._tail_parent.items())
-        assert sum(len(tails) for tails in self._tails.values()) == len(self._tail_parent)
+        assert all(block in self._children[parent] for block, parent in self._parent_of.items())
+        assert sum(len(children) for children in self._children.values()) == len(self._parent_of)
+        assert all(block in self._free for block in self._parent_of if self._hash_of[block] is None)  # tails
         assert self._num_free_cached == sum(1 for block in self._free if self._holds_cache(block))
 
     def cached_tokens(self, tokens, salt: str = "") -> int:
@@ -217,17 +222,21 @@ class BlockManager:
             parent = digest
         return hits, parent
 
-    def _tail_match(self, parent: bytes, tokens) -> tuple[int | None, int]:
-        """The tail under `parent` that starts with most of `tokens`, and how many it holds."""
+    def _adopt(self, block: int, parent: bytes, tokens: tuple[int, ...]) -> None:
+        self._children.setdefault(parent, {})[block] = tokens
+        self._parent_of[block] = parent
+
+    def _partial_match(self, parent: bytes, tokens) -> tuple[int | None, int]:
+        """The cached block under `parent` that starts with most of `tokens`, and how many."""
         best, matched = None, 0
-        for block, held in self._tails.get(parent, {}).items():
+        for block, held in self._children.get(parent, {}).items():
             n = next((i for i, (a, b) in enumerate(zip(held, tokens)) if a != b), min(len(held), len(tokens)))
             if n > matched:
                 best, matched = block, n
         return best, matched
 
     def _holds_cache(self, block: int) -> bool:
-        return self._hash_of[block] is not None or block in self._tail_parent
+        return self._hash_of[block] is not None or block in self._parent_of
 
     def _hold(self, block: int) -> None:
         if self._refs[block] == 0:
@@ -243,11 +252,11 @@ class BlockManager:
         if digest is not None:
             del self._cached[digest]
             self._hash_of[block] = None
-        parent = self._tail_parent.pop(block, None)
+        parent = self._parent_of.pop(block, None)
         if parent is not None:
-            tails = self._tails[parent]
-            del tails[block]
-            if not tails:
-                del self._tails[parent]
+            children = self._children[parent]
+            del children[block]
+            if not children:
+                del self._children[parent]
         self._refs[block] = 1
         return block

@@ -167,3 +167,18 @@ def test_an_evicted_tail_is_forgotten():
     blocks.check()
     blocks.free(taker)
     assert blocks.allocate(BlockTable(), [5, 6, 7, 8], 4) == 0
+
+
+def test_a_prompt_leaving_a_cached_block_midway_copies_the_slots_it_shares():
+    blocks = BlockManager(16, BLOCK)
+    running = BlockTable()
+    tokens = list(range(10, 19))  # two full blocks and one token
+    blocks.allocate(running, tokens, 9)
+    blocks.commit(running, tokens, 9)
+    # A reply rendered otherwise than generated: the prompt agrees with the second block's first 2 tokens only.
+    other = BlockTable()
+    assert blocks.allocate(other, tokens[:6] + [70, 71, 72], 9) == 6
+    assert other.blocks[0] == running.blocks[0] and other.blocks[1] != running.blocks[1]
+    assert blocks.take_moves() == [MoveSlots(tuple(running.blocks[1] * BLOCK + i for i in range(2)),
+                                             tuple(other.blocks[1] * BLOCK + i for i in range(2)))]
+    blocks.check()
