@@ -162,6 +162,36 @@ def test_a_follow_up_turn_reuses_the_conversation_kv(runner, hf_model):
         0, len(second_prompt) - passes[0].num_tokens)
 
 
+def test_a_turn_ending_on_an_accepted_tree_path_hands_its_last_block_on_after_the_path_moved(runner, hf_model):
+    """The last step's accepted path is a tree's second branch, whose KV rows move up with the next pass; the
+    finished turn's last, partly full block is copied for the next turn after that move, not before."""
+    engine = make_engine(runner, prefix_caching=True)
+    first_prompt = [(5 * i) % 60 + 4 for i in range(37)]
+    want = reference(hf_model, first_prompt, 9)
+    turn1 = engine.open("t1", first_prompt, GenerationParams(GREEDY, max_new_tokens=9, ignore_eos=True))
+    engine.prefill(turn1)
+    while not turn1.finished:
+        done = turn1.num_generated
+        decoy = (want[done] + 1) % 60 + 4
+        engine.verify(turn1, Draft((decoy, *want[done:done + 3]), parents=(-1, -1, 1, 2)))
+    assert turn1.tokens[len(first_prompt):] == want
+    assert (len(turn1.tokens) - 1) % BLOCK  # its KV ends inside a block
+    second_prompt = turn1.tokens + [9, 10, 11]
+    turn2 = engine.open("t2", second_prompt,
+                        GenerationParams(GREEDY, max_new_tokens=4, ignore_eos=True, logprobs=5))
+    first = engine.prefill(turn2)
+    assert turn2.num_cached_prompt_tokens == len(turn1.tokens) - 1
+    # The first token's distribution is transformers' over the whole prompt: the copied rows are the path's.
+    with torch.inference_mode():
+        row = torch.log_softmax(hf_model(torch.tensor([second_prompt])).logits[0, -1].float(), -1)
+    top = torch.topk(row, 5)
+    assert first.logprobs[0].top_token_ids == tuple(top.indices.tolist())
+    assert first.logprobs[0].top_logprobs == pytest.approx(top.values.tolist(), abs=1e-4)
+    while not turn2.finished:
+        engine.verify(turn2, Draft())
+    assert turn2.tokens[len(second_prompt):] == reference(hf_model, second_prompt, 4)
+
+
 def test_a_system_prompt_shared_by_concurrent_requests_is_computed_once(long_runner):
     """16 requests arriving together with one 1,000-token system prompt: the first
     computes it, the others wait for its blocks instead of computing them again."""
