@@ -33,9 +33,10 @@ BLOCK = 512  # inputs summed from zero before their sum joins the output's (oneD
 # Passes of 2 to this many rows go as one tile of all the rows by 16 outputs, fetching the weights well ahead of
 # the tile: Qwen2.5-0.5B's products at 2-16 rows took 0.80-0.96x the time of 4 x 4 tiles (docs/benchmarks/bf16).
 WIDE_ROWS = 16
-# Longer passes of at least this many rows (4 tiles of 4 rows, one for each 16 outputs of a tile) fetch the next weights
-# into cache while the later tiles compute from it, instead of leaving the memory idle: Qwen2.5-0.5B's products took
-# 0.77-0.96x the time at 16-128 rows on a 2-core EPYC; with fewer rows, fetching was no faster (docs/benchmarks/bf16).
+# Passes in tiles of 4 x 4 rows (those over WIDE_ROWS; any, with wide_rows 0) of at least this many rows fetch the
+# next weights into cache while the later tiles compute from it, instead of leaving the memory idle: Qwen2.5-0.5B's
+# products took 0.77-0.96x the time at 16-128 rows on a 2-core EPYC; with fewer rows, fetching was no faster
+# (docs/benchmarks/bf16).
 AHEAD_ROWS = 13
 
 

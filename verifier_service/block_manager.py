@@ -18,9 +18,10 @@ renders the last reply otherwise than it was generated, or which ends inside
 a block, does not compute again the up to block_size - 1 tokens before that
 point.
 
-This module is rank 0's bookkeeping: it never touches a tensor. The engine
-copies KV rows inside a sequence's own blocks (an accepted tree path) through
-`moves`, which reach every rank with the next pass.
+This module is rank 0's bookkeeping: it never touches a tensor. KV rows are
+copied through `moves` (an accepted tree path's, inside its sequence's blocks;
+a cached block's shared slots, into a new sequence's own block), which reach
+every rank with the next pass and run before it, in order.
 """
 
 import hashlib
@@ -111,9 +112,10 @@ class BlockManager:
 
     def allocate(self, table: BlockTable, tokens, num_tokens: int, headroom_blocks: int = 0) -> int | None:
         """Gives a new sequence blocks for `num_tokens`, sharing the cached ones
-        that hold the start of `tokens`; returns how many tokens they already
-        hold (the sequence computes the rest), or None when the cache cannot
-        spare the blocks and keep `headroom_blocks` free."""
+        that hold the start of `tokens` and copying the slots it shares with a
+        cached block after them; returns how many tokens its blocks then hold
+        (the sequence computes the rest), or None when the cache cannot spare
+        the blocks and keep `headroom_blocks` free."""
         hits, parent = self._cached_prefix(tokens, table.root) if self.enable_prefix_caching else ([], b"")
         start = len(hits) * self.block_size
         # A cached block continuing the hits part of the way: its matching tokens, never the prompt's last.
