@@ -1,9 +1,10 @@
-"""Llama-form decoder layers (Llama, Qwen2, Qwen3, Mistral) run on a CPU in
-fp32 as a dozen calls rather than the fifty-odd operators and module calls of
-transformers' forward, as vLLM's own model code does it:
+"""Llama-form decoder layers (Llama, Qwen2, Qwen3, Mistral) run on a CPU, in
+fp32 or bf16, as a dozen calls rather than the fifty-odd operators and module
+calls of transformers' forward, as vLLM's own model code does it:
 
 - q, k and v in one product (`qkv_proj`), gate and up in another (`gate_up_proj`):
-  two weights read in one call, measured like every other shape (cpu_linear.py);
+  two weights read in one call, through whichever kernel takes the model's
+  linear layers (cpu_linear.py in fp32, bf16_linear.py in bf16);
 - the rotary embedding of the queries and keys, and the keys' and values' store
   into the cache, in one kernel call (csrc/fused_layer.cc);
 - the residual add and the norm after attention in one call; SwiGLU's
@@ -11,10 +12,14 @@ transformers' forward, as vLLM's own model code does it:
 
 Why: in a SmolLM2 decode step on two cores the products took 12-14 ms of 18-21,
 and the rest was not arithmetic but the layers' 195 us each of operator and
-module calls. Every pass of the engine takes this path on such a layer; the
-fused products keep the parts' weights only once: the original projections
-become views of them (`Part`), so transformers' own forward, which the
-start-up check compares the engine's passes with, still runs."""
+module calls; in bf16, whose products read half the bytes, that rest is a
+larger share still. Each kernel works on one row at a time, so a row's values do
+not depend on the pass's other rows (batch invariance holds), and in bf16 it
+rounds where transformers' operators round. Every pass of the engine takes this
+path on such a layer; the fused products keep the parts' weights only once: the
+original projections become views of them (`Part`), so transformers' own
+forward, which the start-up check compares the engine's passes with, still
+runs."""
 
 import types
 from dataclasses import dataclass
@@ -23,6 +28,7 @@ import torch
 from torch import nn
 from transformers.activations import SiLUActivation
 
+from verifier_service.amx_linear import amx_ready
 from verifier_service.attention import PassContext, layer_call
 from verifier_service.cpu_linear import is_plain_linear
 from verifier_service.device import cpu_kernels
@@ -34,8 +40,11 @@ FUSED_LAYERS = frozenset({"LlamaDecoderLayer", "Qwen2DecoderLayer", "Qwen3Decode
 
 
 def fuses_layers(device: torch.device, dtype: torch.dtype, tensor_parallel: bool) -> bool:
-    """The kernels are fp32 and a CPU's; tensor parallelism shards the projections by their type and name."""
-    return device.type == "cpu" and dtype == torch.float32 and not tensor_parallel
+    """The kernels are a CPU's, fp32 or bf16; tensor parallelism shards the projections by their type and name.
+    On AMX CPUs a bf16 SwiGLU MLP runs as one product with its activation (amx_linear.AmxGatedMlp), which the
+    fused gate_up product would replace unmeasured, so bf16 layers keep transformers' form there."""
+    return (device.type == "cpu" and not tensor_parallel
+            and (dtype == torch.float32 or (dtype == torch.bfloat16 and not amx_ready())))
 
 
 @dataclass(frozen=True)
@@ -75,8 +84,9 @@ def fusable(layer: nn.Module) -> bool:
     mlp_projections = [getattr(mlp, name, None) for name in ("gate_proj", "up_proj", "down_proj")]
     norms = [layer.input_layernorm, layer.post_attention_layernorm,
              *(getattr(attention, name) for name in ("q_norm", "k_norm") if hasattr(attention, name))]
-    return (all(p is not None and is_plain_linear(p) and p.weight.dtype == torch.float32
-                for p in projections + mlp_projections)
+    weights = [p.weight for p in projections + mlp_projections if p is not None] + [norm.weight for norm in norms]
+    return (all(p is not None and is_plain_linear(p) for p in projections + mlp_projections)
+            and {weight.dtype for weight in weights} in ({torch.float32}, {torch.bfloat16})
             and len({p.bias is None for p in projections[:3]}) == 1
             and len({p.bias is None for p in mlp_projections[:2]}) == 1
             and isinstance(getattr(mlp, "act_fn", None), (SiLUActivation, nn.SiLU))
@@ -123,6 +133,7 @@ def _fused_forward(layer: nn.Module, hidden_states: torch.Tensor, attention_mask
     attention, mlp, kernels = layer.self_attn, layer.mlp, cpu_kernels()
     threads = torch.get_num_threads()
     x = hidden_states[0].contiguous()  # [tokens, hidden]
+    bf16 = x.dtype == torch.bfloat16
     rows, shape = x.shape[0], layer.fused_shape
     heads, kv_heads, dim = shape.heads, shape.kv_heads, shape.head_dim
     qkv = attention.qkv_proj(layer.input_layernorm(x))
@@ -133,16 +144,16 @@ def _fused_forward(layer: nn.Module, hidden_states: torch.Tensor, attention_mask
     cos, sin = (part[0].contiguous() for part in position_embeddings)
     kernels.rope_store(q.data_ptr(), q.stride(0), heads, k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0),
                        kv_heads, dim, cos.data_ptr(), sin.data_ptr(), context.cache.kv[attention.layer_idx].data_ptr(),
-                       context.metadata.slot_mapping.data_ptr(), rows, threads)
+                       context.metadata.slot_mapping.data_ptr(), rows, bf16, threads)
     attended = context.backend.attend(context.metadata, layer_call(attention, attention.scaling, shape.sliding_window),
                                       q.view(rows, heads, dim), context.cache)
     residual = attention.o_proj(attended.reshape(rows, -1)).contiguous()
     norm = layer.post_attention_layernorm
     normed = torch.empty_like(residual)
     kernels.add_rms_norm(x.data_ptr(), residual.data_ptr(), norm.weight.data_ptr(), normed.data_ptr(), rows,
-                         residual.shape[1], norm.variance_epsilon, threads)
+                         residual.shape[1], norm.variance_epsilon, bf16, threads)
     gate_up = mlp.gate_up_proj(normed).contiguous()
     width = gate_up.shape[1] // 2
     activated = gate_up.new_empty(rows, width)
-    kernels.silu_mul(gate_up.data_ptr(), activated.data_ptr(), rows, width, threads)
+    kernels.silu_mul(gate_up.data_ptr(), activated.data_ptr(), rows, width, bf16, threads)
     return mlp.down_proj(activated).add_(residual)[None]

@@ -92,9 +92,11 @@ def greedy(engine: Engine, prompt, steps: int, tree_from=None, companion=None):
     return tokens[:steps], logprobs[:steps]
 
 
-# MoE blocks too (invariant_moe.py); MLA (DeepSeek-V3: values narrower than keys) through the torch operators.
-@pytest.mark.parametrize("model_type, kernel", [("llama", True), ("llama", False), ("qwen3_moe", True),
-                                                ("qwen3_moe", False), ("glm4_moe", True), ("deepseek_v3", False)])
+# MoE blocks too (invariant_moe.py); MLA (DeepSeek-V3: values narrower than keys) through the torch operators;
+# Llama, Qwen2 (q/k/v biases) and Qwen3 (q/k norms) in the fused layers (fused_layer.py).
+@pytest.mark.parametrize("model_type, kernel", [("llama", True), ("llama", False), ("qwen2", True), ("qwen3", True),
+                                                ("qwen3_moe", True), ("qwen3_moe", False), ("glm4_moe", True),
+                                                ("deepseek_v3", False)])
 def test_a_bf16_model_verifies_trees_with_the_bits_of_plain_decoding(tmp_path, kernel, model_type, monkeypatch):
     if not kernel:  # the torch operators' backend, which serves other devices, MLA and other head dimensions
         if not holds_on(CPU, torch.bfloat16, SMOLLM2_SIZES):

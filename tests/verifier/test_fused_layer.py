@@ -2,12 +2,18 @@
 the operators of transformers' forward, and that forward still running on the fused weights (the start-up check's
 reference). The architecture matrix (test_architectures.py) compares its passes with transformers' logits."""
 
+from unittest import mock
+
 import pytest
 import torch
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM
-from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_pos_emb
 
+from verifier_service import model_runner
+from verifier_service.amx_linear import amx_ready
+from verifier_service.batch import Segment, StepPlan
+from verifier_service.block_manager import BlockManager, BlockTable
 from verifier_service.device import cpu_kernels
 from verifier_service.model_runner import ModelRunner
 
@@ -24,8 +30,12 @@ def test_the_llama_form_families_take_the_fused_layer_in_fp32(model_type, tmp_pa
     assert runner.fused_layers == (layers if model_type in FUSED_FAMILIES else 0)
 
 
-def test_bf16_keeps_transformers_layers(tmp_path):
-    assert ModelRunner(save_tiny("llama", tmp_path), "cpu", torch.bfloat16).fused_layers == 0
+@pytest.mark.skipif(amx_ready(), reason="AMX CPUs keep transformers' bf16 layers (fused_layer.fuses_layers)")
+@pytest.mark.parametrize("model_type", ["llama", "qwen2", "qwen3", "gemma2"])
+def test_bf16_takes_the_fused_layer_too(model_type, tmp_path):
+    runner = ModelRunner(save_tiny(model_type, tmp_path), "cpu", torch.bfloat16)
+    layers = runner.model.config.get_text_config().num_hidden_layers
+    assert runner.fused_layers == (layers if model_type in FUSED_FAMILIES else 0)
 
 
 def test_transformers_forward_runs_on_the_fused_weights_held_once(tmp_path):
@@ -47,46 +57,89 @@ def rotary(positions: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tenso
     return angles.cos(), angles.sin()
 
 
-@pytest.mark.parametrize("rows, heads, kv_heads, dim", [(1, 9, 3, 64), (5, 4, 2, 8), (300, 8, 2, 16)])
-def test_rope_store_rotates_the_queries_and_stores_the_rotated_keys_with_the_values(rows, heads, kv_heads, dim):
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def same(actual: torch.Tensor, expected: torch.Tensor, atol: float) -> bool:
+    """fp32: within atol; bf16: the same bits, as transformers' bf16 operators round."""
+    return torch.equal(actual, expected) if actual.dtype == torch.bfloat16 else torch.allclose(actual, expected,
+                                                                                               atol=atol)
+
+
+# Head dims of 64 and 128: whole vectors of 16; 8 and 40: a scalar tail.
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows, heads, kv_heads, dim", [(1, 9, 3, 64), (5, 4, 2, 8), (3, 2, 1, 40), (2, 4, 2, 128),
+                                                        (300, 8, 2, 16)])
+def test_rope_store_rotates_the_queries_and_stores_the_rotated_keys_with_the_values(rows, heads, kv_heads, dim,
+                                                                                     dtype):
     """Queries and keys read in place from a fused q/k/v product's rows; 300 rows: the threaded path."""
-    qkv = torch.randn(rows, (heads + 2 * kv_heads) * dim + 3)[:, :-3]  # rows wider than the three parts
+    qkv = (torch.randn(rows, (heads + 2 * kv_heads) * dim + 3) * 4).to(dtype)[:, :-3]  # rows wider than the parts
     q, k, v = qkv.split((heads * dim, kv_heads * dim, kv_heads * dim), dim=-1)
-    cos, sin = rotary(torch.arange(rows) + 40, dim)
+    cos, sin = (part.to(dtype) for part in rotary(torch.arange(rows) + 40, dim))  # as the rotary module casts them
     expected_q, expected_k = apply_rotary_pos_emb(q.reshape(1, rows, heads, dim).transpose(1, 2),
                                                   k.reshape(1, rows, kv_heads, dim).transpose(1, 2),
                                                   cos[None], sin[None])
-    cache = torch.zeros(rows + 7, kv_heads, 2 * dim)
+    cache = torch.zeros(rows + 7, kv_heads, 2 * dim, dtype=dtype)
     slots = torch.randperm(rows + 7)[:rows]
     value = v.reshape(rows, kv_heads, dim).clone()
     cpu_kernels().rope_store(q.data_ptr(), q.stride(0), heads, k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0),
                              kv_heads, dim, cos.data_ptr(), sin.data_ptr(), cache.data_ptr(), slots.data_ptr(), rows,
-                             2)
-    assert torch.allclose(q.reshape(rows, heads, dim), expected_q[0].transpose(0, 1), atol=1e-6)
-    assert torch.allclose(cache[slots, :, :dim], expected_k[0].transpose(0, 1), atol=1e-6)
+                             dtype == torch.bfloat16, 2)
+    assert same(q.reshape(rows, heads, dim), expected_q[0].transpose(0, 1), atol=1e-5)
+    assert same(cache[slots, :, :dim], expected_k[0].transpose(0, 1), atol=1e-5)
     assert torch.equal(cache[slots, :, dim:], value)
     untouched = torch.ones(rows + 7, dtype=torch.bool)
     untouched[slots] = False
     assert not cache[untouched].any()
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows, width", [(1, 1536), (3, 70), (40, 1000)])  # 70: a tail; 40 x 1000: threaded
-def test_silu_mul_is_swiglus_activation(rows, width):
-    gate_up = torch.randn(rows, 2 * width) * 8
+def test_silu_mul_is_swiglus_activation(rows, width, dtype):
+    gate_up = (torch.randn(rows, 2 * width) * 8).to(dtype)
     gate_up[0, :4] = torch.tensor([-100.0, 100.0, 0.0, -0.0])
-    out = torch.empty(rows, width)
-    cpu_kernels().silu_mul(gate_up.data_ptr(), out.data_ptr(), rows, width, 2)
+    out = torch.empty(rows, width, dtype=dtype)
+    cpu_kernels().silu_mul(gate_up.data_ptr(), out.data_ptr(), rows, width, dtype == torch.bfloat16, 2)
     expected = F.silu(gate_up[:, :width]) * gate_up[:, width:]
-    assert torch.allclose(out, expected, rtol=1e-6, atol=1e-6)
+    if dtype == torch.float32:
+        assert torch.allclose(out, expected, rtol=1e-6, atol=1e-6)
+    else:  # our sigmoid is within an fp32 ulp or two of PyTorch's: a bf16 rounding rarely differs, by one step
+        assert torch.allclose(out.float(), expected.float(), rtol=2 ** -7, atol=1e-30)  # silu(-100): e^-87 floors
+        assert (out == expected).float().mean() > 0.99
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows, hidden", [(1, 576), (3, 70), (64, 576)])
-def test_add_rms_norm_adds_the_residual_then_normalizes(rows, hidden):
-    x, residual, weight = torch.randn(rows, hidden), torch.randn(rows, hidden), torch.rand(hidden) + 0.5
-    total = x + residual
-    out = torch.empty(rows, hidden)
-    cpu_kernels().add_rms_norm(x.data_ptr(), residual.data_ptr(), weight.data_ptr(), out.data_ptr(), rows, hidden,
-                               1e-5, 2)
-    assert torch.allclose(residual, total, atol=1e-6)
-    expected = weight * (total * torch.rsqrt(total.pow(2).mean(-1, keepdim=True) + 1e-5))
-    assert torch.allclose(out, expected, atol=1e-5)
+def test_add_rms_norm_adds_the_residual_then_normalizes(rows, hidden, dtype):
+    x, residual = torch.randn(rows, hidden).to(dtype), torch.randn(rows, hidden).to(dtype)
+    norm = LlamaRMSNorm(hidden, eps=1e-5).to(dtype)
+    norm.weight.data = (torch.rand(hidden) + 0.5).to(dtype)
+    total = x + residual  # rounded to the dtype, as transformers' residual add is
+    out = torch.empty(rows, hidden, dtype=dtype)
+    cpu_kernels().add_rms_norm(x.data_ptr(), residual.data_ptr(), norm.weight.data_ptr(), out.data_ptr(), rows,
+                               hidden, 1e-5, dtype == torch.bfloat16, 2)
+    assert same(residual, total, atol=1e-6)
+    with torch.no_grad():
+        assert same(out, norm(total), atol=1e-5)
+
+
+@pytest.mark.skipif(amx_ready(), reason="AMX CPUs keep transformers' bf16 layers (fused_layer.fuses_layers)")
+@pytest.mark.parametrize("model_type", ["llama", "qwen2", "qwen3"])
+def test_bf16_fused_layers_give_the_logits_of_transformers_layers(model_type, tmp_path):
+    """The same engine, products and attention kernel, the layers fused or not: a prefill and a chain verify give
+    the same bits (the kernels round where transformers' bf16 operators do)."""
+    path = save_tiny(model_type, tmp_path)
+    logits = []
+    for fused in (True, False):
+        with mock.patch.object(model_runner, "fuses_layers", model_runner.fuses_layers if fused else lambda *a: False):
+            runner = ModelRunner(path, "cpu", torch.bfloat16)
+        assert bool(runner.fused_layers) == fused
+        runner.allocate_cache(16, 4)
+        table = BlockTable()
+        assert BlockManager(16, 4, False).allocate(table, [], 30) == 0
+        blocks = tuple(table.blocks)
+        prompt, _ = runner.execute(StepPlan((), tuple(PROMPT[:-1]), (Segment(blocks, 0, len(PROMPT) - 1, ()),)))
+        chain, _ = runner.execute(StepPlan((), (PROMPT[-1], 5, 6, 7), (Segment(blocks, len(PROMPT) - 1, 1,
+                                                                                (-1, 0, 1)),)))
+        logits.append(torch.cat([prompt, chain]))
+    assert torch.equal(*logits)

@@ -1,4 +1,4 @@
-// The verifier's CPU kernels (fp32, and bf16 on AMX), bound to Python in module.cc. They take raw pointers to contiguous tensors (the
+// The verifier's CPU kernels (fp32 and bf16), bound to Python in module.cc. They take raw pointers to contiguous tensors (the
 // checkpoint's weights, the cache, activations the callers make contiguous), so they build without torch's headers. Their threads are PyTorch's own OpenMP team:
 // the module links libgomp.so.1 by that name, which the dynamic loader resolves to the copy torch has loaded (a pool
 // of their own measured a 32-sequence decode step 1.4x slower: torch's workers spin between its operators, on the
@@ -38,16 +38,16 @@ void attend_invariant(uintptr_t query, uintptr_t out, uintptr_t cache, uintptr_t
 void rms_norm(uintptr_t x, uintptr_t weight, uintptr_t y, int64_t rows, int64_t hidden, double eps, bool bf16,
               int threads);
 
-// A Llama-form layer's elementwise steps in fp32 (fused_layer.cc): the rotary embedding of the queries (in place)
-// and keys, stored with the values into the cache; SwiGLU's activation.
+// A Llama-form layer's elementwise steps, fp32 or bf16 (fused_layer.cc): the rotary embedding of the queries (in
+// place) and keys, stored with the values into the cache; SwiGLU's activation.
 void rope_store(uintptr_t query, int64_t query_stride, int64_t heads, uintptr_t key, int64_t key_stride,
                 uintptr_t value, int64_t value_stride, int64_t kv_heads, int64_t head_dim, uintptr_t cos,
-                uintptr_t sin, uintptr_t cache, uintptr_t slots, int64_t rows, int threads);
-void silu_mul(uintptr_t gate_up, uintptr_t out, int64_t rows, int64_t width, int threads);
+                uintptr_t sin, uintptr_t cache, uintptr_t slots, int64_t rows, bool bf16, int threads);
+void silu_mul(uintptr_t gate_up, uintptr_t out, int64_t rows, int64_t width, bool bf16, int threads);
 
-// Adds x into residual (in place), then y = the RMSNorm of residual (fp32; rms_norm.cc).
+// Adds x into residual (in place), then y = the RMSNorm of residual, fp32 or bf16 (rms_norm.cc).
 void add_rms_norm(uintptr_t x, uintptr_t residual, uintptr_t weight, uintptr_t y, int64_t rows, int64_t hidden,
-                  double eps, int threads);
+                  double eps, bool bf16, int threads);
 
 // bf16 products on Intel AMX that give a row the same bits in any batch, plain or a SwiGLU MLP's gated pair
 // (amx_linear.cc: layouts); amx_ready says whether this CPU and kernel let the process use them.

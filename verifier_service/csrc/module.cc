@@ -3,7 +3,7 @@
 #include "kernels.h"
 
 PYBIND11_MODULE(_cpu_kernels, m) {
-  m.doc() = "The verifier's CPU kernels (fp32): paged attention of short segments, linear layers of a few rows; "
+  m.doc() = "The verifier's CPU kernels (fp32 and bf16): paged attention of short segments, linear layers of a few rows; "
           "batch-invariant attention; RMSNorm; a Llama layer's rotary embedding and SwiGLU; bf16 linear layers on AMX and on AVX512-BF16";
   using release = pybind11::call_guard<pybind11::gil_scoped_release>;
   m.def("attends", &speclane::attends);

@@ -6,7 +6,8 @@
 //
 // Layouts: x and y [rows, hidden] contiguous, weight [hidden], all of E (float, or bf16 as uint16_t).
 //
-// add_rms_norm (fp32): a decoder layer's residual add and the norm after it in one call.
+// add_rms_norm: a decoder layer's residual add (rounded to E, as transformers' add rounds) and the norm after it in
+// one call.
 
 #include <omp.h>
 
@@ -50,23 +51,35 @@ void norm_rows(const E* x, const E* weight, E* y, int64_t rows, int64_t hidden, 
   for (int64_t r = 0; r < rows; ++r) norm_row(x + r * hidden, weight, y + r * hidden, hidden, eps);
 }
 
-SPECLANE_CLONES void add_row(const float* x, float* residual, int64_t hidden) {
-  for (int64_t k = 0; k < hidden; ++k) residual[k] += x[k];
+template <typename E>
+SPECLANE_CLONES void add_row(const E* x, E* residual, int64_t hidden) {
+  const int64_t whole = hidden / 16 * 16;
+  for (int64_t k = 0; k < whole; k += 16) store16(residual + k, load16(residual + k) + load16(x + k));
+  for (int64_t k = whole; k < hidden; ++k) from_float(to_float(residual[k]) + to_float(x[k]), residual + k);
+}
+
+template <typename E>
+void add_norm_rows(const E* x, E* residual, const E* weight, E* y, int64_t rows, int64_t hidden, float eps,
+                   int threads) {
+#pragma omp parallel for num_threads(threads) if (rows * hidden >= kParallelValues) schedule(static)
+  for (int64_t r = 0; r < rows; ++r) {
+    add_row(x + r * hidden, residual + r * hidden, hidden);
+    norm_row(residual + r * hidden, weight, y + r * hidden, hidden, eps);
+  }
 }
 
 }  // namespace
 
 void add_rms_norm(uintptr_t x, uintptr_t residual, uintptr_t weight, uintptr_t y, int64_t rows, int64_t hidden,
-                  double eps, int threads) {
-  const auto* in = reinterpret_cast<const float*>(x);
-  auto* sum = reinterpret_cast<float*>(residual);
-  const auto* w = reinterpret_cast<const float*>(weight);
-  auto* out = reinterpret_cast<float*>(y);
-#pragma omp parallel for num_threads(threads) if (rows * hidden >= kParallelValues) schedule(static)
-  for (int64_t r = 0; r < rows; ++r) {
-    add_row(in + r * hidden, sum + r * hidden, hidden);
-    norm_row(sum + r * hidden, w, out + r * hidden, hidden, static_cast<float>(eps));
-  }
+                  double eps, bool bf16, int threads) {
+  if (bf16)
+    add_norm_rows(reinterpret_cast<const uint16_t*>(x), reinterpret_cast<uint16_t*>(residual),
+                  reinterpret_cast<const uint16_t*>(weight), reinterpret_cast<uint16_t*>(y), rows, hidden,
+                  static_cast<float>(eps), threads);
+  else
+    add_norm_rows(reinterpret_cast<const float*>(x), reinterpret_cast<float*>(residual),
+                  reinterpret_cast<const float*>(weight), reinterpret_cast<float*>(y), rows, hidden,
+                  static_cast<float>(eps), threads);
 }
 
 void rms_norm(uintptr_t x, uintptr_t weight, uintptr_t y, int64_t rows, int64_t hidden, double eps, bool bf16,
