@@ -338,11 +338,13 @@ class Engine:
             work.draft = work.seq.own_draft()  # as deep as the sequence's budget allows (_draft_heads)
 
     def _judge(self, seq: Sequence, draft: Draft, rows: torch.Tensor, targets: list[int] | None) -> Verdict:
-        """Accepts against the request's distribution: `rows` are raw logits, and
-        greedy is the argmax after the logit controls, as in vLLM."""
+        """Accepts against the request's distribution: `rows` are raw logits (in
+        the model's dtype, widened here), and greedy is the argmax after the
+        logit controls, as in vLLM."""
         tokens, parents = list(draft.token_ids), draft.tree_parents
         if targets is not None:
             return verify_greedy(tokens, targets, parents)
+        rows = rows.float()
         sampling = seq.params.sampling
         if seq.logits_processor is not None:
             rows = seq.logits_processor(rows, seq.tokens, tokens, parents)

@@ -150,8 +150,8 @@ class PassGraphs:
         return StepPlan((), (0,) * size.tokens, (segment,) * size.segments)
 
     def run(self, plan: StepPlan, size: GraphSize) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Fp32 logits of the plan's logit rows, and its features (as ModelRunner.run returns them). A size's
-        first pass captures its graph."""
+        """Logits of the plan's logit rows in the model's dtype, and its features (as ModelRunner.run returns
+        them). A size's first pass captures its graph."""
         laid_out = self.backend.graph_inputs(plan, size, self.block_size, self.width, self.scratch_slot)
         captured = self.captured.get(size)
         if captured is None:
@@ -166,7 +166,7 @@ class PassGraphs:
         captured.graph.replay()
         features = captured.outputs[1]
         rows = torch.tensor(laid_out.rows, dtype=torch.long).to(self.device, non_blocking=True)
-        return (self.logits.index_select(0, rows).float(),
+        return (self.logits.index_select(0, rows),
                 None if features is None else features[:plan.num_tokens].clone())
 
     def _capture(self, laid_out: GraphInputs, size: GraphSize) -> Captured:

@@ -56,7 +56,7 @@ def largest_difference(runner: ModelRunner) -> tuple[float, float]:
         paths.append((paths[parent + 1] if parent >= 0 else []) + [i])
     sequences = ([prompt[:-1]] + [prompt + [tree[i] for i in path] for path in paths]
                  + [prompt + chain[:n] for n in range(_CHAIN + 1)])
-    ours = torch.cat([prefill, verify, chained])
+    ours = torch.cat([prefill, verify, chained]).float()
     reference = runner.reference(sequences)
     return (ours - reference).abs().max().item(), reference.abs().max().item()
 

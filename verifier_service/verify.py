@@ -150,7 +150,7 @@ def committed_logprobs(logits: torch.Tensor, verdict: Verdict, num_top: int) -> 
     log-softmax of the raw logits row that judged it (no temperature, controls
     or cuts), with that row's `num_top` most likely tokens."""
     device = logits.device
-    logprobs = torch.log_softmax(logits[torch.tensor(verdict.rows, device=device)], dim=-1)
+    logprobs = torch.log_softmax(logits[torch.tensor(verdict.rows, device=device)].float(), dim=-1)
     chosen = logprobs.gather(1, torch.tensor(verdict.token_ids, device=device)[:, None])[:, 0]
     top = torch.topk(logprobs, min(num_top, logprobs.shape[-1]), dim=-1)
     return [TokenLogprob(logprob, tuple(ids), tuple(values))

@@ -173,10 +173,23 @@ def test_a_sampled_tree_is_distributed_as_the_walk_that_draws_per_node(proposals
     assert any(len(out) == 3 for out in vectorized)  # the walk reaches the tree's second level
 
 
-def test_greedy_choices_pick_the_row_maxima_as_argmax_does():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_greedy_choices_pick_the_row_maxima_as_argmax_does(dtype):
+    """The CPU kernel (csrc/greedy.cc) in both dtypes: ties, NaNs, -inf rows, signed zeros, a maximum in a row's
+    tail past its last whole vector, rows read in place from a wider tensor."""
     generator = torch.Generator().manual_seed(0)
-    logits = torch.randint(-2, 3, (40, 1000), generator=generator).float()  # every row has ties for its maximum
+    wide = torch.randint(-2, 3, (40, 1010), generator=generator).to(dtype)  # every row has ties for its maximum
+    logits = wide[:, :1000]  # 1000 = 62 vectors of 16 and a tail of 8
     logits[3, [7, 500]] = float("nan")
+    logits[4, 999] = float("nan")
     logits[5] = float("-inf")
-    assert torch.equal(greedy_choices(logits), torch.argmax(logits, dim=-1))
-    assert greedy_choices(logits)[3] == 7 and greedy_choices(logits)[5] == 0
+    logits[6] = -0.0
+    logits[6, 40] = 0.0
+    logits[7, 995] = 9.0
+    logits[8, [30, 600]] = float("inf")
+    choices = greedy_choices(logits)
+    assert torch.equal(choices, torch.argmax(logits, dim=-1))
+    assert choices[3] == 7 and choices[4] == 999 and choices[5] == 0 and choices[7] == 995 and choices[8] == 30
+    vocab = torch.randn(3, 151_936, generator=generator).to(dtype)  # Qwen2.5's rows, one at a time too
+    assert torch.equal(greedy_choices(vocab), torch.argmax(vocab, dim=-1))
+    assert torch.equal(greedy_choices(vocab[1:2]), torch.argmax(vocab[1:2], dim=-1))

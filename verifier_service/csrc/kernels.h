@@ -49,6 +49,11 @@ void silu_mul(uintptr_t gate_up, uintptr_t out, int64_t rows, int64_t width, boo
 void add_rms_norm(uintptr_t x, uintptr_t residual, uintptr_t weight, uintptr_t y, int64_t rows, int64_t hidden,
                   double eps, bool bf16, int threads);
 
+// Each row's argmax as torch.argmax picks it (the first maximum; the first NaN where one is), fp32 or bf16
+// (greedy.cc).
+void row_argmax(uintptr_t logits, uintptr_t out, int64_t rows, int64_t vocab, int64_t row_stride, bool bf16,
+                int threads);
+
 // bf16 products on Intel AMX that give a row the same bits in any batch, plain or a SwiGLU MLP's gated pair
 // (amx_linear.cc: layouts); amx_ready says whether this CPU and kernel let the process use them.
 bool amx_ready();
