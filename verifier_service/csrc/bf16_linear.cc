@@ -140,8 +140,8 @@ void bf16_linear(uintptr_t x, uintptr_t packed, uintptr_t bias, uintptr_t y, int
     const int64_t first = std::min(count, tiles * t / team * kTiles);
     const int64_t last = std::min(count, tiles * (t + 1) / team * kTiles);
     groups(reinterpret_cast<const uint16_t*>(x), reinterpret_cast<const uint16_t*>(packed),
-                   bias ? reinterpret_cast<const uint16_t*>(bias) : nullptr, reinterpret_cast<uint16_t*>(y), rows,
-                   in_features, out_features, block, wide_rows, ahead_rows, first, last);
+           bias ? reinterpret_cast<const uint16_t*>(bias) : nullptr, reinterpret_cast<uint16_t*>(y), rows, in_features,
+           out_features, block, wide_rows, ahead_rows, first, last);
   }
 }
 

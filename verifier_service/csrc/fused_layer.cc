@@ -112,24 +112,20 @@ void silu_mul_rows(const E* in, E* y, int64_t rows, int64_t width, int threads) 
 void rope_store(uintptr_t query, int64_t query_stride, int64_t heads, uintptr_t key, int64_t key_stride,
                 uintptr_t value, int64_t value_stride, int64_t kv_heads, int64_t head_dim, uintptr_t cos,
                 uintptr_t sin, uintptr_t cache, uintptr_t slots, int64_t rows, bool bf16, int threads) {
-  const auto* slot = reinterpret_cast<const int64_t*>(slots);
-  if (bf16)
-    rope_rows(reinterpret_cast<uint16_t*>(query), query_stride, heads, reinterpret_cast<const uint16_t*>(key),
-              key_stride, reinterpret_cast<const uint16_t*>(value), value_stride, kv_heads, head_dim,
-              reinterpret_cast<const uint16_t*>(cos), reinterpret_cast<const uint16_t*>(sin),
-              reinterpret_cast<uint16_t*>(cache), slot, rows, threads);
-  else
-    rope_rows(reinterpret_cast<float*>(query), query_stride, heads, reinterpret_cast<const float*>(key), key_stride,
-              reinterpret_cast<const float*>(value), value_stride, kv_heads, head_dim,
-              reinterpret_cast<const float*>(cos), reinterpret_cast<const float*>(sin),
-              reinterpret_cast<float*>(cache), slot, rows, threads);
+  by_element_type(bf16, [&](auto kind) {
+    using E = decltype(kind);
+    rope_rows(reinterpret_cast<E*>(query), query_stride, heads, reinterpret_cast<const E*>(key), key_stride,
+              reinterpret_cast<const E*>(value), value_stride, kv_heads, head_dim, reinterpret_cast<const E*>(cos),
+              reinterpret_cast<const E*>(sin), reinterpret_cast<E*>(cache), reinterpret_cast<const int64_t*>(slots),
+              rows, threads);
+  });
 }
 
 void silu_mul(uintptr_t gate_up, uintptr_t out, int64_t rows, int64_t width, bool bf16, int threads) {
-  if (bf16)
-    silu_mul_rows(reinterpret_cast<const uint16_t*>(gate_up), reinterpret_cast<uint16_t*>(out), rows, width, threads);
-  else
-    silu_mul_rows(reinterpret_cast<const float*>(gate_up), reinterpret_cast<float*>(out), rows, width, threads);
+  by_element_type(bf16, [&](auto kind) {
+    using E = decltype(kind);
+    silu_mul_rows(reinterpret_cast<const E*>(gate_up), reinterpret_cast<E*>(out), rows, width, threads);
+  });
 }
 
 }  // namespace speclane

@@ -44,7 +44,7 @@ SPECLANE_CLONES int64_t argmax_row(const E* row, int64_t vocab) {
   }
   for (int64_t i = whole; i < vocab; ++i)
     if (to_float(row[i]) == largest) return i;
-  return 0;  // every value -inf: torch picks the first
+  return 0;  // an empty row
 }
 
 template <typename E>
@@ -57,11 +57,10 @@ void argmax_rows(const E* logits, int64_t* out, int64_t rows, int64_t vocab, int
 
 void row_argmax(uintptr_t logits, uintptr_t out, int64_t rows, int64_t vocab, int64_t row_stride, bool bf16,
                 int threads) {
-  auto* indices = reinterpret_cast<int64_t*>(out);
-  if (bf16)
-    argmax_rows(reinterpret_cast<const uint16_t*>(logits), indices, rows, vocab, row_stride, threads);
-  else
-    argmax_rows(reinterpret_cast<const float*>(logits), indices, rows, vocab, row_stride, threads);
+  by_element_type(bf16, [&](auto kind) {
+    argmax_rows(reinterpret_cast<const decltype(kind)*>(logits), reinterpret_cast<int64_t*>(out), rows, vocab,
+                row_stride, threads);
+  });
 }
 
 }  // namespace speclane

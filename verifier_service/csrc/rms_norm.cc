@@ -72,24 +72,20 @@ void add_norm_rows(const E* x, E* residual, const E* weight, E* y, int64_t rows,
 
 void add_rms_norm(uintptr_t x, uintptr_t residual, uintptr_t weight, uintptr_t y, int64_t rows, int64_t hidden,
                   double eps, bool bf16, int threads) {
-  if (bf16)
-    add_norm_rows(reinterpret_cast<const uint16_t*>(x), reinterpret_cast<uint16_t*>(residual),
-                  reinterpret_cast<const uint16_t*>(weight), reinterpret_cast<uint16_t*>(y), rows, hidden,
-                  static_cast<float>(eps), threads);
-  else
-    add_norm_rows(reinterpret_cast<const float*>(x), reinterpret_cast<float*>(residual),
-                  reinterpret_cast<const float*>(weight), reinterpret_cast<float*>(y), rows, hidden,
-                  static_cast<float>(eps), threads);
+  by_element_type(bf16, [&](auto kind) {
+    using E = decltype(kind);
+    add_norm_rows(reinterpret_cast<const E*>(x), reinterpret_cast<E*>(residual), reinterpret_cast<const E*>(weight),
+                  reinterpret_cast<E*>(y), rows, hidden, static_cast<float>(eps), threads);
+  });
 }
 
 void rms_norm(uintptr_t x, uintptr_t weight, uintptr_t y, int64_t rows, int64_t hidden, double eps, bool bf16,
               int threads) {
-  if (bf16)
-    norm_rows(reinterpret_cast<const uint16_t*>(x), reinterpret_cast<const uint16_t*>(weight),
-              reinterpret_cast<uint16_t*>(y), rows, hidden, static_cast<float>(eps), threads);
-  else
-    norm_rows(reinterpret_cast<const float*>(x), reinterpret_cast<const float*>(weight),
-              reinterpret_cast<float*>(y), rows, hidden, static_cast<float>(eps), threads);
+  by_element_type(bf16, [&](auto kind) {
+    using E = decltype(kind);
+    norm_rows(reinterpret_cast<const E*>(x), reinterpret_cast<const E*>(weight), reinterpret_cast<E*>(y), rows, hidden,
+              static_cast<float>(eps), threads);
+  });
 }
 
 }  // namespace speclane

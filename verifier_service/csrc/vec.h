@@ -104,6 +104,16 @@ SPECLANE_INLINE void store16(uint16_t* p, v16 v) {  // from_float's rounding, 16
   __builtin_memcpy(p, &half, sizeof half);
 }
 
+// Calls f with a value of the element type a kernel's `bf16` flag names (bf16 as uint16_t, else float), so one
+// generic body serves both: f reads the type as decltype of its argument.
+template <typename F>
+SPECLANE_INLINE void by_element_type(bool bf16, F&& f) {
+  if (bf16)
+    f(uint16_t{});
+  else
+    f(float{});
+}
+
 // Swaps the off-diagonal blocks of every 2 x 2 block of B x B blocks of 16 rows of 16 (two-source shuffles).
 template <int B>
 SPECLANE_INLINE void swap_blocks(v16 rows[16]) {
