@@ -1,25 +1,27 @@
-"""Llama-form decoder layers (Llama, Qwen2, Qwen3, Mistral) run on a CPU, in
-fp32 or bf16, as a dozen calls rather than the fifty-odd operators and module
-calls of transformers' forward, as vLLM's own model code does it:
+"""Llama-form decoder layers (Llama, Qwen2, Qwen3, Mistral) as a dozen calls
+rather than the fifty-odd operators and module calls of transformers' forward,
+as vLLM's own model code does it:
 
 - q, k and v in one product (`qkv_proj`), gate and up in another (`gate_up_proj`):
   two weights read in one call, through whichever kernel takes the model's
-  linear layers (cpu_linear.py in fp32, bf16_linear.py in bf16);
-- the rotary embedding of the queries and keys, and the keys' and values' store
-  into the cache, in one kernel call (csrc/fused_layer.cc);
-- the residual add and the norm after attention in one call; SwiGLU's
-  activation in one.
+  linear layers (on a CPU: cpu_linear.py in fp32, bf16_linear.py in bf16);
+- the norms of each head's query and key (Qwen3), the rotary embedding of both
+  and the keys' and values' store into the cache in one operator;
+- the residual add and the norm after attention in one; SwiGLU's activation
+  in one.
 
-Why: in a SmolLM2 decode step on two cores the products took 12-14 ms of 18-21,
-and the rest was not arithmetic but the layers' 195 us each of operator and
-module calls; in bf16, whose products read half the bytes, that rest is a
-larger share still. Each kernel works on one row at a time, so a row's values do
-not depend on the pass's other rows (batch invariance holds), and in bf16 it
-rounds where transformers' operators round. Every pass of the engine takes this
-path on such a layer; the fused products keep the parts' weights only once: the
-original projections become views of them (`Part`), so transformers' own
-forward, which the start-up check compares the engine's passes with, still
-runs."""
+The operators are the device's (layer_kernels.py): our C++ kernels on a CPU,
+inductor's on CUDA, torch_npu's on an Ascend NPU. Why: in a SmolLM2 decode step
+on two cores the products took 12-14 ms of 18-21, and the rest was not
+arithmetic but the layers' 195 us each of operator and module calls; on an
+H100, replayed from CUDA graphs, a Qwen3-8B-shaped step spent 4 of its 9.6 ms
+of device time outside the weight reads, in small kernels. Ours and inductor's
+round where transformers' operators round; torch_npu's compute in fp32 and
+round once, as documented, and the start-up check bounds the difference. Every
+pass of the engine takes this path on such a layer; the fused products keep the
+parts' weights only once: the original projections become views of them
+(`Part`), so transformers' own forward, which the start-up check compares the
+engine's passes with, still runs."""
 
 import types
 from dataclasses import dataclass
@@ -31,7 +33,7 @@ from transformers.activations import SiLUActivation
 from verifier_service.amx_linear import amx_ready
 from verifier_service.attention import PassContext, layer_call
 from verifier_service.cpu_linear import is_plain_linear
-from verifier_service.device import cpu_kernels
+from verifier_service.layer_kernels import LayerKernels
 from verifier_service.rms_norm import LLAMA_FORM_NORMS
 
 # The layers whose forward `_fused_forward` computes: a pre-norm attention block with full-width rotary embeddings
@@ -40,11 +42,14 @@ FUSED_LAYERS = frozenset({"LlamaDecoderLayer", "Qwen2DecoderLayer", "Qwen3Decode
 
 
 def fuses_layers(device: torch.device, dtype: torch.dtype, tensor_parallel: bool) -> bool:
-    """The kernels are a CPU's, fp32 or bf16; tensor parallelism shards the projections by their type and name.
-    On AMX CPUs a bf16 SwiGLU MLP runs as one product with its activation (amx_linear.AmxGatedMlp), which the
-    fused gate_up product would replace unmeasured, so bf16 layers keep transformers' form there."""
-    return (device.type == "cpu" and not tensor_parallel
-            and (dtype == torch.float32 or (dtype == torch.bfloat16 and not amx_ready())))
+    """On a CPU our kernels take fp32 or bf16, on CUDA inductor's and on an NPU torch_npu's any dtype; tensor
+    parallelism shards the projections by their type and name. On AMX CPUs a bf16 SwiGLU MLP runs as one product
+    with its activation (amx_linear.AmxGatedMlp), which the fused gate_up product would replace unmeasured, so bf16
+    layers keep transformers' form there."""
+    if tensor_parallel:
+        return False
+    return device.type in ("cuda", "npu") or (device.type == "cpu" and (
+        dtype == torch.float32 or (dtype == torch.bfloat16 and not amx_ready())))
 
 
 @dataclass(frozen=True)
@@ -66,14 +71,16 @@ class LayerShape:
                           hasattr(attention, "q_norm"))
 
 
-def fuse_decoder_layers(model: nn.Module) -> int:
-    """Gives every Llama-form decoder layer of `model` the fused forward and its fused products; returns how many."""
+def fuse_decoder_layers(model: nn.Module, kernels: LayerKernels) -> int:
+    """Gives every Llama-form decoder layer of `model` the fused forward over `kernels` and its fused products;
+    returns how many."""
     layers = [module for module in model.modules() if type(module).__name__ in FUSED_LAYERS and fusable(module)]
     for layer in layers:
         attention, mlp = layer.self_attn, layer.mlp
         fuse_projections(attention, "qkv_proj", ("q_proj", "k_proj", "v_proj"))
         fuse_projections(mlp, "gate_up_proj", ("gate_proj", "up_proj"))
         layer.fused_shape = LayerShape.of(attention)
+        layer.fused_kernels = kernels
         layer.forward = types.MethodType(_fused_forward, layer)
     return len(layers)
 
@@ -86,7 +93,7 @@ def fusable(layer: nn.Module) -> bool:
              *(getattr(attention, name) for name in ("q_norm", "k_norm") if hasattr(attention, name))]
     weights = [p.weight for p in projections + mlp_projections if p is not None] + [norm.weight for norm in norms]
     return (all(p is not None and is_plain_linear(p) for p in projections + mlp_projections)
-            and {weight.dtype for weight in weights} in ({torch.float32}, {torch.bfloat16})
+            and len({weight.dtype for weight in weights}) == 1
             and len({p.bias is None for p in projections[:3]}) == 1
             and len({p.bias is None for p in mlp_projections[:2]}) == 1
             and isinstance(getattr(mlp, "act_fn", None), (SiLUActivation, nn.SiLU))
@@ -127,33 +134,21 @@ def fuse_projections(owner: nn.Module, fused_name: str, names: tuple[str, ...]) 
 def _fused_forward(layer: nn.Module, hidden_states: torch.Tensor, attention_mask=None, position_ids=None,
                    position_embeddings=None, **kwargs) -> torch.Tensor:
     context: PassContext | None = kwargs.get("speclane_pass")
-    if context is None or context.cache.kv is None:  # transformers' reference forward, or a cache kept split
+    if context is None:  # transformers' reference forward
         return type(layer).forward(layer, hidden_states, attention_mask=attention_mask, position_ids=position_ids,
                                    position_embeddings=position_embeddings, **kwargs)
-    attention, mlp, kernels = layer.self_attn, layer.mlp, cpu_kernels()
-    threads = torch.get_num_threads()
-    x = hidden_states[0].contiguous()  # [tokens, hidden]
-    bf16 = x.dtype == torch.bfloat16
-    rows, shape = x.shape[0], layer.fused_shape
-    heads, kv_heads, dim = shape.heads, shape.kv_heads, shape.head_dim
-    qkv = attention.qkv_proj(layer.input_layernorm(x))
-    q, k, v = qkv.split((heads * dim, kv_heads * dim, kv_heads * dim), dim=-1)
-    if shape.qk_norm:
-        q = attention.q_norm(q.reshape(rows, heads, dim)).view(rows, -1)
-        k = attention.k_norm(k.reshape(rows, kv_heads, dim)).view(rows, -1)
-    cos, sin = (part[0].contiguous() for part in position_embeddings)
-    kernels.rope_store(q.data_ptr(), q.stride(0), heads, k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0),
-                       kv_heads, dim, cos.data_ptr(), sin.data_ptr(), context.cache.kv[attention.layer_idx].data_ptr(),
-                       context.metadata.slot_mapping.data_ptr(), rows, bf16, threads)
+    attention, mlp, kernels, shape = layer.self_attn, layer.mlp, layer.fused_kernels, layer.fused_shape
+    x = hidden_states[0]  # [tokens, hidden]
+    rows = x.shape[0]
+    qk_norm = ((attention.q_norm.weight, attention.k_norm.weight, attention.q_norm.variance_epsilon)
+               if shape.qk_norm else None)
+    cos, sin = (part[0] for part in position_embeddings)
+    q = kernels.attention_inputs(attention.qkv_proj(layer.input_layernorm(x)), shape.heads, shape.kv_heads,
+                                 shape.head_dim, qk_norm, cos, sin, context.cache, attention.layer_idx,
+                                 context.metadata.slot_mapping)
     attended = context.backend.attend(context.metadata, layer_call(attention, attention.scaling, shape.sliding_window),
-                                      q.view(rows, heads, dim), context.cache)
-    residual = attention.o_proj(attended.reshape(rows, -1)).contiguous()
+                                      q, context.cache)
     norm = layer.post_attention_layernorm
-    normed = torch.empty_like(residual)
-    kernels.add_rms_norm(x.data_ptr(), residual.data_ptr(), norm.weight.data_ptr(), normed.data_ptr(), rows,
-                         residual.shape[1], norm.variance_epsilon, bf16, threads)
-    gate_up = mlp.gate_up_proj(normed).contiguous()
-    width = gate_up.shape[1] // 2
-    activated = gate_up.new_empty(rows, width)
-    kernels.silu_mul(gate_up.data_ptr(), activated.data_ptr(), rows, width, bf16, threads)
-    return mlp.down_proj(activated).add_(residual)[None]
+    residual, normed = kernels.add_rms_norm(x, attention.o_proj(attended.reshape(rows, -1)), norm.weight,
+                                            norm.variance_epsilon)
+    return mlp.down_proj(kernels.silu_mul(mlp.gate_up_proj(normed))).add_(residual)[None]

@@ -89,7 +89,7 @@ class DeviceGraph:
         stream = self.module.Stream()
         stream.wait_stream(self.module.current_stream())
         with self.module.stream(stream):
-            for _ in range(2):  # compiles FlexAttention for this size; the BLAS libraries set up their workspaces
+            for _ in range(2):  # compiles FlexAttention and the layer operators for this size; BLAS its workspaces
                 warm_up()
         self.module.current_stream().wait_stream(stream)
         with self.module.graph(self.graph, pool=self.pool):

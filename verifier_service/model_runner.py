@@ -25,10 +25,10 @@ from verifier_service.distributed import TensorParallel
 from verifier_service.fused_layer import fuse_decoder_layers, fuses_layers
 from verifier_service.graphs import PassGraphs
 from verifier_service.kv_cache import KVGeometry, PagedKVCache
+from verifier_service.layer_kernels import device_kernels
 from verifier_service.linear_attention import LinearStates, is_linear_attention
-from verifier_service.npu_ops import npu_rms_norm
 from verifier_service.quantization import quantizer_missing, unsupported_checkpoint
-from verifier_service.rms_norm import CPU_DTYPES, cpu_rms_norm, fuse_rms_norms
+from verifier_service.rms_norm import fuse_rms_norms
 
 log = structlog.get_logger()
 
@@ -128,13 +128,12 @@ class ModelRunner:
                 raise
             raise UnsupportedModel(quantizer_missing(config, missing)) from missing
         self.model = (model if tp is not None else model.to(self.device)).eval()
-        if self.device.type == "npu":
-            fuse_rms_norms(self.model, npu_rms_norm())
-        elif self.device.type == "cpu" and dtype in CPU_DTYPES:
-            fuse_rms_norms(self.model, cpu_rms_norm)
+        kernels = device_kernels(self.device, dtype)
+        if kernels is not None:
+            fuse_rms_norms(self.model, kernels.rms_norm)
         # Before the products are measured: the fused ones are what passes multiply by.
-        self.fused_layers = (fuse_decoder_layers(self.model) if fuses_layers(self.device, dtype, tp is not None)
-                             else 0)
+        self.fused_layers = (fuse_decoder_layers(self.model, kernels)
+                             if kernels is not None and fuses_layers(self.device, dtype, tp is not None) else 0)
         # A pass's rows multiply up to 4x faster in the way timed fastest for their count on a CPU (cpu_linear.py).
         self.linear_ways = (add_measured_linears(self.model, tuning_dir)
                             if measures_linear_ways(self.device, dtype, tp is not None) else None)

@@ -1,8 +1,9 @@
 """RMSNorms of the Llama form (weight x x / rms(x)) through one fused call
 instead of the seven operators transformers' forward launches: our CPU kernel
-(csrc/rms_norm.cc) on a CPU, torch_npu's npu_rms_norm on an Ascend NPU (as
-vllm-ascend does; npu_ops.py). The families listed are those whose norm has
-that form; Gemma's and Qwen3-Next's scale by (1 + weight) and keep their own."""
+(csrc/rms_norm.cc) on a CPU, inductor's on CUDA (layer_kernels.py),
+torch_npu's npu_rms_norm on an Ascend NPU (as vllm-ascend does; npu_ops.py).
+The families listed are those whose norm has that form; Gemma's and
+Qwen3-Next's scale by (1 + weight) and keep their own."""
 
 import types
 from collections.abc import Callable
@@ -32,13 +33,19 @@ def _fused(norm: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
     return norm.fused_rms_norm(hidden_states, norm.weight, norm.variance_epsilon)
 
 
+def llama_rms_norm(x: torch.Tensor, weight: torch.Tensor, epsilon: float) -> torch.Tensor:
+    """LlamaRMSNorm.forward's operators: the statistics in fp32, the product with the weight in x's dtype."""
+    widened = x.float()
+    widened = widened * torch.rsqrt(widened.pow(2).mean(-1, keepdim=True) + epsilon)
+    return weight * widened.to(x.dtype)
+
+
 def cpu_rms_norm(x: torch.Tensor, weight: torch.Tensor, epsilon: float) -> torch.Tensor:
     """transformers' Llama RMSNorm of x's last dimension by our kernel where x and the weight are both fp32 or both
     bf16 (bf16: the same bits as transformers; fp32: within an ulp; each row's sum in one order), else by its
     operators."""
     if x.dtype != weight.dtype or x.dtype not in CPU_DTYPES:
-        normalized = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + epsilon)
-        return weight * normalized.to(x.dtype)
+        return llama_rms_norm(x, weight, epsilon)
     rows = x.contiguous()
     out = torch.empty_like(rows)
     cpu_kernels().rms_norm(rows.data_ptr(), weight.data_ptr(), out.data_ptr(), rows.numel() // rows.shape[-1],

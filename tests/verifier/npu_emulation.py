@@ -1,5 +1,6 @@
 """EMULATION, not the NPU: torch_npu's `npu_fused_infer_attention_score` (and
-`npu_rms_norm`; at the end, ACL graphs' task groups) in plain torch, as its documentation describes the
+the layer operators `npu_rms_norm`, `npu_add_rms_norm`, `npu_swiglu`,
+`npu_rotary_mul`; at the end, ACL graphs' task groups) in plain torch, as its documentation describes the
 arguments speclane passes (the
 paged, TND-layout form vllm-ascend calls). It checks those arguments as the
 operator states it requires them (dtypes, shapes, the compressed causal mask
@@ -79,6 +80,32 @@ def npu_rms_norm(x, gamma, epsilon=1e-6):
     assert gamma.shape == x.shape[-1:]
     rstd = torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + epsilon)
     return (x.float() * rstd * gamma.float()).to(x.dtype), rstd
+
+
+def npu_add_rms_norm(x1, x2, gamma, epsilon=1e-6):
+    """x = x1 + x2 in their dtype, then npu_rms_norm of x; returns (y, rstd, x)."""
+    assert x1.shape == x2.shape and x1.dtype == x2.dtype == gamma.dtype
+    x = x1 + x2
+    y, rstd = npu_rms_norm(x, gamma, epsilon)
+    return y, rstd, x
+
+
+def npu_swiglu(x, dim=-1):
+    """silu(A) x B for the halves A, B of x along dim, in fp32, out in x's dtype; x must be contiguous."""
+    assert x.is_contiguous() and x.shape[dim] % 2 == 0
+    a, b = x.float().chunk(2, dim=dim)
+    return (torch.nn.functional.silu(a) * b).to(x.dtype)
+
+
+def npu_rotary_mul(x, r1, r2, rotary_mode="half"):
+    """r1 x x + r2 x (x's halves swapped, the second negated), in fp32, out in x's dtype; x 4-D with an even last
+    dimension under 896, r1 and r2 4-D and broadcast to it as the BSND layout allows (1S1D, BS1D or BSND)."""
+    assert rotary_mode == "half" and x.dim() == r1.dim() == r2.dim() == 4 and r1.shape == r2.shape
+    assert x.shape[-1] % 2 == 0 and x.shape[-1] < 896 and x.dtype == r1.dtype == r2.dtype
+    batch, tokens, heads, dim = x.shape
+    assert r1.shape in ((1, tokens, 1, dim), (batch, tokens, 1, dim), x.shape)
+    x1, x2 = x.float().chunk(2, dim=-1)
+    return (r1.float() * x.float() + r2.float() * torch.cat((-x2, x1), dim=-1)).to(x.dtype)
 
 
 class _Handle:

@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 from types import SimpleNamespace
+from unittest import mock
 
 import grpc
 import pytest
@@ -21,6 +22,7 @@ from transformers import AutoModelForCausalLM
 from protos.common.v1 import common_pb2
 from protos.verifier.v1 import verifier_pb2, verifier_pb2_grpc
 from speclane.net import free_port
+from verifier_service import model_runner
 from verifier_service.attention import ascend, chosen_backend, select_backend
 from verifier_service.attention import backend as attention_backend
 from verifier_service.attention.ascend import AscendAttention
@@ -30,8 +32,7 @@ from verifier_service.block_manager import BlockManager, BlockTable, MoveSlots, 
 from verifier_service.engine import Engine
 from verifier_service.linear_attention import LinearStates
 from verifier_service.model_runner import ModelRunner, UnsupportedModel, unsupported
-from verifier_service.npu_ops import npu_rms_norm
-from verifier_service.rms_norm import fuse_rms_norms
+from verifier_service.npu_ops import NpuKernels
 from verifier_service.sampling import SamplingParams
 from verifier_service.self_check import check_against_reference
 from verifier_service.sequence import Draft, GenerationParams
@@ -92,12 +93,15 @@ ASCEND_SERVED = sorted(t for t in SERVED if not ascend_unsupported(tiny_config(t
 
 @pytest.mark.parametrize("model_type", ASCEND_SERVED)
 def test_the_ascend_backend_on_an_emulation_of_its_operator_gives_transformers_logits(model_type, tmp_path):
-    """EMULATION: torch_npu's fused attention replaced by tests/verifier/npu_emulation.py."""
-    runner = ModelRunner(save_tiny(model_type, tmp_path), "cpu", torch.float32)
+    """EMULATION: torch_npu's fused attention and layer operators replaced by tests/verifier/npu_emulation.py."""
+    kernels = NpuKernels(npu_emulation)
+    with mock.patch.object(model_runner, "device_kernels", lambda *a: kernels):
+        runner = ModelRunner(save_tiny(model_type, tmp_path), "cpu", torch.float32)
     heads = runner.model.config.get_text_config().num_attention_heads
     runner.backend = AscendAttention(heads, runner.geometry.kv_heads, npu_fused_infer_attention_score)
-    fused = fuse_rms_norms(runner.model, npu_rms_norm(npu_emulation.npu_rms_norm))
-    assert fused or model_type in ("gemma3_text", "qwen3_next", "qwen3_5_text")  # norms of the (1 + weight) form
+    fused_norms = [m for m in runner.model.modules() if getattr(m, "fused_rms_norm", None) == kernels.rms_norm]
+    assert fused_norms or model_type in ("gemma3_text", "qwen3_next", "qwen3_5_text")  # norms: (1 + weight) form
+    assert bool(runner.fused_layers) == (model_type in ("llama", "qwen2", "qwen3", "mistral"))
     runner.allocate_cache(64, BLOCK, num_state_slots=2)
     assert runner.cache.kv is None  # keys and values apart, as the operator reads them
     check_against_reference(runner)  # what a verifier on an NPU runs at start: passes here

@@ -2,6 +2,7 @@
 the operators of transformers' forward, and that forward still running on the fused weights (the start-up check's
 reference). The architecture matrix (test_architectures.py) compares its passes with transformers' logits."""
 
+from types import SimpleNamespace
 from unittest import mock
 
 import pytest
@@ -15,8 +16,13 @@ from verifier_service.amx_linear import amx_ready
 from verifier_service.batch import Segment, StepPlan
 from verifier_service.block_manager import BlockManager, BlockTable
 from verifier_service.device import cpu_kernels
+from verifier_service.fused_layer import fuses_layers
+from verifier_service.layer_kernels import CpuKernels, TorchKernels, device_kernels
 from verifier_service.model_runner import ModelRunner
+from verifier_service.npu_ops import NpuKernels
+from verifier_service.self_check import tolerance
 
+from . import npu_emulation
 from .architectures import SERVED, save_tiny
 
 FUSED_FAMILIES = {"llama", "qwen2", "qwen3", "mistral"}
@@ -123,23 +129,64 @@ def test_add_rms_norm_adds_the_residual_then_normalizes(rows, hidden, dtype):
         assert same(out, norm(total), atol=1e-5)
 
 
+# The layer operators of each device that this host can run: ours, and CUDA's (inductor's code, compiled here for the
+# CPU: the same functions and fusions, C++ where CUDA gets Triton), and the same operators uncompiled.
+KERNELS = {"cpu": CpuKernels, "torch": lambda: TorchKernels(compiled=False),
+           "inductor": lambda: TorchKernels(compiled=True), "npu-emulation": lambda: NpuKernels(npu_emulation)}
+INDUCTOR = pytest.param("inductor", marks=pytest.mark.e2e)  # it runs the C++ compiler
+
+
+def passes(path, dtype: torch.dtype, kernels: str | None) -> torch.Tensor:
+    """A prefill's and a chain verify's logits, the layers fused over `kernels` (None: transformers' layers)."""
+    made = KERNELS[kernels]() if kernels else model_runner.device_kernels(torch.device("cpu"), dtype)
+    with (mock.patch.object(model_runner, "fuses_layers", model_runner.fuses_layers if kernels else lambda *a: False),
+          mock.patch.object(model_runner, "device_kernels", lambda *a: made)):
+        runner = ModelRunner(path, "cpu", dtype)
+    assert bool(runner.fused_layers) == bool(kernels)
+    runner.allocate_cache(16, 4)
+    table = BlockTable()
+    assert BlockManager(16, 4, False).allocate(table, [], 30) == 0
+    blocks = tuple(table.blocks)
+    prompt, _ = runner.execute(StepPlan((), tuple(PROMPT[:-1]), (Segment(blocks, 0, len(PROMPT) - 1, ()),)))
+    chain, _ = runner.execute(StepPlan((), (PROMPT[-1], 5, 6, 7), (Segment(blocks, len(PROMPT) - 1, 1, (-1, 0, 1)),)))
+    return torch.cat([prompt, chain])
+
+
 @pytest.mark.skipif(amx_ready(), reason="AMX CPUs keep transformers' bf16 layers (fused_layer.fuses_layers)")
+@pytest.mark.parametrize("kernels", ["cpu", "torch", INDUCTOR])
 @pytest.mark.parametrize("model_type", ["llama", "qwen2", "qwen3"])
-def test_bf16_fused_layers_give_the_logits_of_transformers_layers(model_type, tmp_path):
+def test_bf16_fused_layers_give_the_logits_of_transformers_layers(model_type, kernels, tmp_path):
     """The same engine, products and attention kernel, the layers fused or not: a prefill and a chain verify give
-    the same bits (the kernels round where transformers' bf16 operators do)."""
+    the same bits with every device's operators (they round where transformers' bf16 operators do; inductor's
+    where told to emulate those roundings)."""
     path = save_tiny(model_type, tmp_path)
-    logits = []
-    for fused in (True, False):
-        with mock.patch.object(model_runner, "fuses_layers", model_runner.fuses_layers if fused else lambda *a: False):
-            runner = ModelRunner(path, "cpu", torch.bfloat16)
-        assert bool(runner.fused_layers) == fused
-        runner.allocate_cache(16, 4)
-        table = BlockTable()
-        assert BlockManager(16, 4, False).allocate(table, [], 30) == 0
-        blocks = tuple(table.blocks)
-        prompt, _ = runner.execute(StepPlan((), tuple(PROMPT[:-1]), (Segment(blocks, 0, len(PROMPT) - 1, ()),)))
-        chain, _ = runner.execute(StepPlan((), (PROMPT[-1], 5, 6, 7), (Segment(blocks, len(PROMPT) - 1, 1,
-                                                                                (-1, 0, 1)),)))
-        logits.append(torch.cat([prompt, chain]))
-    assert torch.equal(*logits)
+    assert torch.equal(passes(path, torch.bfloat16, kernels), passes(path, torch.bfloat16, None))
+
+
+@pytest.mark.parametrize("kernels", ["torch", INDUCTOR])
+def test_fp32_fused_layers_over_torch_operators_give_transformers_logits(kernels, tmp_path):
+    path = save_tiny("qwen3", tmp_path)  # the q and k norms too
+    assert torch.allclose(passes(path, torch.float32, kernels), passes(path, torch.float32, None), atol=1e-5)
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen3"])
+def test_bf16_fused_layers_over_emulated_npu_operators_stay_within_the_start_up_bound(model_type, tmp_path):
+    """EMULATION of torch_npu's operators, which round once where transformers' round after each operator: within
+    the start-up check's bound."""
+    path = save_tiny(model_type, tmp_path)
+    ours, theirs = passes(path, torch.bfloat16, "npu-emulation").float(), passes(path, torch.bfloat16, None).float()
+    assert not torch.equal(ours, theirs)
+    assert (ours - theirs).abs().max() <= tolerance(torch.bfloat16, theirs.abs().max().item())
+
+
+def test_each_device_gets_its_operators():
+    cuda, cpu, npu = torch.device("cuda"), torch.device("cpu"), SimpleNamespace(type="npu")  # torch_npu's device
+    compiled = device_kernels(cuda, torch.float16)
+    assert isinstance(compiled, TorchKernels) and compiled.compiled
+    assert isinstance(device_kernels(cpu, torch.bfloat16), CpuKernels)
+    assert device_kernels(cpu, torch.float16) is None
+    with mock.patch.dict("sys.modules", torch_npu=npu_emulation):
+        assert isinstance(device_kernels(npu, torch.bfloat16), NpuKernels)
+    assert fuses_layers(cuda, torch.float16, tensor_parallel=False)
+    assert not fuses_layers(cuda, torch.bfloat16, tensor_parallel=True)  # TP shards the projections by name
+    assert fuses_layers(npu, torch.bfloat16, tensor_parallel=False)

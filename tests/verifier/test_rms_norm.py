@@ -8,12 +8,12 @@ import re
 import pytest
 import torch
 
-from verifier_service.npu_ops import npu_rms_norm
+from verifier_service.npu_ops import NpuKernels
 from verifier_service.rms_norm import LLAMA_FORM_NORMS, cpu_rms_norm, fuse_rms_norms
 
 from . import npu_emulation
 
-FUSED_CALLS = {"cpu-kernel": cpu_rms_norm, "npu-emulation": npu_rms_norm(npu_emulation.npu_rms_norm)}
+FUSED_CALLS = {"cpu-kernel": cpu_rms_norm, "npu-emulation": NpuKernels(npu_emulation).rms_norm}
 
 
 def norm_class(name: str):
