@@ -22,13 +22,16 @@ serve: install
 	$(BIN)/speclane serve $(ARGS)
 
 # Everything CI runs, the slowest tests listed at the end.
+# The model and the data set the in-process tests read (a test that starts no process cannot fetch them).
 test: install
 	$(BIN)/speclane pull smollm2-135m-instruct
+	$(BIN)/speclane pull humaneval
 	$(BIN)/python -m pytest -q -p no:cacheprovider --durations=25 $(ARGS)
 
 # Unit and in-process tests only (no test that starts a process): a few minutes, for the edit loop.
 test-fast: install
 	$(BIN)/speclane pull smollm2-135m-instruct
+	$(BIN)/speclane pull humaneval
 	$(BIN)/python -m pytest -q -p no:cacheprovider -m "not e2e" $(ARGS)
 
 lint: install
