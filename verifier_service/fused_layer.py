@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 from transformers.activations import SiLUActivation
 
 from verifier_service.amx_linear import amx_ready
@@ -41,13 +42,10 @@ from verifier_service.rms_norm import LLAMA_FORM_NORMS
 FUSED_LAYERS = frozenset({"LlamaDecoderLayer", "Qwen2DecoderLayer", "Qwen3DecoderLayer", "MistralDecoderLayer"})
 
 
-def fuses_layers(device: torch.device, dtype: torch.dtype, tensor_parallel: bool) -> bool:
-    """On a CPU our kernels take fp32 or bf16, on CUDA inductor's and on an NPU torch_npu's any dtype; tensor
-    parallelism shards the projections by their type and name. On AMX CPUs a bf16 SwiGLU MLP runs as one product
-    with its activation (amx_linear.AmxGatedMlp), which the fused gate_up product would replace unmeasured, so bf16
-    layers keep transformers' form there."""
-    if tensor_parallel:
-        return False
+def fuses_layers(device: torch.device, dtype: torch.dtype) -> bool:
+    """On a CPU our kernels take fp32 or bf16, on CUDA inductor's and on an NPU torch_npu's any dtype. On AMX CPUs
+    a bf16 SwiGLU MLP runs as one product with its activation (amx_linear.AmxGatedMlp), which the fused gate_up
+    product would replace unmeasured, so bf16 layers keep transformers' form there."""
     return device.type in ("cuda", "npu") or (device.type == "cpu" and (
         dtype == torch.float32 or (dtype == torch.bfloat16 and not amx_ready())))
 
@@ -65,8 +63,9 @@ class LayerShape:
 
     @staticmethod
     def of(attention: nn.Module) -> "LayerShape":
-        config = attention.config
-        return LayerShape(config.num_attention_heads, config.num_key_value_heads, attention.head_dim,
+        """Of a layer whose projections are fused: its heads are this rank's (under tensor parallelism, a share)."""
+        config, q, k, dim = attention.config, attention.q_proj, attention.k_proj, attention.head_dim
+        return LayerShape((q.stop - q.start) // dim, (k.stop - k.start) // dim, dim,
                           getattr(attention, "sliding_window", getattr(config, "sliding_window", None)),
                           hasattr(attention, "q_norm"))
 
@@ -117,18 +116,25 @@ class Part(nn.Module):
 
 def fuse_projections(owner: nn.Module, fused_name: str, names: tuple[str, ...]) -> None:
     """Makes `owner.<fused_name>` one nn.Linear computing the projections `names` of `owner` side by side; they
-    become its Parts."""
-    parts = [getattr(owner, name) for name in names]
-    whole = nn.Linear(parts[0].in_features, sum(p.out_features for p in parts), bias=parts[0].bias is not None,
-                      device="meta")
-    whole.weight = nn.Parameter(torch.cat([p.weight.detach() for p in parts]), requires_grad=False)
-    if whole.bias is not None:
-        whole.bias = nn.Parameter(torch.cat([p.bias.detach() for p in parts]), requires_grad=False)
+    become its Parts. Under tensor parallelism the projections are column shards (transformers' "colwise": each
+    rank's output columns, its heads) and the fused product is this rank's shards side by side, a plain Linear that
+    returns what the sharded projections returned: this rank's columns."""
+    weights = [_local(getattr(owner, name).weight) for name in names]
+    biases = [_local(getattr(owner, name).bias) for name in names] if getattr(owner, names[0]).bias is not None else []
+    whole = nn.Linear(weights[0].shape[1], sum(w.shape[0] for w in weights), bias=bool(biases), device="meta")
+    whole.weight = nn.Parameter(torch.cat(weights), requires_grad=False)
+    if biases:
+        whole.bias = nn.Parameter(torch.cat(biases), requires_grad=False)
     setattr(owner, fused_name, whole)
     start = 0
-    for name, part in zip(names, parts):
-        setattr(owner, name, Part(owner, fused_name, start, start + part.out_features))
-        start += part.out_features
+    for name, weight in zip(names, weights):
+        setattr(owner, name, Part(owner, fused_name, start, start + weight.shape[0]))
+        start += weight.shape[0]
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a tensor-parallel weight (a DTensor), or the weight."""
+    return (tensor.to_local() if isinstance(tensor, DTensor) else tensor).detach()
 
 
 def _fused_forward(layer: nn.Module, hidden_states: torch.Tensor, attention_mask=None, position_ids=None,

@@ -133,7 +133,7 @@ class ModelRunner:
             fuse_rms_norms(self.model, kernels.rms_norm)
         # Before the products are measured: the fused ones are what passes multiply by.
         self.fused_layers = (fuse_decoder_layers(self.model, kernels)
-                             if kernels is not None and fuses_layers(self.device, dtype, tp is not None) else 0)
+                             if kernels is not None and fuses_layers(self.device, dtype) else 0)
         # A pass's rows multiply up to 4x faster in the way timed fastest for their count on a CPU (cpu_linear.py).
         self.linear_ways = (add_measured_linears(self.model, tuning_dir)
                             if measures_linear_ways(self.device, dtype, tp is not None) else None)
