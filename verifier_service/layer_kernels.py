@@ -7,16 +7,17 @@ kind of device:
   them.
 - TorchKernels: the same operators written as transformers' own operator
   sequences. On CUDA they are compiled (torch.compile, inductor): each becomes
-  one or two Triton kernels in place of the 7-20 that transformers' eager
-  forward launches, and the CUDA graphs (graphs.py) replay them as they are.
+  a few Triton kernels in place of the 7-20 that transformers' eager forward
+  launches, and the CUDA graphs (graphs.py) replay them as they are.
 
 Why on CUDA: replayed from graphs, a Qwen3-8B-shaped decode step on an H100
 spent 9.6 ms of device time against 5.5 ms of weight reads
 (docs/benchmarks/device/README.md). The rest is small kernels of 2-5 us: a
-norm is seven, a rotary embedding six per tensor, a SwiGLU activation two,
-about 45 a layer; these operators make them about seven. Compiled with
-`emulate_precision_casts`, a fused kernel rounds to the model's dtype where
-the eager operators would, so it keeps their values.
+norm is seven, a rotary embedding six per tensor, a SwiGLU activation two, 41
+a layer besides the products (docs/benchmarks/device/layer_operators.py);
+fused, 2.2 besides the products and these four compiled functions. Compiled
+with `emulate_precision_casts`, a fused kernel rounds to the model's dtype
+where the eager operators would, so it keeps their values.
 """
 
 from typing import Protocol
