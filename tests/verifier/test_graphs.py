@@ -8,6 +8,8 @@ of torch_npu and torch.npu (tests/verifier/npu_emulation.py): their layout, the 
 not what a real NPU computes; with SPECLANE_TEST_DEVICE=npu the same tests capture real ACL graphs."""
 
 import time
+from contextlib import nullcontext
+from unittest import mock
 
 import pytest
 import torch
@@ -16,14 +18,18 @@ import torch.multiprocessing as mp
 from transformers import AutoModelForCausalLM
 
 from speclane.net import free_port
+from verifier_service import model_runner
 from verifier_service.attention.ascend import AscendAttention
 from verifier_service.batch import Segment, StepPlan
 from verifier_service.distributed import init_tensor_parallel
 from verifier_service.graphs import DEFAULT_CAPTURE_SIZES, GraphSize, PassGraphs, capture_sizes
+from verifier_service.layer_kernels import TorchKernels
 from verifier_service.model_runner import ModelRunner
+from verifier_service.npu_ops import NpuKernels
 from verifier_service.scheduler import BatchLimits
 from verifier_service.self_check import check_against_reference
 
+from . import npu_emulation
 from .architectures import save_tiny
 from .conftest import make_engine
 from .npu_emulation import GraphOps, acl_graphs, npu_fused_infer_attention_score
@@ -59,9 +65,11 @@ class Rerun:
                 captured.copy_(new)
 
 
-def graphed_runner(model_type, path, sizes=(1, 2, 4, 8, 16, 24)) -> ModelRunner:
-    runner = ModelRunner(save_tiny(model_type, path), DEVICE, torch.float32, attention_backend="FLEX_ATTENTION",
-                         cuda_graph_sizes=sizes)
+def graphed_runner(model_type, path, sizes=(1, 2, 4, 8, 16, 24), kernels=None) -> ModelRunner:
+    """kernels: the fused layers' operators, where not the device's own."""
+    with mock.patch.object(model_runner, "device_kernels", lambda *a: kernels) if kernels else nullcontext():
+        runner = ModelRunner(save_tiny(model_type, path), DEVICE, torch.float32, attention_backend="FLEX_ATTENTION",
+                             cuda_graph_sizes=sizes)
     if DEVICE == "cpu":
         runner.graphs = PassGraphs(runner.padded_forward, runner.backend, sizes, runner.max_context_len,
                                    runner.device, runner.vocab_size, runner.dtype, graph=Rerun)
@@ -85,6 +93,21 @@ def test_passes_padded_to_a_capture_size_give_transformers_logits(model_type, tm
     if DEVICE == "cpu":
         assert Rerun.captures - before == 6  # each size captured once, at start; every pass after replays one
     assert runner.cache.num_blocks == 64 + 1  # the scratch block the padding rows write to
+
+
+@flex
+@pytest.mark.e2e  # inductor runs the C++ compiler
+@pytest.mark.parametrize("model_type", ["llama", "qwen3"])
+def test_cudas_configuration_replays_inductors_layer_operators_and_gives_transformers_logits(model_type, tmp_path):
+    """What CUDA runs (FlexAttention, passes replayed from graphs, the fused layers' operators compiled by
+    inductor), on this device: inductor's code for it, captured and replayed."""
+    runner = graphed_runner(model_type, tmp_path, kernels=TorchKernels(compiled=True))
+    assert runner.fused_layers == runner.model.config.num_hidden_layers
+    runner.capture_graphs()
+    check_against_reference(runner)
+    reference = AutoModelForCausalLM.from_pretrained(runner.model_dir, dtype=torch.float32,
+                                                     attn_implementation="eager").to(DEVICE).eval()
+    assert_passes_equal_transformers(runner, reference)
 
 
 @flex
@@ -144,7 +167,8 @@ def acl_graphed_runner(model_dir, ops: GraphOps, sizes=(1, 2, 4, 8, 16, 24, 32),
         if tp is None:
             runner.allocate_cache(64, BLOCK)
         return runner
-    runner = ModelRunner(model_dir, "cpu", torch.float32, tp=tp)
+    with mock.patch.object(model_runner, "device_kernels", lambda *a: NpuKernels(npu_emulation)):
+        runner = ModelRunner(model_dir, "cpu", torch.float32, tp=tp)
     heads = runner.model.config.get_text_config().num_attention_heads // runner.tp_size
     runner.backend = AscendAttention(heads, runner.geometry.kv_heads, npu_fused_infer_attention_score, ops)
     runner.graphs = PassGraphs(runner.padded_forward, runner.backend, sizes, runner.max_context_len, runner.device,
