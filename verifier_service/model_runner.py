@@ -108,7 +108,9 @@ class ModelRunner:
     def __init__(self, model_dir: str, device: str, dtype: torch.dtype, *, tp: TensorParallel | None = None,
                  max_model_len: int = 0, trust_remote_code: bool = False, batch_invariant: str = "auto",
                  tuning_dir: pathlib.Path | None = None, attention_backend: str = "auto",
-                 cuda_graph_sizes: tuple[int, ...] = ()):
+                 cuda_graph_sizes: tuple[int, ...] = (), fuse: bool = True):
+        """fuse: the layers' operators fused where the device has them (layer_kernels.py); False keeps
+        transformers' layers and norms, for benchmarks to compare."""
         self.model_dir = model_dir
         self.device = torch.device(device)
         self.dtype = dtype
@@ -128,7 +130,7 @@ class ModelRunner:
                 raise
             raise UnsupportedModel(quantizer_missing(config, missing)) from missing
         self.model = (model if tp is not None else model.to(self.device)).eval()
-        kernels = device_kernels(self.device, dtype)
+        kernels = device_kernels(self.device, dtype) if fuse else None
         if kernels is not None:
             fuse_rms_norms(self.model, kernels.rms_norm)
         # Before the products are measured: the fused ones are what passes multiply by.

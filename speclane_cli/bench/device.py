@@ -13,6 +13,10 @@ configs (SmolLM2-135M, Qwen2.5-0.5B, Qwen3-8B), each measured for
 - a verify pass of k = 3 and 7 draft tokens per sequence against a decode
   pass: what a draft token costs there, so what speculation can gain.
 
+With --layers fused,transformers each model's engine is measured again with
+transformers' own layers and norms on the same weights, so what the fused
+layers (verifier_service/fused_layer.py) gain shows in one run.
+
 Random weights make acceptance meaningless, so speculation's own rates come
 from the CPU benchmarks; this one measures the engine under them. With
 --stack each model is also served through the whole stack and measured over
@@ -67,6 +71,8 @@ def add_arguments(parser) -> None:
                         help="the verifier's --attention-backend (a named one turns --batch-invariant auto off)")
     parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (as the verifier's flag)")
     parser.add_argument("--cuda-graph-sizes", default="", help="the verifier's flag: tokens of the captured passes")
+    parser.add_argument("--layers", default="fused", choices=["fused", "fused,transformers"],
+                        help="also measure each model's engine with transformers' own layers and norms, unfused")
     parser.add_argument("--profile", default="", help="write torch.profiler's table of 4 decode steps of each "
                         "model at 1 sequence to files named <this><model>.txt")
     device_stack.add_arguments(parser)
@@ -119,9 +125,10 @@ def engine_rates(runner, batch: int, steps: int, drafts: list[int], profile: str
     from verifier_service.scheduler import BatchLimits
     from verifier_service.sequence import Draft, GenerationParams
 
-    # Steps run: a warm-up, the host-share passes, and steps + 2 for decode and each draft length; a rejected
-    # draft commits one token, an accepted one more (the budget trims drafts at the end).
-    budget = 2 * (2 + 8 + (steps + 3) * (1 + len(drafts)))
+    # Steps run: a warm-up, the host-share and profiled passes, three times steps + 2 for decode, and steps + 3
+    # for each draft length; a rejected draft commits one token, an accepted one more (the budget trims drafts at
+    # the end).
+    budget = 2 * (2 + 8 + 4 + 3 * (steps + 2) + (steps + 3) * len(drafts))
     per_seq = PROMPT_LEN + budget + max(drafts) + 1 + BLOCK
     engine = Engine(runner, BlockManager(batch * -(-per_seq // BLOCK), BLOCK, False),
                     BatchLimits(max_tokens=max(batch * PROMPT_LEN, 8192), max_sequences=batch, max_queue_wait=3600))
@@ -139,7 +146,10 @@ def engine_rates(runner, batch: int, steps: int, drafts: list[int], profile: str
         return time.perf_counter() - started
 
     timed_steps(2, 0)  # warm
-    decode = timed_steps(steps + 1, 0) - timed_steps(1, 0)
+    # A difference of the best of a few runs of each, alternated (as transformers_rate's): one run each on a
+    # loaded host can leave a difference near zero or below.
+    runs = [(timed_steps(steps + 1, 0), timed_steps(1, 0)) for _ in range(3)]
+    decode = min(long for long, _ in runs) - min(short for _, short in runs)
     row = {"sequences": batch, "decode_tokens_per_s": round(batch * steps / decode, 1),
            "decode_step_ms": round(decode / steps * 1e3, 3)}
     # The host's share: a decode pass's time until `execute` returns, against the synchronized whole.
@@ -208,24 +218,19 @@ def transformers_rate(model, batch: int, steps: int, vocab: int) -> float:
 
 def measure(name: str, shape: dict, path: str, device: torch.device, dtype: torch.dtype, batches: list[int],
             steps: int, drafts: list[int], bandwidth: float, profile: str = "", batch_invariant: str = "auto",
-            attention_backend: str = "auto", cuda_graph_sizes: tuple[int, ...] = ()) -> dict:
-    """Builds the model of `shape` in `path` and measures the engine on it in process."""
-    from verifier_service.model_runner import ModelRunner
-    from verifier_service.self_check import largest_difference, tolerance
-
+            attention_backend: str = "auto", cuda_graph_sizes: tuple[int, ...] = (),
+            unfused_too: bool = False) -> dict:
+    """Builds the model of `shape` in `path` and measures the engine on it in process (unfused_too: again with
+    transformers' own layers, the same weights, its rows under "transformers_layers")."""
     started = time.perf_counter()
     weight_bytes = build_model(shape, path, device, dtype)
-    runner = ModelRunner(path, str(device), dtype, batch_invariant=batch_invariant,
-                         attention_backend=attention_backend, cuda_graph_sizes=cuda_graph_sizes)
+    runner = _runner(path, device, dtype, batch_invariant, attention_backend, cuda_graph_sizes, fuse=True)
     load_s = time.perf_counter() - started
-    runner.allocate_cache(64, BLOCK)
-    difference, scale = largest_difference(runner)
     result = {"model": name, "vocab_size": shape["vocab_size"], "weight_gb": round(weight_bytes / 1e9, 3),
               "build_and_load_s": round(load_s, 1),
-              "attention_backend": runner.backend.name,
+              "attention_backend": runner.backend.name, "fused_layers": runner.fused_layers,
               "cuda_graph_sizes": [size.tokens for size in runner.graphs.sizes] if runner.graphs else [],
-              "reference_check": {"max_logit_difference": round(difference, 5),
-                                  "allowed": round(tolerance(dtype, scale), 5)},
+              "reference_check": _reference_check(runner, dtype),
               "weight_read_limit_tokens_per_s": round(bandwidth / weight_bytes, 1), "batches": []}
     for batch in batches:
         row = engine_rates(runner, batch, steps, drafts, f"{profile}{name}.txt" if profile and batch == 1 else "")
@@ -247,10 +252,43 @@ def measure(name: str, shape: dict, path: str, device: torch.device, dtype: torc
     if 1 in rates and len(rates) > 1:
         result["largest_batch_vs_one"] = round(rates[max(rates)] / rates[1], 2)
     del runner
-    gc.collect()  # the model's memory goes back before the next model, or the served one, takes the device
+    _free(device)
+    if unfused_too:
+        runner = _runner(path, device, dtype, batch_invariant, attention_backend, cuda_graph_sizes, fuse=False)
+        unfused = {"reference_check": _reference_check(runner, dtype), "batches": []}
+        for row in result["batches"]:
+            theirs = engine_rates(runner, row["sequences"], steps, drafts)
+            row["vs_transformers_layers"] = round(row["decode_tokens_per_s"] / theirs["decode_tokens_per_s"], 3)
+            unfused["batches"].append(theirs)
+            print(json.dumps({f"{name} (transformers' layers)": theirs}), flush=True)
+        result["transformers_layers"] = unfused
+        del runner
+        _free(device)
+    return result
+
+
+def _runner(path: str, device: torch.device, dtype: torch.dtype, batch_invariant: str, attention_backend: str,
+            cuda_graph_sizes: tuple[int, ...], fuse: bool):
+    from verifier_service.model_runner import ModelRunner
+
+    runner = ModelRunner(path, str(device), dtype, batch_invariant=batch_invariant,
+                         attention_backend=attention_backend, cuda_graph_sizes=cuda_graph_sizes, fuse=fuse)
+    runner.allocate_cache(64, BLOCK)
+    return runner
+
+
+def _reference_check(runner, dtype: torch.dtype) -> dict:
+    from verifier_service.self_check import largest_difference, tolerance
+
+    difference, scale = largest_difference(runner)
+    return {"max_logit_difference": round(difference, 5), "allowed": round(tolerance(dtype, scale), 5)}
+
+
+def _free(device: torch.device) -> None:
+    """A dropped model's memory back before the next model, or the served one, takes the device."""
+    gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    return result
 
 
 def run(args) -> int:
@@ -273,7 +311,8 @@ def run(args) -> int:
             result = measure(name, shape, path, device, dtype, [int(b) for b in args.batches.split(",")],
                              args.steps, [int(k) for k in args.drafts.split(",")], bandwidth, args.profile,
                              args.batch_invariant, args.attention_backend,
-                             () if args.enforce_eager else capture_sizes(args.cuda_graph_sizes, GRAPH_TOKENS))
+                             () if args.enforce_eager else capture_sizes(args.cuda_graph_sizes, GRAPH_TOKENS),
+                             unfused_too=args.layers == "fused,transformers")
             if tokenizer is not None:
                 copy_tokenizer(tokenizer, pathlib.Path(path))
                 log_dir = pathlib.Path(os.path.dirname(os.path.abspath(args.json)) if args.json else path)

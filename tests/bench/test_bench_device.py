@@ -18,7 +18,7 @@ def test_the_device_bench_reports_rates_limits_and_draft_costs(invariant, tmp_pa
     out = tmp_path / "device.json"
     assert main(["bench", "device", "--models", "tiny", "--device", "cpu", "--dtype", "bfloat16", "--batches", "1,3",
                  "--steps", "2", "--drafts", "2", "--batch-invariant", invariant, "--json", str(out),
-                 "--profile", str(tmp_path / "profile-")]) == 0
+                 "--profile", str(tmp_path / "profile-"), "--layers", "fused,transformers"]) == 0
     result = json.loads(out.read_text())
     model = result["models"][0]
     assert model["attention_backend"] == ("batch-invariant" if invariant == "on" else "torch-sdpa")
@@ -32,6 +32,14 @@ def test_the_device_bench_reports_rates_limits_and_draft_costs(invariant, tmp_pa
     assert one["share_of_weight_read_limit"] == pytest.approx(
         one["decode_tokens_per_s"] / model["weight_read_limit_tokens_per_s"], abs=1e-3)
     assert "aten::" in (tmp_path / "profile-tiny.txt").read_text()
+    # The same weights again with transformers' own layers: a row per batch, each fused row's ratio to it.
+    assert model["fused_layers"] == TINY["num_hidden_layers"]
+    unfused = model["transformers_layers"]
+    assert unfused["reference_check"]["max_logit_difference"] <= unfused["reference_check"]["allowed"]
+    assert [row["sequences"] for row in unfused["batches"]] == [1, 3]
+    for ours, theirs in zip(model["batches"], unfused["batches"]):
+        assert ours["vs_transformers_layers"] == pytest.approx(
+            ours["decode_tokens_per_s"] / theirs["decode_tokens_per_s"], abs=1e-3)
 
 
 @pytest.mark.e2e
