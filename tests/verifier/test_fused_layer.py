@@ -138,10 +138,12 @@ INDUCTOR = pytest.param("inductor", marks=pytest.mark.e2e)  # it runs the C++ co
 
 def passes(path, dtype: torch.dtype, kernels: str | None) -> torch.Tensor:
     """A prefill's and a chain verify's logits, the layers fused over `kernels` (None: transformers' layers)."""
-    made = KERNELS[kernels]() if kernels else model_runner.device_kernels(torch.device("cpu"), dtype)
-    with (mock.patch.object(model_runner, "fuses_layers", model_runner.fuses_layers if kernels else lambda *a: False),
-          mock.patch.object(model_runner, "device_kernels", lambda *a: made)):
-        runner = ModelRunner(path, "cpu", dtype)
+    if kernels is None:
+        runner = ModelRunner(path, "cpu", dtype, fuse=False)
+    else:
+        made = KERNELS[kernels]()
+        with mock.patch.object(model_runner, "device_kernels", lambda *a: made):
+            runner = ModelRunner(path, "cpu", dtype)
     assert bool(runner.fused_layers) == bool(kernels)
     runner.allocate_cache(16, 4)
     table = BlockTable()
