@@ -1,6 +1,6 @@
-"""Llama-form decoder layers (Llama, Qwen2, Qwen3, Mistral) as a dozen calls
-rather than the fifty-odd operators and module calls of transformers' forward,
-as vLLM's own model code does it:
+"""Llama-form decoder layers (Llama, Qwen2, Qwen3, Mistral, and Qwen3-MoE's
+attention) as a dozen calls rather than the fifty-odd operators and module
+calls of transformers' forward, as vLLM's own model code does it:
 
 - q, k and v in one product (`qkv_proj`), gate and up in another (`gate_up_proj`):
   two weights read in one call, through whichever kernel takes the model's
@@ -38,8 +38,10 @@ from verifier_service.layer_kernels import LayerKernels
 from verifier_service.rms_norm import LLAMA_FORM_NORMS
 
 # The layers whose forward `_fused_forward` computes: a pre-norm attention block with full-width rotary embeddings
-# (Qwen3's with a norm of each head's query and key) and a pre-norm SwiGLU MLP.
-FUSED_LAYERS = frozenset({"LlamaDecoderLayer", "Qwen2DecoderLayer", "Qwen3DecoderLayer", "MistralDecoderLayer"})
+# (Qwen3's with a norm of each head's query and key) and a pre-norm MLP, SwiGLU (fused too) or a mixture of experts
+# (Qwen3-MoE's sparse layers: its own forward).
+FUSED_LAYERS = frozenset({"LlamaDecoderLayer", "Qwen2DecoderLayer", "Qwen3DecoderLayer", "MistralDecoderLayer",
+                          "Qwen3MoeDecoderLayer"})
 
 
 def fuses_layers(device: torch.device, dtype: torch.dtype) -> bool:
@@ -60,14 +62,16 @@ class LayerShape:
     head_dim: int
     sliding_window: int | None  # Mistral's is its config's; Qwen's its module's, set where its layer type is windowed
     qk_norm: bool  # Qwen3: each head's query and key normalized before the rotation
+    swiglu: bool  # the MLP is SwiGLU, its gate and up fused; else a mixture of experts, run by its own forward
 
     @staticmethod
-    def of(attention: nn.Module) -> "LayerShape":
+    def of(layer: nn.Module) -> "LayerShape":
         """Of a layer whose projections are fused: its heads are this rank's (under tensor parallelism, a share)."""
+        attention = layer.self_attn
         config, q, k, dim = attention.config, attention.q_proj, attention.k_proj, attention.head_dim
         return LayerShape((q.stop - q.start) // dim, (k.stop - k.start) // dim, dim,
                           getattr(attention, "sliding_window", getattr(config, "sliding_window", None)),
-                          hasattr(attention, "q_norm"))
+                          hasattr(attention, "q_norm"), hasattr(layer.mlp, "gate_up_proj"))
 
 
 def fuse_decoder_layers(model: nn.Module, kernels: LayerKernels) -> int:
@@ -75,30 +79,38 @@ def fuse_decoder_layers(model: nn.Module, kernels: LayerKernels) -> int:
     returns how many."""
     layers = [module for module in model.modules() if type(module).__name__ in FUSED_LAYERS and fusable(module)]
     for layer in layers:
-        attention, mlp = layer.self_attn, layer.mlp
-        fuse_projections(attention, "qkv_proj", ("q_proj", "k_proj", "v_proj"))
-        fuse_projections(mlp, "gate_up_proj", ("gate_proj", "up_proj"))
-        layer.fused_shape = LayerShape.of(attention)
+        fuse_projections(layer.self_attn, "qkv_proj", ("q_proj", "k_proj", "v_proj"))
+        if is_swiglu(layer.mlp):
+            fuse_projections(layer.mlp, "gate_up_proj", ("gate_proj", "up_proj"))
+        layer.fused_shape = LayerShape.of(layer)
         layer.fused_kernels = kernels
         layer.forward = types.MethodType(_fused_forward, layer)
     return len(layers)
 
 
 def fusable(layer: nn.Module) -> bool:
+    """The attention block's form, and an MLP that is SwiGLU or a mixture of experts (Qwen3-MoE's sparse block)."""
     attention, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
     projections = [getattr(attention, name, None) for name in ("q_proj", "k_proj", "v_proj", "o_proj")]
-    mlp_projections = [getattr(mlp, name, None) for name in ("gate_proj", "up_proj", "down_proj")]
     norms = [layer.input_layernorm, layer.post_attention_layernorm,
              *(getattr(attention, name) for name in ("q_norm", "k_norm") if hasattr(attention, name))]
-    weights = [p.weight for p in projections + mlp_projections if p is not None] + [norm.weight for norm in norms]
-    return (all(p is not None and is_plain_linear(p) for p in projections + mlp_projections)
+    swiglu = [getattr(mlp, name).weight for name in ("gate_proj", "up_proj", "down_proj")] if is_swiglu(mlp) else []
+    weights = [p.weight for p in projections if p is not None] + [norm.weight for norm in norms] + swiglu
+    return (all(p is not None and is_plain_linear(p) for p in projections)
+            and (is_swiglu(mlp) or hasattr(mlp, "experts"))
             and len({weight.dtype for weight in weights}) == 1
             and len({p.bias is None for p in projections[:3]}) == 1
-            and len({p.bias is None for p in mlp_projections[:2]}) == 1
-            and isinstance(getattr(mlp, "act_fn", None), (SiLUActivation, nn.SiLU))
             and all(type(norm).__name__ in LLAMA_FORM_NORMS for norm in norms)
             and attention.head_dim % 2 == 0
             and getattr(attention.config, "partial_rotary_factor", 1.0) == 1.0)
+
+
+def is_swiglu(mlp: nn.Module) -> bool:
+    """act_fn(gate_proj(x)) x up_proj(x) into down_proj, all plain linears, the activation SiLU."""
+    projections = [getattr(mlp, name, None) for name in ("gate_proj", "up_proj", "down_proj")]
+    return (all(p is not None and is_plain_linear(p) for p in projections)
+            and len({p.bias is None for p in projections[:2]}) == 1
+            and isinstance(getattr(mlp, "act_fn", None), (SiLUActivation, nn.SiLU)))
 
 
 class Part(nn.Module):
@@ -157,4 +169,8 @@ def _fused_forward(layer: nn.Module, hidden_states: torch.Tensor, attention_mask
     norm = layer.post_attention_layernorm
     residual, normed = kernels.add_rms_norm(x, attention.o_proj(attended.reshape(rows, -1)), norm.weight,
                                             norm.variance_epsilon)
-    return mlp.down_proj(kernels.silu_mul(mlp.gate_up_proj(normed))).add_(residual)[None]
+    if shape.swiglu:
+        out = mlp.down_proj(kernels.silu_mul(mlp.gate_up_proj(normed)))
+    else:  # a mixture of experts: its own forward, over [1, tokens, hidden] as transformers' layer calls it
+        out = mlp(normed[None])[0]
+    return out.add_(residual)[None]

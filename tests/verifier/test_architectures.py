@@ -101,7 +101,7 @@ def test_the_ascend_backend_on_an_emulation_of_its_operator_gives_transformers_l
     runner.backend = AscendAttention(heads, runner.geometry.kv_heads, npu_fused_infer_attention_score)
     fused_norms = [m for m in runner.model.modules() if getattr(m, "fused_rms_norm", None) == kernels.rms_norm]
     assert fused_norms or model_type in ("gemma3_text", "qwen3_next", "qwen3_5_text")  # norms: (1 + weight) form
-    assert bool(runner.fused_layers) == (model_type in ("llama", "qwen2", "qwen3", "mistral"))
+    assert bool(runner.fused_layers) == (model_type in ("llama", "qwen2", "qwen3", "mistral", "qwen3_moe"))
     runner.allocate_cache(64, BLOCK, num_state_slots=2)
     assert runner.cache.kv is None  # keys and values apart, as the operator reads them
     check_against_reference(runner)  # what a verifier on an NPU runs at start: passes here

@@ -25,7 +25,7 @@ from verifier_service.self_check import tolerance
 from . import npu_emulation
 from .architectures import SERVED, save_tiny
 
-FUSED_FAMILIES = {"llama", "qwen2", "qwen3", "mistral"}
+FUSED_FAMILIES = {"llama", "qwen2", "qwen3", "mistral", "qwen3_moe"}
 PROMPT = [(7 * i) % 90 + 3 for i in range(13)]
 
 
@@ -37,7 +37,7 @@ def test_the_llama_form_families_take_the_fused_layer_in_fp32(model_type, tmp_pa
 
 
 @pytest.mark.skipif(amx_ready(), reason="AMX CPUs keep transformers' bf16 layers (fused_layer.fuses_layers)")
-@pytest.mark.parametrize("model_type", ["llama", "qwen2", "qwen3", "gemma2"])
+@pytest.mark.parametrize("model_type", ["llama", "qwen2", "qwen3", "qwen3_moe", "gemma2"])
 def test_bf16_takes_the_fused_layer_too(model_type, tmp_path):
     runner = ModelRunner(save_tiny(model_type, tmp_path), "cpu", torch.bfloat16)
     layers = runner.model.config.get_text_config().num_hidden_layers
@@ -156,7 +156,7 @@ def passes(path, dtype: torch.dtype, kernels: str | None) -> torch.Tensor:
 
 @pytest.mark.skipif(amx_ready(), reason="AMX CPUs keep transformers' bf16 layers (fused_layer.fuses_layers)")
 @pytest.mark.parametrize("kernels", ["cpu", "torch", INDUCTOR])
-@pytest.mark.parametrize("model_type", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("model_type", ["llama", "qwen2", "qwen3", "qwen3_moe"])
 def test_bf16_fused_layers_give_the_logits_of_transformers_layers(model_type, kernels, tmp_path):
     """The same engine, products and attention kernel, the layers fused or not: a prefill and a chain verify give
     the same bits with every device's operators (they round where transformers' bf16 operators do; inductor's
