@@ -94,10 +94,11 @@ def fusable(layer: nn.Module) -> bool:
     projections = [getattr(attention, name, None) for name in ("q_proj", "k_proj", "v_proj", "o_proj")]
     norms = [layer.input_layernorm, layer.post_attention_layernorm,
              *(getattr(attention, name) for name in ("q_norm", "k_norm") if hasattr(attention, name))]
-    swiglu = [getattr(mlp, name).weight for name in ("gate_proj", "up_proj", "down_proj")] if is_swiglu(mlp) else []
-    weights = [p.weight for p in projections if p is not None] + [norm.weight for norm in norms] + swiglu
+    swiglu = is_swiglu(mlp)
+    mlp_weights = [getattr(mlp, name).weight for name in ("gate_proj", "up_proj", "down_proj")] if swiglu else []
+    weights = [p.weight for p in projections if p is not None] + [norm.weight for norm in norms] + mlp_weights
     return (all(p is not None and is_plain_linear(p) for p in projections)
-            and (is_swiglu(mlp) or hasattr(mlp, "experts"))
+            and (swiglu or hasattr(mlp, "experts"))
             and len({weight.dtype for weight in weights}) == 1
             and len({p.bias is None for p in projections[:3]}) == 1
             and all(type(norm).__name__ in LLAMA_FORM_NORMS for norm in norms)

@@ -20,6 +20,7 @@ with `emulate_precision_casts`, a fused kernel rounds to the model's dtype
 where the eager operators would, so it keeps their values.
 """
 
+from collections.abc import Callable
 from typing import Protocol
 
 import torch
@@ -27,7 +28,6 @@ import torch.nn.functional as F
 
 from verifier_service.device import cpu_kernels
 from verifier_service.kv_cache import PagedKVCache
-from verifier_service.npu_ops import NpuKernels
 from verifier_service.rms_norm import CPU_DTYPES, cpu_rms_norm, llama_rms_norm
 
 RECOMPILE_LIMIT = 64  # each model's shapes and epsilon are a variant, and a process may run several (bench device)
@@ -75,15 +75,17 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
 
 
 def rotated_qkv(qkv: torch.Tensor, heads: int, kv_heads: int, dim: int, qk_norm: tuple | None, cos: torch.Tensor,
-                sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The queries and keys normalized (qk_norm) and rotated, and the values: [T, heads or kv_heads, dim]."""
+                sin: torch.Tensor, norm: Callable = llama_rms_norm,
+                rotation: Callable = rotate) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The queries and keys normalized (qk_norm) and rotated, and the values: [T, heads or kv_heads, dim]; `norm`
+    and `rotation` are transformers' operators unless a device's are given."""
     rows = qkv.shape[0]
     q, k, v = qkv.split((heads * dim, kv_heads * dim, kv_heads * dim), dim=-1)
     q, k, v = q.reshape(rows, heads, dim), k.reshape(rows, kv_heads, dim), v.reshape(rows, kv_heads, dim)
     if qk_norm is not None:
         q_weight, k_weight, epsilon = qk_norm
-        q, k = llama_rms_norm(q, q_weight, epsilon), llama_rms_norm(k, k_weight, epsilon)
-    return rotate(q, cos, sin), rotate(k, cos, sin), v
+        q, k = norm(q, q_weight, epsilon), norm(k, k_weight, epsilon)
+    return rotation(q, cos, sin), rotation(k, cos, sin), v
 
 
 class TorchKernels:
@@ -156,6 +158,8 @@ def device_kernels(device: torch.device, dtype: torch.dtype) -> LayerKernels | N
     if device.type == "cuda":
         return TorchKernels(compiled=True)
     if device.type == "npu":
+        from verifier_service.npu_ops import NpuKernels  # built on this module's functions
+
         return NpuKernels()
     if device.type == "cpu" and dtype in CPU_DTYPES:
         return CpuKernels()

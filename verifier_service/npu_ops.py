@@ -8,6 +8,8 @@ one `npu_swiglu`, and the rotary embedding of the queries and of the keys one
 
 from types import ModuleType
 
+from verifier_service.layer_kernels import rotated_qkv
+
 
 class NpuKernels:
     """The layer operators (layer_kernels.LayerKernels) through torch_npu's; the split and reshapes around them, and
@@ -32,14 +34,10 @@ class NpuKernels:
         return self.operators.npu_swiglu(gate_up.contiguous(), dim=-1)
 
     def attention_inputs(self, qkv, heads, kv_heads, dim, qk_norm, cos, sin, cache, layer, slots):
-        rows = qkv.shape[0]
-        q, k, v = qkv.split((heads * dim, kv_heads * dim, kv_heads * dim), dim=-1)
-        q, k, v = q.reshape(rows, heads, dim), k.reshape(rows, kv_heads, dim), v.reshape(rows, kv_heads, dim)
-        if qk_norm is not None:
-            q_weight, k_weight, epsilon = qk_norm
-            q, k = self.rms_norm(q, q_weight, epsilon), self.rms_norm(k, k_weight, epsilon)
-        # The operator takes 4-D tensors: [1, T, heads, dim] (layout BSND) with cos and sin [1, T, 1, dim].
-        cos, sin = cos[None, :, None], sin[None, :, None]
-        q, k = (self.operators.npu_rotary_mul(x[None], cos, sin)[0] for x in (q, k))
+        q, k, v = rotated_qkv(qkv, heads, kv_heads, dim, qk_norm, cos, sin, self.rms_norm, self._rotate)
         cache.write(layer, slots, k, v)
         return q
+
+    def _rotate(self, x, cos, sin):
+        # The operator takes 4-D tensors: [1, T, heads, dim] (layout BSND) with cos and sin [1, T, 1, dim].
+        return self.operators.npu_rotary_mul(x[None], cos[None, :, None], sin[None, :, None])[0]
