@@ -23,10 +23,18 @@ from verifier_service.heads.capture import HiddenStateCapture
 from verifier_service.heads.drafting import DraftRequest, HeadDrafter, HeadState
 from verifier_service.logits_processing import make_logits_processor
 from verifier_service.model_runner import ModelRunner
-from verifier_service.sampling import greedy_choices, make_generator, target_probs
+from verifier_service.sampling import batch_target_probs, greedy_choices, make_generator, step_groups
 from verifier_service.scheduler import BatchLimits, Scheduled, Scheduler, Work
 from verifier_service.sequence import Draft, GenerationParams, Sequence, StepResult, check_token_ids
-from verifier_service.verify import Verdict, committed_logprobs, dense_proposals, verify_greedy, verify_sampled
+from verifier_service.verify import (
+    SampledStep,
+    Verdict,
+    committed_logprobs,
+    dense_proposals,
+    sampled_decisions,
+    sampled_verdicts,
+    verify_greedy,
+)
 
 log = structlog.get_logger()
 
@@ -187,16 +195,21 @@ class Engine:
         # accelerator each copy waits for the device): the greedy sequences with no logit controls use them.
         plain = [_plain_greedy(entry) for entry in picked]
         argmax = greedy_choices(logits).tolist() if any(plain) else None
+        verdicts = _judge(picked, plain, logits)
         row = token = 0
         answered: list[tuple[Scheduled, StepResult]] = []
-        for entry, plain_greedy in zip(picked, plain):
+        for entry, plain_greedy, verdict in zip(picked, plain, verdicts):
             rows = logits[row: row + entry.segment.num_logit_rows]
             targets = argmax[row: row + entry.segment.num_logit_rows] if plain_greedy else None
             row += entry.segment.num_logit_rows
             fed = None if features is None else features[token: token + entry.segment.num_tokens]
             token += entry.segment.num_tokens
             try:
-                result = self._settle(entry, rows, targets, fed, forward_seconds, num_running)
+                if isinstance(verdict, Exception):
+                    raise verdict
+                if targets is not None:
+                    verdict = verify_greedy(entry.draft.token_ids, targets, entry.draft.tree_parents)
+                result = self._settle(entry, rows, verdict, fed, forward_seconds, num_running)
             except Exception as exc:  # noqa: BLE001 - fail this step alone: left queued, it would fail every pass
                 self._fail(entry.work, exc)
                 continue
@@ -235,10 +248,9 @@ class Engine:
         self.close(work.seq)
         work.done(exc)
 
-    def _settle(self, entry: Scheduled, rows: torch.Tensor, targets: list[int] | None,
+    def _settle(self, entry: Scheduled, rows: torch.Tensor, verdict: Verdict | None,
                 features: torch.Tensor | None, forward_seconds: float, num_running: int) -> StepResult | None:
-        """Judges the step and commits its tokens; its result (None for a prompt chunk: more to come).
-        `targets`: the rows' argmax where the pass computed it (_plain_greedy)."""
+        """Commits the step's judged tokens; its result (None for a prompt chunk: more to come)."""
         seq, segment, draft = entry.work.seq, entry.segment, entry.draft
         if self.capture is not None and not seq.num_generated:
             self.capture.add(seq, features[: segment.num_pending])
@@ -249,7 +261,6 @@ class Engine:
             seq.num_cached += segment.num_pending
             self.blocks.commit(seq.blocks, seq.tokens, seq.num_cached)
             return None
-        verdict = self._judge(seq, draft, rows, targets)
         num_top = seq.params.logprobs
         logprobs = None if num_top is None else committed_logprobs(rows, verdict, num_top)
         base = seq.num_cached + segment.num_pending  # KV row of draft node 0
@@ -337,27 +348,6 @@ class Engine:
         for work in asking:
             work.draft = work.seq.own_draft()  # as deep as the sequence's budget allows (_draft_heads)
 
-    def _judge(self, seq: Sequence, draft: Draft, rows: torch.Tensor, targets: list[int] | None) -> Verdict:
-        """Accepts against the request's distribution: `rows` are raw logits (in
-        the model's dtype, widened here), and greedy is the argmax after the
-        logit controls, as in vLLM."""
-        tokens, parents = list(draft.token_ids), draft.tree_parents
-        if targets is not None:
-            return verify_greedy(tokens, targets, parents)
-        rows = rows.float()
-        sampling = seq.params.sampling
-        if seq.logits_processor is not None:
-            rows = seq.logits_processor(rows, seq.tokens, tokens, parents)
-        if seq.grammar is not None:
-            rows = rows.masked_fill(~seq.grammar.row_masks(tokens, parents).to(rows.device), float("-inf"))
-        if sampling.greedy:
-            return verify_greedy(tokens, greedy_choices(rows).tolist(), parents)
-        proposals = draft.proposal_probs
-        if draft.proposals:
-            sparse = [(p.token_ids, p.probs) for p in draft.proposals]
-            proposals = dense_proposals(sparse, rows.shape[-1], rows.device)
-        return verify_sampled(tokens, target_probs(rows, sampling), seq.generator, proposals, parents)
-
     def _stats(self, picked: list[Scheduled], plan: StepPlan, forward_seconds: float) -> StepStats:
         blocks, size = self.blocks, self.blocks.block_size
         return StepStats(
@@ -380,6 +370,84 @@ class Engine:
 def _drafts_on_demand(seq: Sequence) -> bool:
     """The head drafts for the steps that verify its draft, when they are about to run, not after every step."""
     return seq.head is not None and seq.params.head_draft_on_demand
+
+
+def _judge(picked: list[Scheduled], plain: list[bool], logits: torch.Tensor) -> list[Verdict | Exception | None]:
+    """The verdicts of the pass's steps judged by more than their rows' raw argmax (None for the rest): each
+    step's rows widened and put through its own logit controls and grammar, then the greedy steps' argmax
+    and the sampled steps' acceptance, each for all of them at once with one copy to the host, as in vLLM
+    (greedy is the argmax after the controls). A step that fails gets its exception."""
+    verdicts: list[Verdict | Exception | None] = [None] * len(picked)
+    greedy: list[tuple[int, torch.Tensor]] = []
+    sampled: list[tuple[int, torch.Tensor]] = []
+    row = 0
+    for i, (entry, plain_greedy) in enumerate(zip(picked, plain)):
+        rows = logits[row: row + entry.segment.num_logit_rows]
+        row += entry.segment.num_logit_rows
+        if plain_greedy or not entry.segment.wants_logits:
+            continue
+        try:
+            controlled = _controlled(entry.work.seq, entry.draft, rows)
+        except Exception as exc:  # noqa: BLE001 - this step fails alone
+            verdicts[i] = exc
+            continue
+        (greedy if entry.work.seq.params.sampling.greedy else sampled).append((i, controlled))
+    for group, judge in ((greedy, _judge_greedy), (sampled, _judge_sampled)):
+        if not group:
+            continue
+        try:
+            judged = judge([picked[i] for i, _ in group], [rows for _, rows in group])
+        except Exception as exc:  # noqa: BLE001 - these steps fail, the engine serves on
+            judged = [exc] * len(group)
+        for (i, _), verdict in zip(group, judged):
+            verdicts[i] = verdict
+    return verdicts
+
+
+def _controlled(seq: Sequence, draft: Draft, rows: torch.Tensor) -> torch.Tensor:
+    """A step's logits rows in fp32 after its logit controls and its grammar's masks."""
+    rows = rows.float()
+    parents = draft.tree_parents
+    if seq.logits_processor is not None:
+        rows = seq.logits_processor(rows, seq.tokens, list(draft.token_ids), parents)
+    if seq.grammar is not None:
+        rows = rows.masked_fill(~seq.grammar.row_masks(draft.token_ids, parents).to(rows.device), float("-inf"))
+    return rows
+
+
+def _judge_greedy(entries: list[Scheduled], rows: list[torch.Tensor]) -> list[Verdict]:
+    targets = greedy_choices(torch.cat(rows)).tolist()
+    verdicts, row = [], 0
+    for entry, step_rows in zip(entries, rows):
+        verdicts.append(verify_greedy(entry.draft.token_ids, targets[row: row + len(step_rows)],
+                                      entry.draft.tree_parents))
+        row += len(step_rows)
+    return verdicts
+
+
+def _judge_sampled(entries: list[Scheduled], rows: list[torch.Tensor]) -> list[Verdict | RuntimeError]:
+    """The steps' target probabilities and decisions group by group (sampling.step_groups), all read with one
+    copy to the host."""
+    vocab, device = rows[0].shape[-1], rows[0].device
+    groups = step_groups([len(step_rows) for step_rows in rows], vocab, device)
+    steps, decisions = [], []
+    for group in groups:
+        probs = batch_target_probs(torch.cat([rows[i] for i in group]),
+                                   [entries[i].work.seq.params.sampling for i in group], [len(rows[i]) for i in group])
+        first, group_steps = 0, []
+        for i in group:
+            draft = entries[i].draft
+            proposals = draft.proposal_probs
+            if draft.proposals:
+                sparse = [(q.token_ids, q.probs) for q in draft.proposals]
+                proposals = dense_proposals(sparse, vocab, device)
+            group_steps.append(SampledStep(draft.token_ids, first, entries[i].work.seq.generator, proposals,
+                                           draft.tree_parents))
+            first += len(rows[i])
+        decisions.append(sampled_decisions(probs, group_steps))
+        steps.append(group_steps)
+    decided = iter(torch.cat(decisions).tolist())
+    return [verdict for group_steps in steps for verdict in sampled_verdicts(group_steps, decided)]
 
 
 def _fed_tokens(entry: Scheduled) -> list[int]:

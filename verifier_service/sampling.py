@@ -1,6 +1,6 @@
 """The request's target distribution p over the vocabulary, and draws from it."""
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -74,23 +74,73 @@ def make_generator(seed: int | None, device: torch.device) -> torch.Generator:
     return generator
 
 
+# A CPU computes target probabilities in groups of rows this large, well under glibc's largest mmap threshold
+# (32 MB), above which every temporary is mapped and faulted in afresh: the temperature and softmax over 256 rows
+# of 49,152 took 54 ms at once and 10.6 in groups of 16 (docs/benchmarks/verifier-engine/softmax_groups.py).
+# An accelerator takes every row at once.
+CPU_GROUP_BYTES = 4 << 20
+NUCLEUS_WIDTH = 1024  # tokens top-p looks among before it sorts a whole row (_nucleus)
+
+
+def step_groups(counts: Sequence[int], vocab_size: int, device: torch.device) -> list[range]:
+    """Consecutive steps (counts[i] rows each) grouped for batch_target_probs: on a CPU up to CPU_GROUP_BYTES of
+    fp32 rows a group (at least one step), elsewhere all of them."""
+    if device.type != "cpu":
+        return [range(len(counts))]
+    groups, first, rows = [], 0, 0
+    for i, count in enumerate(counts):
+        if rows and (rows + count) * vocab_size * 4 > CPU_GROUP_BYTES:
+            groups.append(range(first, i))
+            first, rows = i, 0
+        rows += count
+    return [*groups, range(first, len(counts))] if counts else []
+
+
 def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """p for each row of `logits` [n, vocab] under temperature, then min_p,
     top-k and top-p (vLLM's order)."""
-    logits = logits / params.temperature
-    if params.min_p:
+    return batch_target_probs(logits, [params], [logits.shape[0]])
+
+
+def batch_target_probs(logits: torch.Tensor, params: Sequence[SamplingParams], counts: Sequence[int]) -> torch.Tensor:
+    """target_probs for the rows of several steps at once: `logits` [rows, vocab] holds counts[i] rows under
+    params[i], in order. Each control is one operation over every row with the rows' own values (one copy of
+    them to the device), and is skipped where no step sets it."""
+    vocab = logits.shape[-1]
+    top_ks = [p.top_k if p.top_k and p.top_k < vocab else 0 for p in params]
+    top_ps = [p.top_p if p.top_p is not None and p.top_p < 1 else 2.0 for p in params]  # 2: keeps every token
+    settings = torch.tensor([[p.temperature, p.min_p, top_k, top_p]
+                             for p, top_k, top_p, n in zip(params, top_ks, top_ps, counts) for _ in range(n)],
+                            dtype=torch.float32, device=logits.device)
+    temperature, min_p, top_k, top_p = settings.T[:, :, None]
+    logits = logits / temperature
+    if any(p.min_p for p in params):
         probs = torch.softmax(logits, dim=-1)
-        logits = logits.masked_fill(probs < params.min_p * probs.amax(dim=-1, keepdim=True), float("-inf"))
-    if params.top_k and params.top_k < logits.shape[-1]:
-        kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
+        logits = logits.masked_fill(probs < min_p * probs.amax(dim=-1, keepdim=True), float("-inf"))
+    likeliest = None  # each row's most likely tokens, most likely first, where top-k found them
+    if any(top_ks):
+        largest, likeliest = torch.topk(logits, max(top_ks), dim=-1)
+        kth = largest.gather(1, (top_k.long() - 1).clamp(min=0))
+        logits = logits.masked_fill((logits < kth) & (top_k > 0), float("-inf"))
     probs = torch.softmax(logits, dim=-1)
-    if params.top_p is not None and params.top_p < 1:
-        sorted_probs, order = torch.sort(probs, dim=-1, descending=True)
-        # Keep the smallest prefix whose mass reaches top_p: drop a token when
-        # the mass before it already does.
-        drop = (sorted_probs.cumsum(dim=-1) - sorted_probs) >= params.top_p
-        sorted_probs = sorted_probs.masked_fill(drop, 0.0)
-        probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs)
-        probs = probs / probs.sum(dim=-1, keepdim=True)
+    if any(top_p < 1 for top_p in top_ps):
+        probs = _nucleus(probs, top_p, likeliest)
     return probs
+
+
+def _nucleus(probs: torch.Tensor, top_p: torch.Tensor, likeliest: torch.Tensor | None = None) -> torch.Tensor:
+    """Each row where top_p < 1 keeps the smallest prefix of its tokens by probability whose mass reaches top_p
+    (a token is dropped when the mass before it already does), renormalised. The prefix is looked for among the
+    row's likeliest tokens (top-k's, else its NUCLEUS_WIDTH most likely by a partial sort), and the whole rows are
+    sorted only where those hold less than top_p: the usual nucleus of a trained model, and any under top-k,
+    is far narrower than a vocabulary, whose sort took 3.5 ms a row of 49,152 on this repository's CPU host."""
+    cut = top_p < 1
+    if likeliest is None:
+        values, order = torch.topk(probs, min(probs.shape[-1], NUCLEUS_WIDTH), dim=-1)
+    else:
+        values, order = probs.gather(-1, likeliest), likeliest
+    if order.shape[-1] < probs.shape[-1] and bool(((values.sum(-1, keepdim=True) < top_p) & cut).any()):
+        values, order = torch.sort(probs, dim=-1, descending=True)
+    kept = values.masked_fill((values.cumsum(dim=-1) - values) >= top_p, 0.0)
+    nucleus = torch.zeros_like(probs).scatter(-1, order, kept)
+    return torch.where(cut, nucleus / nucleus.sum(dim=-1, keepdim=True), probs)

@@ -5,7 +5,8 @@ probabilities: row 0 is the last committed token (it judges the root's
 children), row i + 1 is draft node i (it judges node i's children, or gives
 the bonus token when node i is a leaf). A chain is the one-child tree."""
 
-from collections.abc import Sequence
+import itertools
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -47,6 +48,22 @@ def verify_greedy(draft: Sequence[int], targets: Sequence[int], parents=None) ->
         row = match + 1
 
 
+@dataclass(frozen=True)
+class SampledStep:
+    """One sequence's draft in a pass, judged by sampling: rows first_row .. first_row + k of the pass's target
+    probabilities judge it (row 0 its last committed token, row i + 1 draft node i)."""
+
+    draft: Sequence[int]
+    first_row: int
+    generator: torch.Generator
+    proposals: torch.Tensor | None = None  # [k, vocab] q rows of a sampled draft; None: deterministic
+    parents: Sequence[int] | None = None  # None (or a chain's): a chain
+
+    @property
+    def is_chain(self) -> bool:
+        return self.parents is None or is_chain(self.parents)
+
+
 def verify_sampled(
     draft: Sequence[int],
     probs: torch.Tensor,
@@ -65,20 +82,115 @@ def verify_sampled(
     as the target's (for one-hot q: accept with p(x), else draw from p without
     the rejected tokens).
     """
-    if parents is None or is_chain(parents):
-        return _verify_chain_sampled(draft, probs, generator, proposals)
-    return _verify_tree_sampled(draft, probs, generator, proposals, parents)
+    verdict = verify_sampled_batch(probs, [SampledStep(draft, 0, generator, proposals, parents)])[0]
+    if isinstance(verdict, RuntimeError):
+        raise verdict
+    return verdict
 
 
-def _verify_tree_sampled(draft: Sequence[int], probs: torch.Tensor, generator: torch.Generator,
-                         proposals: torch.Tensor | None, parents) -> Verdict:
-    """verify_sampled's rule on a tree with one copy to the host, not one wait for the device per node tried.
+def verify_sampled_batch(probs: torch.Tensor, steps: Sequence[SampledStep]) -> list[Verdict | RuntimeError]:
+    """verify_sampled for several steps whose rows are in `probs`, with one copy to the host for them all."""
+    return sampled_verdicts(steps, iter(sampled_decisions(probs, steps).tolist()))
+
+
+def sampled_decisions(probs: torch.Tensor, steps: Sequence[SampledStep]) -> torch.Tensor:
+    """What decides each step's verdict, left on the device (1-D, int64), so that the sampled steps of a pass
+    are read with one copy to the host rather than a wait for the device per sequence. Deterministic chains,
+    the drafters' drafts and plain decodes, are decided together in a few operations; a draft with proposals
+    or a tree by its own. Each step draws its uniforms from its own generator, so a seeded request's outcome
+    does not depend on the rest of the pass."""
+    plain = [step for step in steps if step.proposals is None and step.is_chain]
+    parts = [_plain_chain_decisions(probs, plain).flatten()] if plain else []
+    parts += [_own_decisions(probs, step) for step in steps if step.proposals is not None or not step.is_chain]
+    return torch.cat(parts) if parts else torch.empty(0, dtype=torch.long, device=probs.device)
+
+
+def sampled_verdicts(steps: Sequence[SampledStep], decided: Iterator[int]) -> list[Verdict | RuntimeError]:
+    """The steps' verdicts from their decisions on the host (sampled_decisions', consumed from `decided`); a
+    step whose row has no mass to draw from gets the error in place of its verdict."""
+    plain = [i for i, step in enumerate(steps) if step.proposals is None and step.is_chain]
+    own = [i for i, step in enumerate(steps) if step.proposals is not None or not step.is_chain]
+    verdicts: list[Verdict | RuntimeError | None] = [None] * len(steps)
+    for i in plain + own:
+        step = steps[i]
+        try:
+            if step.is_chain:
+                verdicts[i] = _chain_verdict(step.draft, *itertools.islice(decided, 3))
+            else:
+                verdicts[i] = _tree_verdict(step.draft, step.parents,
+                                            list(itertools.islice(decided, 3 * len(step.draft) + 2)))
+        except RuntimeError as error:
+            verdicts[i] = error
+    return verdicts
+
+
+def draw(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """A token from each row of `probs` [m, vocab] (non-negative, not necessarily normalised), by inverting its
+    cumulative sum at the row's uniform in [0, 1): torch.multinomial's distribution, but from a uniform drawn
+    with the sequence's generator, so rows of many sequences are drawn in one operation. In float64, so the
+    sum's rounding skews no token's chance; a token of probability 0 is never drawn."""
+    cumulative = probs.double().cumsum(-1)
+    tokens = torch.searchsorted(cumulative, uniforms.double()[:, None] * cumulative[:, -1:], right=True)[:, 0]
+    return tokens.clamp(max=probs.shape[-1] - 1)
+
+
+def _usable(probs: torch.Tensor) -> torch.Tensor:
+    """1 for each row [m, vocab] with some finite mass to draw from, else 0 (its step fails, as multinomial
+    would refuse it)."""
+    total = probs.sum(-1)
+    return (torch.isfinite(total) & (total > 0)).long()
+
+
+def _plain_chain_decisions(probs: torch.Tensor, steps: list[SampledStep]) -> torch.Tensor:
+    """[steps, 3]: for deterministic chains, the number of draft tokens accepted, the token emitted after them and
+    whether its row could be drawn from. Draft token j of a chain is accepted with p_j(x_j); at the first
+    rejection the token is drawn from p_j without x_j, else from the bonus row."""
+    device = probs.device
+    counts = [len(step.draft) for step in steps]
+    offsets = [sum(counts[:i]) for i in range(len(steps))]
+    num_tokens = sum(counts)
+    # One copy of the pass's draft layout: each draft token's judging row, id, chain and place in it.
+    layout = torch.tensor([[step.first_row + j for step in steps for j in range(len(step.draft))],
+                           [token for step in steps for token in step.draft],
+                           [i for i, k in enumerate(counts) for _ in range(k)],
+                           [j for k in counts for j in range(k)]], dtype=torch.long, device=device)
+    rows, tokens, chain, place = layout
+    per_chain = torch.tensor([counts, [step.first_row for step in steps], offsets], dtype=torch.long, device=device)
+    k, first_rows, token_offsets = per_chain
+    # Chain i's uniforms: k_i for its draft tokens, then one for the token it emits.
+    uniforms = torch.cat([torch.rand(n + 1, generator=step.generator, device=device)
+                          for step, n in zip(steps, counts)])
+    rejected = uniforms[torch.arange(num_tokens, device=device) + chain] >= probs[rows, tokens]
+    # The first rejected place of each chain, k_i where none is.
+    first = k.scatter_reduce(0, chain, torch.where(rejected, place, k[chain]), reduce="amin")
+    final = probs[first_rows + first]  # a rejection's row, or the bonus row (first == k)
+    if num_tokens:
+        refused = tokens[(token_offsets + first).clamp(max=num_tokens - 1)]
+        residual = final.scatter(1, refused[:, None], 0.0)
+        keep = (first < k)[:, None] & (residual.sum(-1, keepdim=True) > 0)  # p one-hot on x leaves no residual
+        final = torch.where(keep, residual, final)
+    emitted = draw(final, uniforms[token_offsets + torch.arange(len(steps), device=device) + k])
+    return torch.stack([first, emitted, _usable(final)], dim=1)
+
+
+def _own_decisions(probs: torch.Tensor, step: SampledStep) -> torch.Tensor:
+    """A step judged by its own operations (a chain with proposals, or a tree): its decisions as
+    verify_sampled_batch reads them, left on the device."""
+    rows = probs[step.first_row: step.first_row + len(step.draft) + 1]
+    if step.is_chain:
+        return _chain_decisions(step.draft, rows, step.generator, step.proposals)
+    return _tree_decisions(step.draft, rows, step.generator, step.proposals, step.parents)
+
+
+def _tree_decisions(draft: Sequence[int], probs: torch.Tensor, generator: torch.Generator,
+                    proposals: torch.Tensor | None, parents) -> torch.Tensor:
+    """verify_sampled's rule on a tree, decided on the device: [k node flags, k + 1 row tokens, k + 1 rows usable].
     What each node is tried against does not depend on chance, only on which earlier siblings were rejected
     (all of them, or it is not tried): so every node's acceptance probability, and every row's distribution
     once all its children are rejected, are computed up front, a loop over sibling ranks with each rank's
     nodes at once; then every node's uniform and every row's final token are drawn together, and the walk
-    reads them. Each draw is used at most once along the walk, so the result is distributed as the
-    one-at-a-time walk's."""
+    (_tree_verdict) reads them. Each draw is used at most once along the walk, so the result is distributed
+    as the one-at-a-time walk's."""
     k, device = len(draft), probs.device
     kids = _children(draft, parents)
     p = probs.clone()  # each row's distribution after its children tried so far were rejected
@@ -92,35 +204,51 @@ def _verify_tree_sampled(draft: Sequence[int], probs: torch.Tensor, generator: t
         accept[nodes_t], residual = _tried(current, tokens[nodes_t], None if proposals is None else proposals[nodes_t])
         total = residual.sum(-1, keepdim=True)
         p[rows] = torch.where(total > 0, residual / total.clamp_min(torch.finfo(total.dtype).tiny), current)
-    accepted = torch.rand(k, generator=generator, device=device) < accept
-    final = torch.multinomial(p, 1, generator=generator)[:, 0]
-    decided = torch.cat([accepted.long(), final]).tolist()
-    flags, finals = decided[:k], decided[k:]
+    uniforms = torch.rand(2 * k + 1, generator=generator, device=device)
+    accepted = uniforms[:k] < accept
+    return torch.cat([accepted.long(), draw(p, uniforms[k:]), _usable(p)])
+
+
+def _tree_verdict(draft: Sequence[int], parents, decided: list[int]) -> Verdict:
+    k = len(draft)
+    flags, finals, usable = decided[:k], decided[k:2 * k + 1], decided[2 * k + 1:]
+    kids = _children(draft, parents)
     path: list[int] = []
     row = 0
     while (child := next((c for c in kids[row] if flags[c]), None)) is not None:
         path.append(child)
         row = child + 1
+    if not usable[row]:
+        raise _unusable()
     return Verdict([draft[i] for i in path] + [finals[row]], len(path), path)
 
 
-def _verify_chain_sampled(draft: Sequence[int], probs: torch.Tensor, generator: torch.Generator,
-                          proposals: torch.Tensor | None) -> Verdict:
-    """verify_sampled's rule on a chain with every decision made on the device and one copy to the host: every
-    draft token's acceptance is drawn at once, the first rejection found, and the emitted token drawn from that
-    row's residual, or from the bonus row when none is rejected. Independent uniforms make it the same
-    distribution as the one-at-a-time walk."""
+def _chain_decisions(draft: Sequence[int], probs: torch.Tensor, generator: torch.Generator,
+                     proposals: torch.Tensor | None) -> torch.Tensor:
+    """verify_sampled's rule on a chain with proposals, decided on the device: [accepted, emitted, usable].
+    Every draft token's acceptance is drawn at once, the first rejection found, and the emitted token drawn
+    from that row's residual, or from the bonus row when none is rejected. Independent uniforms make it the
+    same distribution as the one-at-a-time walk."""
     k, device = len(draft), probs.device
     accept, residual = _tried(probs[:k], torch.tensor(list(draft), dtype=torch.long, device=device), proposals)
-    rejected = torch.rand(k, generator=generator, device=device) >= accept
+    uniforms = torch.rand(k + 1, generator=generator, device=device)
+    rejected = uniforms[:k] >= accept
     # The first rejected position; the bonus row (k) where none is: argmax finds the first True.
     first = torch.cat([rejected, rejected.new_ones(1)]).int().argmax()
     candidates = torch.cat([residual, probs[k:k + 1]])
     final = candidates[first]
     final = torch.where(final.sum() > 0, final, probs[first])  # p == q up to rounding leaves no residual
-    token = torch.multinomial(final, 1, generator=generator)[0]
-    accepted, emitted = torch.stack([first, token]).tolist()
+    return torch.cat([first[None].long(), draw(final[None], uniforms[k:]), _usable(final[None])])
+
+
+def _chain_verdict(draft: Sequence[int], accepted: int, emitted: int, usable: int) -> Verdict:
+    if not usable:
+        raise _unusable()
     return Verdict([*draft[:accepted], emitted], accepted, list(range(accepted)))
+
+
+def _unusable() -> RuntimeError:
+    return RuntimeError("the target distribution has no finite mass to sample from")
 
 
 def _tried(p: torch.Tensor, tokens: torch.Tensor, proposals: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:

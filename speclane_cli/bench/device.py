@@ -119,9 +119,11 @@ def _prompts(count: int, vocab: int) -> list[list[int]]:
 
 
 def engine_rates(runner, batch: int, steps: int, drafts: list[int], profile: str = "") -> dict:
-    """Decode tokens/s of `batch` sequences, the host's share of a decode pass, and verify passes' cost."""
+    """Decode tokens/s of `batch` sequences, greedy and sampled, the host's share of a decode pass, and verify
+    passes' cost."""
     from verifier_service.block_manager import BlockManager
     from verifier_service.engine import Engine
+    from verifier_service.sampling import SamplingParams
     from verifier_service.scheduler import BatchLimits
     from verifier_service.sequence import Draft, GenerationParams
 
@@ -145,11 +147,14 @@ def engine_rates(runner, batch: int, steps: int, drafts: list[int], profile: str
         _sync(runner.device)
         return time.perf_counter() - started
 
+    def decode_seconds() -> float:
+        """`steps` decode passes' time: a difference of the best of a few runs of each, alternated (as
+        transformers_rate's); one run each on a loaded host can leave a difference near zero or below."""
+        runs = [(timed_steps(steps + 1, 0), timed_steps(1, 0)) for _ in range(3)]
+        return min(long for long, _ in runs) - min(short for _, short in runs)
+
     timed_steps(2, 0)  # warm
-    # A difference of the best of a few runs of each, alternated (as transformers_rate's): one run each on a
-    # loaded host can leave a difference near zero or below.
-    runs = [(timed_steps(steps + 1, 0), timed_steps(1, 0)) for _ in range(3)]
-    decode = min(long for long, _ in runs) - min(short for _, short in runs)
+    decode = decode_seconds()
     row = {"sequences": batch, "decode_tokens_per_s": round(batch * steps / decode, 1),
            "decode_step_ms": round(decode / steps * 1e3, 3)}
     # The host's share: a decode pass's time until `execute` returns, against the synchronized whole.
@@ -188,6 +193,17 @@ def engine_rates(runner, batch: int, steps: int, drafts: list[int], profile: str
         verify = timed_steps(steps + 1, k) - timed_steps(1, k)
         row[f"verify_k{k}_step_ms"] = round(verify / steps * 1e3, 3)
         row[f"verify_k{k}_vs_decode"] = round(verify / decode, 3)
+    for seq in seqs:
+        engine.close(seq)
+    # The same decodes sampled (temperature 0.8, each sequence its own generator): what judging sampled steps
+    # adds to a pass (engine._judge).
+    params = GenerationParams(SamplingParams(temperature=0.8, seed=0), max_new_tokens=budget, ignore_eos=True)
+    seqs = [engine.open(f"t{i}", p, params) for i, p in enumerate(_prompts(batch, runner.vocab_size))]
+    engine.run_together([(seq, Draft()) for seq in seqs])
+    timed_steps(1, 0)
+    sampled = decode_seconds()
+    row["sampled_decode_tokens_per_s"] = round(batch * steps / sampled, 1)
+    row["sampled_vs_greedy"] = round(decode / sampled, 3)
     for seq in seqs:
         engine.close(seq)
     return row

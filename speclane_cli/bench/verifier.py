@@ -9,6 +9,11 @@
 - memory: the KV 64 live sequences of mixed lengths hold against their
   tokens' own, and the tokens 16 concurrent requests sharing a 1,000-token
   system prompt compute against their unique prompt tokens;
+- judging: the host time of a pass outside its forward (acceptance, the
+  tokens' bookkeeping) at 64 sequences, greedy, sampled, sampled with
+  top-p, and with Qwen3's defaults (top-k 20, top-p 0.95), decoding and
+  verifying 3-token chains, on a tiny model with SmolLM2's vocabulary;
+  medians of repeated passes;
 - scale: decode tokens/s of SmolLM2 in process at 32, 64 and 128 sequences;
 - throughput: 8 concurrent greedy requests against 1 at a time through the
   real `speclane serve` stack, with speculation off and suffix decoding.
@@ -29,7 +34,7 @@ from speclane.models import DEFAULT_MODEL, resolve_model
 from speclane.net import free_port, wait_http_ok
 
 MODES = {"none": {"method": "none"}, "suffix": {"method": "suffix"}}
-SECTIONS = ("overhead", "memory", "scale", "throughput")
+SECTIONS = ("overhead", "memory", "judging", "scale", "throughput")
 BLOCK = 16
 
 
@@ -46,11 +51,11 @@ def add_arguments(parser) -> None:
     parser.add_argument("--json", default="", help="also write the results to this file")
 
 
-def _tiny_llama(path: str, layers: int, max_context: int = 2048) -> str:
+def _tiny_llama(path: str, layers: int, max_context: int = 2048, vocab_size: int = 512) -> str:
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+    config = LlamaConfig(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_context)
     AutoModelForCausalLM.from_config(config).save_pretrained(path)
     return path
@@ -158,6 +163,55 @@ def memory() -> dict:
             "computed_ratio": round(computed / unique, 3), "block_size": BLOCK}
 
 
+# Qwen3's generation_config.json sets temperature 0.6, top-k 20 and top-p 0.95, which the gateway applies to
+# requests that leave them out (--generation-config auto, as vLLM).
+JUDGED = (("greedy", {}), ("sampled", {"temperature": 0.8}),
+          ("sampled, top-p 0.95", {"temperature": 0.8, "top_p": 0.95}),
+          ("Qwen3's defaults", {"temperature": 0.6, "top_k": 20, "top_p": 0.95}))
+
+
+def judging(num_seqs: int, repeats: int, vocab_size: int = 49152) -> list[dict]:
+    """Medians of a pass's time and of its forward's, and their difference, the host's work around the forward,
+    for each of JUDGED's settings with no draft and with a 3-token chain (mostly rejected when sampled)."""
+    from verifier_service.block_manager import BlockManager
+    from verifier_service.engine import Engine
+    from verifier_service.model_runner import ModelRunner
+    from verifier_service.sampling import SamplingParams
+    from verifier_service.scheduler import BatchLimits
+    from verifier_service.sequence import Draft, GenerationParams
+
+    with tempfile.TemporaryDirectory() as path:
+        runner = ModelRunner(_tiny_llama(path, 2, vocab_size=vocab_size), "cpu", torch.float32)
+    rows, forwards = [], []
+    for name, sampling in JUDGED:
+        for k in (0, 3):
+            engine = Engine(runner, BlockManager(num_seqs * 16, BLOCK, False),
+                            BatchLimits(max_tokens=4096, max_sequences=num_seqs, max_queue_wait=3600),
+                            on_step=lambda stats: forwards.append(stats.forward_seconds))
+            params = GenerationParams(max_new_tokens=(repeats + 2) * (k + 1), ignore_eos=True,
+                                      sampling=SamplingParams(seed=0, **sampling))
+            seqs = [engine.open(f"j{i}", [(i * 31 + j * 7) % (vocab_size - 4) + 4 for j in range(64)], params)
+                    for i in range(num_seqs)]
+            engine.run_together([(seq, Draft()) for seq in seqs])
+            passes, forward = [], []
+            for _ in range(repeats + 1):  # the first pass warms up
+                answers = [[] for _ in seqs]
+                for seq, box in zip(seqs, answers):
+                    draft = Draft(tuple((seq.tokens[-1] + j + 1) % vocab_size for j in range(k)))
+                    engine.submit(seq, draft, box.append)
+                counted, started = len(forwards), time.perf_counter()
+                _drive(engine, answers)
+                passes.append(time.perf_counter() - started)
+                forward.append(sum(forwards[counted:]))
+            pass_ms, forward_ms = statistics.median(passes[1:]) * 1e3, statistics.median(forward[1:]) * 1e3
+            rows.append({"sampling": name, "draft_tokens": k, "sequences": num_seqs, "vocab": vocab_size,
+                         "pass_ms": round(pass_ms, 2), "forward_ms": round(forward_ms, 2),
+                         "host_ms": round(pass_ms - forward_ms, 2)})
+            for seq in seqs:
+                engine.close(seq)
+    return rows
+
+
 def scale(model_dir: str, sizes: list[int], steps: int = 4) -> list[dict]:
     """Decode tokens/s of `model_dir` in process with each number of sequences running."""
     from verifier_service.block_manager import BlockManager
@@ -262,6 +316,8 @@ def run(args) -> int:
                                                      mixed)])
     if "memory" not in args.skip:
         report("memory", memory())
+    if "judging" not in args.skip:
+        report("judging", judging(args.sequences, args.repeats))
     if "scale" not in args.skip:
         report("scale", scale(str(resolve_model(args.model)), [int(n) for n in args.scale.split(",")]))
     if "throughput" not in args.skip:

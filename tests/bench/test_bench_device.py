@@ -29,6 +29,8 @@ def test_the_device_bench_reports_rates_limits_and_draft_costs(invariant, tmp_pa
     for row in (one, three):
         assert row["decode_tokens_per_s"] > 0 and row["transformers_static_tokens_per_s"] > 0
         assert 0 < row["pass_host_ms"] <= row["pass_ms"] and row["verify_k2_vs_decode"] > 0
+        assert row["sampled_vs_greedy"] == pytest.approx(
+            row["sampled_decode_tokens_per_s"] / row["decode_tokens_per_s"], rel=0.01)
     assert one["share_of_weight_read_limit"] == pytest.approx(
         one["decode_tokens_per_s"] / model["weight_read_limit_tokens_per_s"], abs=1e-3)
     assert "aten::" in (tmp_path / "profile-tiny.txt").read_text()

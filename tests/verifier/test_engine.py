@@ -11,7 +11,6 @@ from verifier_service import engine as engine_module
 from verifier_service.errors import InvalidRequest, SequenceFinished, StaleDraft
 from verifier_service.sampling import SamplingParams
 from verifier_service.sequence import Draft, FinishReason, GenerationParams, Proposal
-from verifier_service.verify import Verdict
 
 from .conftest import MAX_CONTEXT, VOCAB, sequence_kv
 from .test_verify import sample
@@ -196,6 +195,38 @@ def test_seeded_sampling_is_reproducible(engine):
     assert len({tuple(run(seed)) for seed in range(5)}) > 1
 
 
+@pytest.mark.parametrize("controls", [{}, {"top_p": 0.9, "presence_penalty": 0.5}], ids=["plain", "controls"])
+def test_a_pass_reads_its_sampled_steps_from_the_device_at_once(engine, controls):
+    """On an accelerator every copy to the host waits for the device: a pass of sampled steps (decodes,
+    chains, a tree) makes as many as a pass of two, not one more per sequence."""
+    def copies_in_a_pass(count: int) -> int:
+        seqs = [engine.open(f"c{i}", PROMPT, GenerationParams(SamplingParams(temperature=1.0, seed=i, **controls),
+                                                               max_new_tokens=8, ignore_eos=True))
+                for i in range(count)]
+        engine.run_together([(seq, Draft()) for seq in seqs])
+        drafts = [Draft(), Draft((4, 5)), Draft((4, 5, 6), parents=(-1, -1, 0))]
+        answers = []
+        for i, seq in enumerate(seqs):
+            engine.submit(seq, drafts[i % 3], answers.append)
+        copies, original = [], torch.Tensor.tolist
+
+        def counted(tensor):
+            copies.append(tensor.numel())
+            return original(tensor)
+
+        torch.Tensor.tolist = counted
+        try:
+            engine.step()
+        finally:
+            torch.Tensor.tolist = original
+        assert len(answers) == count and not any(isinstance(answer, Exception) for answer in answers)
+        for seq in seqs:
+            engine.close(seq)
+        return len(copies)
+
+    assert copies_in_a_pass(12) == copies_in_a_pass(3)
+
+
 SAMPLING_TRIALS = 1000
 # A prompt whose first sampled token is nearly certain, so the second token's
 # distribution is sharp enough for a chi-square test to see a wrong rule.
@@ -249,14 +280,15 @@ def test_speculative_sampling_matches_plain_sampling(engine, hf_model):
 
 
 def test_the_chi_square_catches_a_lossy_rejection_rule(engine, hf_model, monkeypatch):
-    def resample_from_full_p(draft, probs, generator, proposals=None, parents=None):
-        """Wrong: a rejected draft token can be drawn again."""
-        if not draft:
-            return Verdict([sample(probs[0], generator)], 0)
-        if torch.rand((), generator=generator) < probs[0, draft[0]]:
-            return Verdict([draft[0]], 1)
-        return Verdict([sample(probs[0], generator)], 0)
+    def resample_from_full_p(probs, steps):
+        """Wrong: a rejected draft token can be drawn again (decisions as sampled_verdicts reads a chain's)."""
+        decisions = []
+        for step in steps:
+            p, draft = probs[step.first_row], step.draft
+            accepted = int(bool(draft) and torch.rand((), generator=step.generator) < p[draft[0]])
+            decisions += [accepted, sample(p, step.generator), 1]
+        return torch.tensor(decisions)
 
-    monkeypatch.setattr(engine_module, "verify_sampled", resample_from_full_p)
+    monkeypatch.setattr(engine_module, "sampled_decisions", resample_from_full_p)
     plain, draft = sampled_draft(hf_model)
     assert p_value(speculative_second_tokens(engine, draft), plain) < 1e-6

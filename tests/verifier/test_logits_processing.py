@@ -16,7 +16,14 @@ from protos.conventions import chain_parents
 from protos.verifier.v1 import verifier_pb2
 from verifier_service.errors import InvalidRequest
 from verifier_service.logits_processing import LogitsProcessor, make_logits_processor
-from verifier_service.sampling import SamplingParams, target_probs
+from verifier_service.sampling import (
+    CPU_GROUP_BYTES,
+    NUCLEUS_WIDTH,
+    SamplingParams,
+    batch_target_probs,
+    step_groups,
+    target_probs,
+)
 from verifier_service.sequence import Draft, FinishReason, GenerationParams
 from verifier_service.service import params_from_proto
 from verifier_service.verify import verify_sampled
@@ -89,6 +96,72 @@ def test_min_p_cuts_after_temperature():
     out = target_probs(probs.log()[None], SamplingParams(temperature=2.0, min_p=0.4))[0]
     expected = probs.sqrt() * torch.tensor([1.0, 1.0, 1.0, 0.0])
     assert torch.allclose(out, expected / expected.sum())
+
+
+def written_out_probs(row: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """One row's p written out with sorted Python lists: temperature, min_p, top-k, top-p (vLLM's order)."""
+    logits = (row / params.temperature).tolist()
+    if params.min_p:
+        probs = torch.softmax(torch.tensor(logits), -1).tolist()
+        logits = [-INF if p < params.min_p * max(probs) else x for x, p in zip(logits, probs)]
+    if params.top_k:
+        kth = sorted(logits, reverse=True)[min(params.top_k, len(logits)) - 1]
+        logits = [x if x >= kth else -INF for x in logits]
+    probs = torch.softmax(torch.tensor(logits), -1).tolist()
+    if params.top_p is not None and params.top_p < 1:
+        kept, mass = set(), 0.0
+        for token in sorted(range(len(probs)), key=lambda t: -probs[t]):
+            if mass >= params.top_p:
+                break
+            kept.add(token)
+            mass += probs[token]
+        probs = [p if t in kept else 0.0 for t, p in enumerate(probs)]
+    total = sum(probs)
+    return torch.tensor([p / total for p in probs])
+
+
+def test_one_batch_gives_every_steps_rows_their_own_controls():
+    """The rows of five steps with different settings, computed together: each row as the written-out
+    reference computes it with its own step's settings."""
+    settings = [SamplingParams(temperature=0.7), SamplingParams(temperature=1.3, top_k=5),
+                SamplingParams(temperature=1.0, top_p=0.6),
+                SamplingParams(temperature=0.9, min_p=0.05, top_k=40, top_p=0.9),
+                SamplingParams(temperature=2.0, top_k=VOCAB + 10)]
+    counts = [1, 3, 2, 4, 1]
+    logits = torch.randn(sum(counts), VOCAB, generator=torch.Generator().manual_seed(0)) * 3
+    together = batch_target_probs(logits, settings, counts)
+    expected = torch.stack([written_out_probs(row, params) for rows, params in zip(logits.split(counts), settings)
+                            for row in rows])
+    assert torch.allclose(together, expected, atol=1e-6)
+    assert (together[1:4] > 0).sum(-1).tolist() == [5, 5, 5]  # top-k reached its rows only
+
+
+@pytest.mark.parametrize("spread, top_k, narrow", [(8.0, None, True), (0.1, None, False), (0.1, 20, True),
+                                                   (8.0, 5, True)], ids=["peaked", "flat", "flat top-k", "top-k 5"])
+def test_top_p_finds_the_nucleus_among_the_likeliest_tokens_or_sorts_the_whole_row(spread, top_k, narrow):
+    """A vocabulary wider than the partial sort: a peaked row's nucleus lies among its likeliest tokens, a flat
+    row's does not and is found by sorting the whole row, and under top-k among top-k's tokens (the row of
+    another step with top-p alone beside it, whose nucleus top-k's tokens do not hold); each as the
+    written-out reference finds it, and the row without top-p keeps all its tokens."""
+    vocab = 3 * NUCLEUS_WIDTH
+    rows = torch.randn(3, vocab, generator=torch.Generator().manual_seed(1)) * spread
+    params = [SamplingParams(temperature=1.0, top_k=top_k, top_p=0.9), SamplingParams(temperature=1.0),
+              SamplingParams(temperature=1.0, top_p=0.5)]
+    together = batch_target_probs(rows, params, [1, 1, 1])
+    expected = torch.stack([written_out_probs(row, setting) for row, setting in zip(rows, params)])
+    assert torch.allclose(together, expected, atol=1e-6)
+    assert ((together[0] > 0).sum() < NUCLEUS_WIDTH) == narrow
+    assert (together[1] > 0).all()
+
+
+def test_a_cpu_judges_rows_in_groups_within_its_budget_and_an_accelerator_all_at_once():
+    counts = [4] * 64
+    groups = step_groups(counts, 49_152, CPU)
+    assert [i for group in groups for i in group] == list(range(64)) and len(groups) > 1
+    assert all(sum(counts[i] for i in group) * 49_152 * 4 <= CPU_GROUP_BYTES for group in groups)
+    assert step_groups([300], 151_936, CPU) == [range(1)]  # a step over the budget is a group of its own
+    assert step_groups(counts, 49_152, torch.device("meta")) == [range(64)]
+    assert step_groups([], 49_152, CPU) == []
 
 
 def test_a_request_without_controls_gets_no_processor():

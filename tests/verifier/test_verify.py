@@ -10,7 +10,15 @@ from scipy.stats import chi2_contingency, chisquare
 
 from verifier_service.sampling import greedy_choices
 from verifier_service.tree import children
-from verifier_service.verify import Verdict, dense_proposals, verify_greedy, verify_sampled
+from verifier_service.verify import (
+    SampledStep,
+    Verdict,
+    dense_proposals,
+    draw,
+    verify_greedy,
+    verify_sampled,
+    verify_sampled_batch,
+)
 
 TRIALS = 10_000
 P0 = torch.tensor([0.35, 0.25, 0.15, 0.10, 0.10, 0.05])
@@ -171,6 +179,75 @@ def test_a_sampled_tree_is_distributed_as_the_walk_that_draws_per_node(proposals
     table = np.column_stack([table[:, common], table[:, ~common].sum(1)]) if (~common).any() else table
     assert chi2_contingency(table).pvalue > 0.001
     assert any(len(out) == 3 for out in vectorized)  # the walk reaches the tree's second level
+
+
+def test_a_pass_of_sampled_steps_judges_each_as_it_would_be_judged_alone():
+    """Decodes, deterministic chains of several lengths, a chain with proposals and a tree, their rows packed
+    in one tensor as a pass lays them out: each step's verdict is the one it gets alone with its generator in
+    the same state, so a seeded request does not depend on what shares its pass; and the batch reads the
+    host once (its chains decided together), where each step alone reads it once."""
+    chain_rows = [torch.stack([P0, P1, P_BONUS]), torch.stack([P_BONUS]), torch.stack([P1, P0, Q0, P_BONUS])]
+    layouts = [  # (draft, rows, proposals, parents)
+        ([1, 2], chain_rows[0], None, None),
+        ([], chain_rows[1], None, None),
+        ([2, 0, 4], chain_rows[2], None, None),
+        ([1], torch.stack([P0, P_BONUS]), Q0[None], None),
+        (list(TREE_DRAFT), TREE_ROWS, None, TREE_PARENTS),
+        ([0], torch.stack([P1, P0]), None, None),
+    ]
+    probs = torch.cat([rows for _, rows, _, _ in layouts])
+    starts = np.cumsum([0] + [len(rows) for _, rows, _, _ in layouts])[:-1]
+    copies = []
+    original = torch.Tensor.tolist
+
+    def counted(tensor):
+        copies.append(tensor.numel())
+        return original(tensor)
+
+    for trial in range(200):
+        steps = [SampledStep(draft, int(start), torch.Generator().manual_seed(trial * 10 + i), proposals, parents)
+                 for i, ((draft, _, proposals, parents), start) in enumerate(zip(layouts, starts))]
+        torch.Tensor.tolist = counted
+        try:
+            together = verify_sampled_batch(probs, steps)
+            assert len(copies) == 1
+            alone = [verify_sampled(draft, rows, torch.Generator().manual_seed(trial * 10 + i), proposals, parents)
+                     for i, (draft, rows, proposals, parents) in enumerate(layouts)]
+            assert len(copies) == 1 + len(layouts)
+        finally:
+            torch.Tensor.tolist = original
+        copies.clear()
+        assert together == alone
+
+
+def test_the_batch_keeps_each_steps_distribution():
+    """Two deterministic chains in one batch: the second's first token follows its own first row (P1), so
+    no row or uniform is read from the wrong step."""
+    probs = torch.stack([P0, P_BONUS, P1, P_BONUS])
+    generator = torch.Generator().manual_seed(7)
+    firsts = [verify_sampled_batch(probs, [SampledStep([0], 0, generator), SampledStep([3], 2, generator)])[1]
+              .token_ids[0] for _ in range(TRIALS)]
+    assert p_value(firsts, P1) > 0.001
+
+
+def test_draw_follows_each_rows_distribution_and_never_a_token_without_mass():
+    rows = torch.stack([P0, torch.tensor([0.0, 0.5, 0.0, 0.5, 0.0, 0.0]) * 3])  # the second unnormalised
+    generator = torch.Generator().manual_seed(0)
+    drawn = [draw(rows, torch.rand(2, generator=generator)).tolist() for _ in range(TRIALS)]
+    assert p_value([first for first, _ in drawn], P0) > 0.001
+    assert {second for _, second in drawn} == {1, 3}
+    edges = draw(rows[1:].expand(2, -1), torch.tensor([0.0, 1.0 - 2 ** -24]))
+    assert edges.tolist() == [1, 3]  # the extremes of [0, 1) land on the first and last token with mass
+
+
+def test_a_step_with_no_mass_to_draw_from_fails_alone():
+    probs = torch.stack([P0, P_BONUS, torch.full_like(P0, float("nan")), torch.zeros_like(P0)])
+    generator = torch.Generator().manual_seed(0)
+    verdicts = verify_sampled_batch(probs, [SampledStep([], 0, generator), SampledStep([], 1, generator),
+                                            SampledStep([], 2, generator), SampledStep([], 3, generator)])
+    assert [type(verdict) for verdict in verdicts] == [Verdict, Verdict, RuntimeError, RuntimeError]
+    with pytest.raises(RuntimeError, match="no finite mass"):
+        verify_sampled([], probs[2:3], generator)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

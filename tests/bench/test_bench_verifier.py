@@ -1,0 +1,13 @@
+"""`speclane bench verifier`'s in-process judging section on a tiny model."""
+
+from speclane_cli.bench.verifier import JUDGED, judging
+
+
+def test_the_judging_section_times_every_setting_with_and_without_a_draft():
+    rows = judging(num_seqs=3, repeats=2, vocab_size=512)
+    assert [(row["sampling"], row["draft_tokens"]) for row in rows] == [(name, k) for name, _ in JUDGED
+                                                                         for k in (0, 3)]
+    for row in rows:
+        assert row["sequences"] == 3 and row["vocab"] == 512
+        assert 0 < row["forward_ms"] <= row["pass_ms"]
+        assert abs(row["host_ms"] - (row["pass_ms"] - row["forward_ms"])) < 0.02  # the fields rounded apart
