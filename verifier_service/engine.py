@@ -7,6 +7,7 @@ every finished segment and reports the results through the work's callback.
 """
 
 import dataclasses
+import itertools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -25,7 +26,7 @@ from verifier_service.logits_processing import make_logits_processor
 from verifier_service.model_runner import ModelRunner
 from verifier_service.sampling import batch_target_probs, greedy_choices, make_generator, step_groups
 from verifier_service.scheduler import BatchLimits, Scheduled, Scheduler, Work
-from verifier_service.sequence import Draft, GenerationParams, Sequence, StepResult, check_token_ids
+from verifier_service.sequence import Draft, GenerationParams, Sequence, StepResult, TokenLogprob, check_token_ids
 from verifier_service.verify import (
     SampledStep,
     Verdict,
@@ -191,25 +192,23 @@ class Engine:
         forward_seconds = time.perf_counter() - started
         # Every client's sequences: a gateway sizes its drafts by this load, not by its own share of it.
         num_running = len(self.scheduler.admitted)
-        # Every row's argmax, copied to the host once for the pass rather than once per sequence (on an
-        # accelerator each copy waits for the device): the greedy sequences with no logit controls use them.
+        # Each step's first logits row, and every row's argmax copied to the host once for the pass rather than
+        # once per sequence (on an accelerator each copy waits for the device): the greedy sequences with no logit
+        # controls use them.
+        first_rows = list(itertools.accumulate((entry.segment.num_logit_rows for entry in picked), initial=0))
         plain = [_plain_greedy(entry) for entry in picked]
         argmax = greedy_choices(logits).tolist() if any(plain) else None
-        verdicts = _judge(picked, plain, logits)
-        row = token = 0
+        verdicts = _judge(picked, first_rows, plain, argmax, logits)
+        logprobs = _logprobs(picked, first_rows, verdicts, logits)
+        token = 0
         answered: list[tuple[Scheduled, StepResult]] = []
-        for entry, plain_greedy, verdict in zip(picked, plain, verdicts):
-            rows = logits[row: row + entry.segment.num_logit_rows]
-            targets = argmax[row: row + entry.segment.num_logit_rows] if plain_greedy else None
-            row += entry.segment.num_logit_rows
+        for entry, verdict, step_logprobs in zip(picked, verdicts, logprobs):
             fed = None if features is None else features[token: token + entry.segment.num_tokens]
             token += entry.segment.num_tokens
             try:
                 if isinstance(verdict, Exception):
                     raise verdict
-                if targets is not None:
-                    verdict = verify_greedy(entry.draft.token_ids, targets, entry.draft.tree_parents)
-                result = self._settle(entry, rows, verdict, fed, forward_seconds, num_running)
+                result = self._settle(entry, verdict, step_logprobs, fed, forward_seconds, num_running)
             except Exception as exc:  # noqa: BLE001 - fail this step alone: left queued, it would fail every pass
                 self._fail(entry.work, exc)
                 continue
@@ -248,9 +247,10 @@ class Engine:
         self.close(work.seq)
         work.done(exc)
 
-    def _settle(self, entry: Scheduled, rows: torch.Tensor, verdict: Verdict | None,
+    def _settle(self, entry: Scheduled, verdict: Verdict | None, logprobs: list[TokenLogprob] | None,
                 features: torch.Tensor | None, forward_seconds: float, num_running: int) -> StepResult | None:
-        """Commits the step's judged tokens; its result (None for a prompt chunk: more to come)."""
+        """Commits the step's judged tokens (and their logprobs where asked); its result (None for a prompt
+        chunk: more to come)."""
         seq, segment, draft = entry.work.seq, entry.segment, entry.draft
         if self.capture is not None and not seq.num_generated:
             self.capture.add(seq, features[: segment.num_pending])
@@ -261,8 +261,6 @@ class Engine:
             seq.num_cached += segment.num_pending
             self.blocks.commit(seq.blocks, seq.tokens, seq.num_cached)
             return None
-        num_top = seq.params.logprobs
-        logprobs = None if num_top is None else committed_logprobs(rows, verdict, num_top)
         base = seq.num_cached + segment.num_pending  # KV row of draft node 0
         if verdict.path != list(range(len(verdict.path))):  # an accepted tree path: its KV moves up to follow
             size, table = self.blocks.block_size, seq.blocks
@@ -372,22 +370,24 @@ def _drafts_on_demand(seq: Sequence) -> bool:
     return seq.head is not None and seq.params.head_draft_on_demand
 
 
-def _judge(picked: list[Scheduled], plain: list[bool], logits: torch.Tensor) -> list[Verdict | Exception | None]:
-    """The verdicts of the pass's steps judged by more than their rows' raw argmax (None for the rest): each
-    step's rows widened and put through its own logit controls and grammar, then the greedy steps' argmax
+def _judge(picked: list[Scheduled], first_rows: list[int], plain: list[bool], argmax: list[int] | None,
+           logits: torch.Tensor) -> list[Verdict | Exception | None]:
+    """The verdicts of the pass's steps (None for a prompt chunk): the plain greedy steps' from the pass's argmax,
+    the rest's rows widened and put through their own logit controls and grammar, then the greedy steps' argmax
     and the sampled steps' acceptance, each for all of them at once with one copy to the host, as in vLLM
     (greedy is the argmax after the controls). A step that fails gets its exception."""
     verdicts: list[Verdict | Exception | None] = [None] * len(picked)
     greedy: list[tuple[int, torch.Tensor]] = []
     sampled: list[tuple[int, torch.Tensor]] = []
-    row = 0
     for i, (entry, plain_greedy) in enumerate(zip(picked, plain)):
-        rows = logits[row: row + entry.segment.num_logit_rows]
-        row += entry.segment.num_logit_rows
-        if plain_greedy or not entry.segment.wants_logits:
+        first, end = first_rows[i], first_rows[i + 1]
+        if plain_greedy:
+            verdicts[i] = verify_greedy(entry.draft.token_ids, argmax[first:end], entry.draft.tree_parents)
+            continue
+        if not entry.segment.wants_logits:
             continue
         try:
-            controlled = _controlled(entry.work.seq, entry.draft, rows)
+            controlled = _controlled(entry.work.seq, entry.draft, logits[first:end])
         except Exception as exc:  # noqa: BLE001 - this step fails alone
             verdicts[i] = exc
             continue
@@ -404,8 +404,24 @@ def _judge(picked: list[Scheduled], plain: list[bool], logits: torch.Tensor) -> 
     return verdicts
 
 
+def _logprobs(picked: list[Scheduled], first_rows: list[int], verdicts: list, logits: torch.Tensor) -> list:
+    """Each step's committed tokens' logprobs where its request asks for them (else None), all read with one
+    copy to the host."""
+    asking = [i for i, (entry, verdict) in enumerate(zip(picked, verdicts))
+              if entry.work.seq.params.logprobs is not None and isinstance(verdict, Verdict)]
+    found: list = [None] * len(picked)
+    if asking:
+        requests = [(first_rows[i], verdicts[i], picked[i].work.seq.params.logprobs) for i in asking]
+        for i, step_logprobs in zip(asking, committed_logprobs(logits, requests)):
+            found[i] = step_logprobs
+    return found
+
+
 def _controlled(seq: Sequence, draft: Draft, rows: torch.Tensor) -> torch.Tensor:
-    """A step's logits rows in fp32 after its logit controls and its grammar's masks."""
+    """A step's logits rows after its logit controls and its grammar's masks, in fp32; rows no control changes
+    as they are, widened with their group's (a pass's widened rows at once would be its whole logits again)."""
+    if seq.logits_processor is None and seq.grammar is None:
+        return rows
     rows = rows.float()
     parents = draft.tree_parents
     if seq.logits_processor is not None:
@@ -432,7 +448,7 @@ def _judge_sampled(entries: list[Scheduled], rows: list[torch.Tensor]) -> list[V
     groups = step_groups([len(step_rows) for step_rows in rows], vocab, device)
     steps, decisions = [], []
     for group in groups:
-        probs = batch_target_probs(torch.cat([rows[i] for i in group]),
+        probs = batch_target_probs(torch.cat([rows[i] for i in group]).float(),
                                    [entries[i].work.seq.params.sampling for i in group], [len(rows[i]) for i in group])
         first, group_steps = 0, []
         for i in group:

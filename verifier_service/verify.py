@@ -147,8 +147,8 @@ def _plain_chain_decisions(probs: torch.Tensor, steps: list[SampledStep]) -> tor
     rejection the token is drawn from p_j without x_j, else from the bonus row."""
     device = probs.device
     counts = [len(step.draft) for step in steps]
-    offsets = [sum(counts[:i]) for i in range(len(steps))]
-    num_tokens = sum(counts)
+    offsets = list(itertools.accumulate(counts, initial=0))
+    num_tokens = offsets.pop()
     # One copy of the pass's draft layout: each draft token's judging row, id, chain and place in it.
     layout = torch.tensor([[step.first_row + j for step in steps for j in range(len(step.draft))],
                            [token for step in steps for token in step.draft],
@@ -175,7 +175,7 @@ def _plain_chain_decisions(probs: torch.Tensor, steps: list[SampledStep]) -> tor
 
 def _own_decisions(probs: torch.Tensor, step: SampledStep) -> torch.Tensor:
     """A step judged by its own operations (a chain with proposals, or a tree): its decisions as
-    verify_sampled_batch reads them, left on the device."""
+    sampled_verdicts reads them, left on the device."""
     rows = probs[step.first_row: step.first_row + len(step.draft) + 1]
     if step.is_chain:
         return _chain_decisions(step.draft, rows, step.generator, step.proposals)
@@ -273,13 +273,24 @@ def dense_proposals(
     return dense / dense.sum(dim=-1, keepdim=True)
 
 
-def committed_logprobs(logits: torch.Tensor, verdict: Verdict, num_top: int) -> list[TokenLogprob]:
-    """vLLM's raw logprobs: each committed token's log-probability under the
-    log-softmax of the raw logits row that judged it (no temperature, controls
-    or cuts), with that row's `num_top` most likely tokens."""
-    device = logits.device
-    logprobs = torch.log_softmax(logits[torch.tensor(verdict.rows, device=device)].float(), dim=-1)
-    chosen = logprobs.gather(1, torch.tensor(verdict.token_ids, device=device)[:, None])[:, 0]
-    top = torch.topk(logprobs, min(num_top, logprobs.shape[-1]), dim=-1)
-    return [TokenLogprob(logprob, tuple(ids), tuple(values))
-            for logprob, ids, values in zip(chosen.tolist(), top.indices.tolist(), top.values.tolist())]
+def committed_logprobs(logits: torch.Tensor,
+                       steps: Sequence[tuple[int, Verdict, int]]) -> list[list[TokenLogprob]]:
+    """vLLM's raw logprobs for each (first row, verdict, how many alternatives) step of a pass: each committed
+    token's log-probability under the log-softmax of the raw logits row that judged it (no temperature,
+    controls or cuts), with that row's most likely tokens; every step's read with one copy to the host."""
+    device, vocab = logits.device, logits.shape[-1]
+    rows = [first + row for first, verdict, _ in steps for row in verdict.rows]
+    tokens = [token for _, verdict, _ in steps for token in verdict.token_ids]
+    logprobs = torch.log_softmax(logits[torch.tensor(rows, device=device)].float(), dim=-1)
+    chosen = logprobs.gather(1, torch.tensor(tokens, device=device)[:, None])
+    top = torch.topk(logprobs, min(max(num_top for _, _, num_top in steps), vocab), dim=-1)
+    # One copy: the ids ride in float64, exact below 2^53.
+    read = iter(torch.cat([chosen.double(), top.values.double(), top.indices.double()], dim=1).tolist())
+    found, width = [], top.values.shape[1]
+    for _, verdict, num_top in steps:
+        entries = []
+        for values in itertools.islice(read, len(verdict.token_ids)):
+            entries.append(TokenLogprob(values[0], tuple(int(i) for i in values[1 + width: 1 + width + num_top]),
+                                        tuple(values[1: 1 + num_top])))
+        found.append(entries)
+    return found

@@ -9,10 +9,11 @@ from transformers import DynamicCache, GenerationConfig
 
 from verifier_service import engine as engine_module
 from verifier_service.errors import InvalidRequest, SequenceFinished, StaleDraft
+from verifier_service.model_runner import ModelRunner
 from verifier_service.sampling import SamplingParams
 from verifier_service.sequence import Draft, FinishReason, GenerationParams, Proposal
 
-from .conftest import MAX_CONTEXT, VOCAB, sequence_kv
+from .conftest import MAX_CONTEXT, VOCAB, make_engine, sequence_kv
 from .test_verify import sample
 
 PROMPT = [5, 17, 9, 40, 22, 8, 31]
@@ -195,14 +196,18 @@ def test_seeded_sampling_is_reproducible(engine):
     assert len({tuple(run(seed)) for seed in range(5)}) > 1
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("controls", [{}, {"top_p": 0.9, "presence_penalty": 0.5}], ids=["plain", "controls"])
-def test_a_pass_reads_its_sampled_steps_from_the_device_at_once(engine, controls):
+def test_a_pass_reads_its_sampled_steps_from_the_device_at_once(tiny_model_dir, runner, dtype, controls):
     """On an accelerator every copy to the host waits for the device: a pass of sampled steps (decodes,
-    chains, a tree) makes as many as a pass of two, not one more per sequence."""
+    chains, a tree; every other one with the controls, whose rows are widened apart from the rest's; every
+    third asking for logprobs) makes as many as a pass of three, not one more per sequence."""
+    engine = make_engine(runner if dtype == torch.float32 else ModelRunner(tiny_model_dir, "cpu", dtype))
+
     def copies_in_a_pass(count: int) -> int:
-        seqs = [engine.open(f"c{i}", PROMPT, GenerationParams(SamplingParams(temperature=1.0, seed=i, **controls),
-                                                               max_new_tokens=8, ignore_eos=True))
-                for i in range(count)]
+        seqs = [engine.open(f"c{i}", PROMPT, GenerationParams(
+            SamplingParams(temperature=1.0, seed=i, **(controls if i % 2 else {})), max_new_tokens=8,
+            ignore_eos=True, logprobs=2 if i % 3 == 0 else None)) for i in range(count)]
         engine.run_together([(seq, Draft()) for seq in seqs])
         drafts = [Draft(), Draft((4, 5)), Draft((4, 5, 6), parents=(-1, -1, 0))]
         answers = []
@@ -220,6 +225,7 @@ def test_a_pass_reads_its_sampled_steps_from_the_device_at_once(engine, controls
         finally:
             torch.Tensor.tolist = original
         assert len(answers) == count and not any(isinstance(answer, Exception) for answer in answers)
+        assert sum(len(answer.logprobs) == len(answer.token_ids) > 0 for answer in answers) == -(-count // 3)
         for seq in seqs:
             engine.close(seq)
         return len(copies)

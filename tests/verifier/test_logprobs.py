@@ -34,14 +34,16 @@ def all_logprobs(steps) -> list:
 
 
 def test_each_committed_token_gets_the_row_that_judged_it():
-    logits = torch.zeros(7, 8)
-    logits[torch.arange(7), (torch.arange(7) + 3) % 8] = 10.0  # row r favours token r + 3
-    # Accepted nodes 1 and 4: the tokens come from rows 0, 2 and 5.
-    got = committed_logprobs(logits, Verdict([3, 5, 0], 2, path=[1, 4]), 2)
+    logits = torch.zeros(10, 8)
+    logits[torch.arange(10), (torch.arange(10) + 3) % 8] = 10.0  # row r favours token r + 3
+    # Step one, rows 0-6: accepted nodes 1 and 4, so its tokens come from rows 0, 2 and 5. Step two, rows 7-9,
+    # one alternative: its first node rejected, a correction from its row 0 (row 7 of the pass).
+    got, second = committed_logprobs(logits, [(0, Verdict([3, 5, 0], 2, path=[1, 4]), 2), (7, Verdict([2], 0), 1)])
     favoured = torch.log_softmax(logits[0], -1)[3].item()
     assert [entry.top_token_ids[0] for entry in got] == [3, 5, 0]
     assert [entry.logprob for entry in got] == pytest.approx([favoured] * 3, abs=1e-6)
-    assert all(entry.top_logprobs[1] < entry.top_logprobs[0] for entry in got)
+    assert all(len(entry.top_logprobs) == 2 and entry.top_logprobs[1] < entry.top_logprobs[0] for entry in got)
+    assert [(entry.top_token_ids, entry.logprob) for entry in second] == [((2,), pytest.approx(favoured))]
 
 
 def test_logprobs_are_the_raw_log_softmax_even_with_controls_on(engine, hf_model):
