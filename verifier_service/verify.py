@@ -124,13 +124,18 @@ def sampled_verdicts(steps: Sequence[SampledStep], decided: Iterator[int]) -> li
     return verdicts
 
 
-def draw(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+def draw(probs: torch.Tensor, uniforms: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
     """A token from each row of `probs` [m, vocab] (non-negative, not necessarily normalised), by inverting its
     cumulative sum at the row's uniform in [0, 1): torch.multinomial's distribution, but from a uniform drawn
-    with the sequence's generator, so rows of many sequences are drawn in one operation. In float64, so the
-    sum's rounding skews no token's chance; a token of probability 0 is never drawn."""
-    cumulative = probs.double().cumsum(-1)
-    tokens = torch.searchsorted(cumulative, uniforms.double()[:, None] * cumulative[:, -1:], right=True)[:, 0]
+    with the sequence's generator, so rows of many sequences are drawn in one operation. A token of probability
+    0 is never drawn. The sum in float64 where the device computes it natively, so its rounding skews no
+    token's chance; elsewhere (an Ascend NPU leaves float64 to its AI CPU) in float32, off by at most half an
+    ulp of the running sum (3e-8) per token; `dtype` chooses."""
+    exact = dtype or (torch.float64 if probs.device.type in ("cpu", "cuda") else torch.float32)
+    cumulative = probs.to(exact).cumsum(-1)
+    # A uniform below 1 times the total stays below it (in float32 too), so a token with mass is found; the clamp
+    # keeps a row without finite mass (_usable) in the vocabulary.
+    tokens = torch.searchsorted(cumulative, uniforms.to(exact)[:, None] * cumulative[:, -1:], right=True)[:, 0]
     return tokens.clamp(max=probs.shape[-1] - 1)
 
 
@@ -144,32 +149,37 @@ def _usable(probs: torch.Tensor) -> torch.Tensor:
 def _plain_chain_decisions(probs: torch.Tensor, steps: list[SampledStep]) -> torch.Tensor:
     """[steps, 3]: for deterministic chains, the number of draft tokens accepted, the token emitted after them and
     whether its row could be drawn from. Draft token j of a chain is accepted with p_j(x_j); at the first
-    rejection the token is drawn from p_j without x_j, else from the bonus row."""
+    rejection the token is drawn from p_j without x_j, else from the bonus row. Plain indexing, comparisons and
+    argmax, which every device's torch has (no scatter-reduce)."""
     device = probs.device
     counts = [len(step.draft) for step in steps]
     offsets = list(itertools.accumulate(counts, initial=0))
-    num_tokens = offsets.pop()
-    # One copy of the pass's draft layout: each draft token's judging row, id, chain and place in it.
+    num_tokens, widest = offsets.pop(), max(counts)
+    # Chain i's uniforms come k_i for its draft tokens, then one for the token it emits: its draft token j's is
+    # at offsets[i] + i + j, its last at offsets[i] + i + k_i.
     layout = torch.tensor([[step.first_row + j for step in steps for j in range(len(step.draft))],
                            [token for step in steps for token in step.draft],
-                           [i for i, k in enumerate(counts) for _ in range(k)],
-                           [j for k in counts for j in range(k)]], dtype=torch.long, device=device)
-    rows, tokens, chain, place = layout
-    per_chain = torch.tensor([counts, [step.first_row for step in steps], offsets], dtype=torch.long, device=device)
-    k, first_rows, token_offsets = per_chain
-    # Chain i's uniforms: k_i for its draft tokens, then one for the token it emits.
+                           [offset + i + j for i, (offset, k) in enumerate(zip(offsets, counts)) for j in range(k)]],
+                          dtype=torch.long, device=device)
+    rows, tokens, accepting = layout
+    per_chain = torch.tensor([counts, [step.first_row for step in steps], offsets,
+                              [offset + i + k for i, (offset, k) in enumerate(zip(offsets, counts))]],
+                             dtype=torch.long, device=device)
+    k, first_rows, token_offsets, emitting = per_chain
+    # Each chain's draft tokens in a row, padded to the widest and one more with an index read as a rejection.
+    grid = torch.tensor([[offset + j if j < count else num_tokens for j in range(widest + 1)]
+                         for offset, count in zip(offsets, counts)], dtype=torch.long, device=device)
     uniforms = torch.cat([torch.rand(n + 1, generator=step.generator, device=device)
                           for step, n in zip(steps, counts)])
-    rejected = uniforms[torch.arange(num_tokens, device=device) + chain] >= probs[rows, tokens]
-    # The first rejected place of each chain, k_i where none is.
-    first = k.scatter_reduce(0, chain, torch.where(rejected, place, k[chain]), reduce="amin")
+    rejected = torch.cat([uniforms[accepting] >= probs[rows, tokens], torch.ones(1, dtype=torch.bool, device=device)])
+    first = rejected[grid].int().argmax(dim=1)  # argmax finds the first True: k_i where none is rejected
     final = probs[first_rows + first]  # a rejection's row, or the bonus row (first == k)
     if num_tokens:
         refused = tokens[(token_offsets + first).clamp(max=num_tokens - 1)]
         residual = final.scatter(1, refused[:, None], 0.0)
         keep = (first < k)[:, None] & (residual.sum(-1, keepdim=True) > 0)  # p one-hot on x leaves no residual
         final = torch.where(keep, residual, final)
-    emitted = draw(final, uniforms[token_offsets + torch.arange(len(steps), device=device) + k])
+    emitted = draw(final, uniforms[emitting])
     return torch.stack([first, emitted, _usable(final)], dim=1)
 
 

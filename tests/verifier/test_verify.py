@@ -230,14 +230,17 @@ def test_the_batch_keeps_each_steps_distribution():
     assert p_value(firsts, P1) > 0.001
 
 
-def test_draw_follows_each_rows_distribution_and_never_a_token_without_mass():
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_draw_follows_each_rows_distribution_and_never_a_token_without_mass(dtype):
     rows = torch.stack([P0, torch.tensor([0.0, 0.5, 0.0, 0.5, 0.0, 0.0]) * 3])  # the second unnormalised
     generator = torch.Generator().manual_seed(0)
-    drawn = [draw(rows, torch.rand(2, generator=generator)).tolist() for _ in range(TRIALS)]
+    drawn = [draw(rows, torch.rand(2, generator=generator), dtype).tolist() for _ in range(TRIALS)]
     assert p_value([first for first, _ in drawn], P0) > 0.001
     assert {second for _, second in drawn} == {1, 3}
-    edges = draw(rows[1:].expand(2, -1), torch.tensor([0.0, 1.0 - 2 ** -24]))
+    edges = draw(rows[1:].expand(2, -1), torch.tensor([0.0, 1.0 - 2 ** -24]), dtype)
     assert edges.tolist() == [1, 3]  # the extremes of [0, 1) land on the first and last token with mass
+    trailing = torch.tensor([[0.1, 0.2, 0.3, 0.0, 0.0]])  # the largest uniform stops at the last token with mass
+    assert draw(trailing, torch.tensor([1.0 - 2 ** -24]), dtype).tolist() == [2]
 
 
 def test_a_step_with_no_mass_to_draw_from_fails_alone():
