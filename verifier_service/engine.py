@@ -206,8 +206,9 @@ class Engine:
             fed = None if features is None else features[token: token + entry.segment.num_tokens]
             token += entry.segment.num_tokens
             try:
-                if isinstance(verdict, Exception):
-                    raise verdict
+                for failed in (verdict, step_logprobs):
+                    if isinstance(failed, Exception):
+                        raise failed
                 result = self._settle(entry, verdict, step_logprobs, fed, forward_seconds, num_running)
             except Exception as exc:  # noqa: BLE001 - fail this step alone: left queued, it would fail every pass
                 self._fail(entry.work, exc)
@@ -406,13 +407,17 @@ def _judge(picked: list[Scheduled], first_rows: list[int], plain: list[bool], ar
 
 def _logprobs(picked: list[Scheduled], first_rows: list[int], verdicts: list, logits: torch.Tensor) -> list:
     """Each step's committed tokens' logprobs where its request asks for them (else None), all read with one
-    copy to the host."""
+    copy to the host; the exception instead where that failed."""
     asking = [i for i, (entry, verdict) in enumerate(zip(picked, verdicts))
               if entry.work.seq.params.logprobs is not None and isinstance(verdict, Verdict)]
     found: list = [None] * len(picked)
     if asking:
         requests = [(first_rows[i], verdicts[i], picked[i].work.seq.params.logprobs) for i in asking]
-        for i, step_logprobs in zip(asking, committed_logprobs(logits, requests)):
+        try:
+            computed = committed_logprobs(logits, requests)
+        except Exception as exc:  # noqa: BLE001 - these steps fail, the engine serves on
+            computed = [exc] * len(asking)
+        for i, step_logprobs in zip(asking, computed):
             found[i] = step_logprobs
     return found
 
