@@ -5,6 +5,7 @@ probabilities: row 0 is the last committed token (it judges the root's
 children), row i + 1 is draft node i (it judges node i's children, or gives
 the bonus token when node i is a leaf). A chain is the one-child tree."""
 
+import functools
 import itertools
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -59,9 +60,15 @@ class SampledStep:
     proposals: torch.Tensor | None = None  # [k, vocab] q rows of a sampled draft; None: deterministic
     parents: Sequence[int] | None = None  # None (or a chain's): a chain
 
-    @property
+    @functools.cached_property
     def is_chain(self) -> bool:
         return self.parents is None or is_chain(self.parents)
+
+    @property
+    def decided_together(self) -> bool:
+        """A deterministic chain, decided with the pass's others (_plain_chain_decisions); else by its own
+        operations (_own_decisions)."""
+        return self.proposals is None and self.is_chain
 
 
 def verify_sampled(
@@ -99,17 +106,16 @@ def sampled_decisions(probs: torch.Tensor, steps: Sequence[SampledStep]) -> torc
     the drafters' drafts and plain decodes, are decided together in a few operations; a draft with proposals
     or a tree by its own. Each step draws its uniforms from its own generator, so a seeded request's outcome
     does not depend on the rest of the pass."""
-    plain = [step for step in steps if step.proposals is None and step.is_chain]
-    parts = [_plain_chain_decisions(probs, plain).flatten()] if plain else []
-    parts += [_own_decisions(probs, step) for step in steps if step.proposals is not None or not step.is_chain]
+    plain, own = _partition(steps)
+    parts = [_plain_chain_decisions(probs, [steps[i] for i in plain]).flatten()] if plain else []
+    parts += [_own_decisions(probs, steps[i]) for i in own]
     return torch.cat(parts) if parts else torch.empty(0, dtype=torch.long, device=probs.device)
 
 
 def sampled_verdicts(steps: Sequence[SampledStep], decided: Iterator[int]) -> list[Verdict | RuntimeError]:
     """The steps' verdicts from their decisions on the host (sampled_decisions', consumed from `decided`); a
     step whose row has no mass to draw from gets the error in place of its verdict."""
-    plain = [i for i, step in enumerate(steps) if step.proposals is None and step.is_chain]
-    own = [i for i, step in enumerate(steps) if step.proposals is not None or not step.is_chain]
+    plain, own = _partition(steps)
     verdicts: list[Verdict | RuntimeError | None] = [None] * len(steps)
     for i in plain + own:
         step = steps[i]
@@ -122,6 +128,12 @@ def sampled_verdicts(steps: Sequence[SampledStep], decided: Iterator[int]) -> li
         except RuntimeError as error:
             verdicts[i] = error
     return verdicts
+
+
+def _partition(steps: Sequence[SampledStep]) -> tuple[list[int], list[int]]:
+    """The steps decided together, then those decided by their own operations: the order of their decisions."""
+    return ([i for i, step in enumerate(steps) if step.decided_together],
+            [i for i, step in enumerate(steps) if not step.decided_together])
 
 
 def draw(probs: torch.Tensor, uniforms: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
