@@ -22,7 +22,7 @@ from verifier_service.errors import InvalidRequest, SequenceFinished, StaleDraft
 from verifier_service.grammar import GrammarCompiler
 from verifier_service.heads.capture import HiddenStateCapture
 from verifier_service.heads.drafting import DraftRequest, HeadDrafter, HeadState
-from verifier_service.logits_processing import make_logits_processor
+from verifier_service.logits_processing import ControlledStep, TokenCounts, apply_logit_controls, make_logits_processor
 from verifier_service.model_runner import ModelRunner
 from verifier_service.sampling import batch_target_probs, greedy_choices, make_generator, step_groups
 from verifier_service.scheduler import BatchLimits, Scheduled, Scheduler, Work
@@ -80,6 +80,7 @@ class Engine:
         self.scheduler = Scheduler(blocks, limits, num_state_slots=state_slots)
         self._state_commits: list[StateCommit] = []  # the last pass's accepted nodes, sent with the next plan
         self.grammars = GrammarCompiler(runner.model_dir, runner.vocab_size)
+        self.token_counts = TokenCounts(runner.vocab_size, runner.device)  # the penalised sequences'
         self.on_step = on_step
         self.head = head
         # A verify step's extra cost per draft token by batch size (draft_cost.py), for the gateway.
@@ -135,7 +136,7 @@ class Engine:
                          else params.stop_token_ids | set(runner.eos_token_ids))
         seq = Sequence(sequence_id, list(prompt), params, stop, runner.max_context_len,
                        make_generator(sampling.seed, runner.device),
-                       make_logits_processor(sampling, prompt, stop, runner.vocab_size, runner.device),
+                       make_logits_processor(sampling, len(prompt), stop, self.token_counts),
                        self.grammars.matcher(params.grammar) if params.grammar else None)
         if params.num_head_draft_tokens:
             seq.head = HeadState()
@@ -374,30 +375,32 @@ def _drafts_on_demand(seq: Sequence) -> bool:
 def _judge(picked: list[Scheduled], first_rows: list[int], plain: list[bool], argmax: list[int] | None,
            logits: torch.Tensor) -> list[Verdict | Exception | None]:
     """The verdicts of the pass's steps (None for a prompt chunk): the plain greedy steps' from the pass's argmax,
-    the rest's rows widened and put through their own logit controls and grammar, then the greedy steps' argmax
+    the rest's rows widened and put through their logit controls and grammars, then the greedy steps' argmax
     and the sampled steps' acceptance, each for all of them at once with one copy to the host, as in vLLM
     (greedy is the argmax after the controls). A step that fails gets its exception."""
     verdicts: list[Verdict | Exception | None] = [None] * len(picked)
-    greedy: list[tuple[int, torch.Tensor]] = []
-    sampled: list[tuple[int, torch.Tensor]] = []
+    greedy: list[tuple[int, torch.Tensor | None]] = []  # (step, its grammar's row masks)
+    sampled: list[tuple[int, torch.Tensor | None]] = []
     for i, (entry, plain_greedy) in enumerate(zip(picked, plain)):
-        first, end = first_rows[i], first_rows[i + 1]
         if plain_greedy:
-            verdicts[i] = verify_greedy(entry.draft.token_ids, argmax[first:end], entry.draft.tree_parents)
+            verdicts[i] = verify_greedy(entry.draft.token_ids, argmax[first_rows[i]:first_rows[i + 1]],
+                                        entry.draft.tree_parents)
             continue
         if not entry.segment.wants_logits:
             continue
+        seq, draft = entry.work.seq, entry.draft
         try:
-            controlled = _controlled(entry.work.seq, entry.draft, logits[first:end])
+            masks = None if seq.grammar is None else seq.grammar.row_masks(draft.token_ids, draft.tree_parents)
         except Exception as exc:  # noqa: BLE001 - this step fails alone
             verdicts[i] = exc
             continue
-        (greedy if entry.work.seq.params.sampling.greedy else sampled).append((i, controlled))
+        (greedy if seq.params.sampling.greedy else sampled).append((i, masks))
     for group, judge in ((greedy, _judge_greedy), (sampled, _judge_sampled)):
         if not group:
             continue
+        steps = [_Judged(picked[i], logits[first_rows[i]:first_rows[i + 1]], masks) for i, masks in group]
         try:
-            judged = judge([picked[i] for i, _ in group], [rows for _, rows in group])
+            judged = judge(steps)
         except Exception as exc:  # noqa: BLE001 - these steps fail, the engine serves on
             judged = [exc] * len(group)
         for (i, _), verdict in zip(group, judged):
@@ -422,53 +425,71 @@ def _logprobs(picked: list[Scheduled], first_rows: list[int], verdicts: list, lo
     return found
 
 
-def _controlled(seq: Sequence, draft: Draft, rows: torch.Tensor) -> torch.Tensor:
-    """A step's logits rows after its logit controls and its grammar's masks, in fp32; rows no control changes
-    as they are, widened with their group's (a pass's widened rows at once would be its whole logits again)."""
-    if seq.logits_processor is None and seq.grammar is None:
-        return rows
-    rows = rows.float()
-    parents = draft.tree_parents
-    if seq.logits_processor is not None:
-        rows = seq.logits_processor(rows, seq.tokens, list(draft.token_ids), parents)
-    if seq.grammar is not None:
-        rows = rows.masked_fill(~seq.grammar.row_masks(draft.token_ids, parents).to(rows.device), float("-inf"))
-    return rows
+@dataclass(frozen=True)
+class _Judged:
+    """A step to judge: its raw logits rows and its grammar's row masks (None without a grammar)."""
+
+    entry: Scheduled
+    rows: torch.Tensor
+    masks: torch.Tensor | None
 
 
-def _judge_greedy(entries: list[Scheduled], rows: list[torch.Tensor]) -> list[Verdict]:
-    targets = greedy_choices(torch.cat(rows)).tolist()
+def _groups(steps: list[_Judged]) -> list[list[_Judged]]:
+    """The steps in groups whose rows are processed at once (sampling.step_groups)."""
+    rows = steps[0].rows
+    return [[steps[i] for i in group] for group in step_groups([len(s.rows) for s in steps], rows.shape[-1],
+                                                                rows.device)]
+
+
+def _controlled(steps: list[_Judged]) -> torch.Tensor:
+    """The steps' rows, in order, widened to fp32 and put through their logit controls and their grammars'
+    masks: each for all the steps at once."""
+    logits = torch.cat([step.rows for step in steps]).float()  # a copy, which the controls change in place
+    first_rows = list(itertools.accumulate((len(step.rows) for step in steps), initial=0))
+    controlled = [ControlledStep(first, step.entry.work.seq.logits_processor, step.entry.work.seq.tokens,
+                                 step.entry.draft.token_ids, step.entry.draft.tree_parents)
+                  for first, step in zip(first_rows, steps) if step.entry.work.seq.logits_processor is not None]
+    if controlled:
+        apply_logit_controls(logits, controlled)
+    masked = [(first, step.masks) for first, step in zip(first_rows, steps) if step.masks is not None]
+    if masked:
+        rows = torch.tensor([first + r for first, masks in masked for r in range(len(masks))], device=logits.device)
+        allowed = torch.cat([masks for _, masks in masked]).to(logits.device)
+        logits.index_copy_(0, rows, logits.index_select(0, rows).masked_fill_(~allowed, float("-inf")))
+    return logits
+
+
+def _judge_greedy(steps: list[_Judged]) -> list[Verdict]:
+    targets = torch.cat([greedy_choices(_controlled(group)) for group in _groups(steps)]).tolist()
     verdicts, row = [], 0
-    for entry, step_rows in zip(entries, rows):
-        verdicts.append(verify_greedy(entry.draft.token_ids, targets[row: row + len(step_rows)],
-                                      entry.draft.tree_parents))
-        row += len(step_rows)
+    for step in steps:
+        draft = step.entry.draft
+        verdicts.append(verify_greedy(draft.token_ids, targets[row: row + len(step.rows)], draft.tree_parents))
+        row += len(step.rows)
     return verdicts
 
 
-def _judge_sampled(entries: list[Scheduled], rows: list[torch.Tensor]) -> list[Verdict | RuntimeError]:
-    """The steps' target probabilities and decisions group by group (sampling.step_groups), all read with one
-    copy to the host."""
-    vocab, device = rows[0].shape[-1], rows[0].device
-    groups = step_groups([len(step_rows) for step_rows in rows], vocab, device)
-    steps, decisions = [], []
-    for group in groups:
-        probs = batch_target_probs(torch.cat([rows[i] for i in group]).float(),
-                                   [entries[i].work.seq.params.sampling for i in group], [len(rows[i]) for i in group])
+def _judge_sampled(steps: list[_Judged]) -> list[Verdict | RuntimeError]:
+    """The steps' target probabilities and decisions group by group, all read with one copy to the host."""
+    vocab, device = steps[0].rows.shape[-1], steps[0].rows.device
+    groups, decisions = [], []
+    for group in _groups(steps):
+        probs = batch_target_probs(_controlled(group), [step.entry.work.seq.params.sampling for step in group],
+                                   [len(step.rows) for step in group])
         first, group_steps = 0, []
-        for i in group:
-            draft = entries[i].draft
+        for step in group:
+            draft = step.entry.draft
             proposals = draft.proposal_probs
             if draft.proposals:
                 sparse = [(q.token_ids, q.probs) for q in draft.proposals]
                 proposals = dense_proposals(sparse, vocab, device)
-            group_steps.append(SampledStep(draft.token_ids, first, entries[i].work.seq.generator, proposals,
+            group_steps.append(SampledStep(draft.token_ids, first, step.entry.work.seq.generator, proposals,
                                            draft.tree_parents))
-            first += len(rows[i])
+            first += len(step.rows)
         decisions.append(sampled_decisions(probs, group_steps))
-        steps.append(group_steps)
+        groups.append(group_steps)
     decided = iter(torch.cat(decisions).tolist())
-    return [verdict for group_steps in steps for verdict in sampled_verdicts(group_steps, decided)]
+    return [verdict for group_steps in groups for verdict in sampled_verdicts(group_steps, decided)]
 
 
 def _fed_tokens(entry: Scheduled) -> list[int]:

@@ -9,11 +9,13 @@
 - memory: the KV 64 live sequences of mixed lengths hold against their
   tokens' own, and the tokens 16 concurrent requests sharing a 1,000-token
   system prompt compute against their unique prompt tokens;
-- judging: the host time of a pass outside its forward (acceptance, the
-  tokens' bookkeeping) at 64 sequences, greedy, sampled, sampled with
-  top-p, and with Qwen3's defaults (top-k 20, top-p 0.95), decoding and
+- judging: the host time of a pass outside its forward (logit controls,
+  acceptance, the tokens' bookkeeping) at 64 sequences, greedy, sampled,
+  sampled with top-p, with Qwen3's and Qwen2.5's defaults (the latter's
+  with a repetition penalty) and greedy with that penalty, decoding and
   verifying 3-token chains, on a tiny model with SmolLM2's vocabulary;
-  medians of repeated passes;
+  medians of repeated passes, and the operations torch dispatches in a
+  pass (on an accelerator, each a kernel launch);
 - scale: decode tokens/s of SmolLM2 in process at 32, 64 and 128 sequences;
 - throughput: 8 concurrent greedy requests against 1 at a time through the
   real `speclane serve` stack, with speculation off and suffix decoding.
@@ -29,6 +31,7 @@ import tempfile
 import time
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from speclane.models import DEFAULT_MODEL, resolve_model
 from speclane.net import free_port, wait_http_ok
@@ -163,11 +166,37 @@ def memory() -> dict:
             "computed_ratio": round(computed / unique, 3), "block_size": BLOCK}
 
 
-# Qwen3's generation_config.json sets temperature 0.6, top-k 20 and top-p 0.95, which the gateway applies to
-# requests that leave them out (--generation-config auto, as vLLM).
+# The gateway applies a model's generation_config.json to requests that leave its settings out
+# (--generation-config auto, as vLLM): Qwen3's are temperature 0.6, top-k 20 and top-p 0.95; Qwen2.5-Instruct's
+# add a repetition penalty, a logit control of every sequence.
 JUDGED = (("greedy", {}), ("sampled", {"temperature": 0.8}),
           ("sampled, top-p 0.95", {"temperature": 0.8, "top_p": 0.95}),
-          ("Qwen3's defaults", {"temperature": 0.6, "top_k": 20, "top_p": 0.95}))
+          ("Qwen3's defaults", {"temperature": 0.6, "top_k": 20, "top_p": 0.95}),
+          ("Qwen2.5's defaults", {"temperature": 0.7, "top_k": 20, "top_p": 0.8, "repetition_penalty": 1.05}),
+          ("greedy, repetition penalty 1.05", {"repetition_penalty": 1.05}))
+
+
+class OperationCount(TorchDispatchMode):
+    """Counts the operations torch dispatches in its scope on this thread: on an accelerator each is a kernel
+    launch (the engine's own CPU kernels are called directly and not counted)."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _submit_chains(engine, seqs, k: int, vocab_size: int) -> list[list]:
+    """Each sequence's next step with a k-token chain continuing its last token; the boxes its answers land in."""
+    from verifier_service.sequence import Draft
+
+    answers = [[] for _ in seqs]
+    for seq, box in zip(seqs, answers):
+        engine.submit(seq, Draft(tuple((seq.tokens[-1] + j + 1) % vocab_size for j in range(k))), box.append)
+    return answers
 
 
 def judging(num_seqs: int, repeats: int, vocab_size: int = 49152) -> list[dict]:
@@ -188,25 +217,25 @@ def judging(num_seqs: int, repeats: int, vocab_size: int = 49152) -> list[dict]:
             engine = Engine(runner, BlockManager(num_seqs * 16, BLOCK, False),
                             BatchLimits(max_tokens=4096, max_sequences=num_seqs, max_queue_wait=3600),
                             on_step=lambda stats: forwards.append(stats.forward_seconds))
-            params = GenerationParams(max_new_tokens=(repeats + 2) * (k + 1), ignore_eos=True,
+            params = GenerationParams(max_new_tokens=(repeats + 3) * (k + 1), ignore_eos=True,
                                       sampling=SamplingParams(seed=0, **sampling))
             seqs = [engine.open(f"j{i}", [(i * 31 + j * 7) % (vocab_size - 4) + 4 for j in range(64)], params)
                     for i in range(num_seqs)]
             engine.run_together([(seq, Draft()) for seq in seqs])
             passes, forward = [], []
             for _ in range(repeats + 1):  # the first pass warms up
-                answers = [[] for _ in seqs]
-                for seq, box in zip(seqs, answers):
-                    draft = Draft(tuple((seq.tokens[-1] + j + 1) % vocab_size for j in range(k)))
-                    engine.submit(seq, draft, box.append)
+                answers = _submit_chains(engine, seqs, k, vocab_size)
                 counted, started = len(forwards), time.perf_counter()
                 _drive(engine, answers)
                 passes.append(time.perf_counter() - started)
                 forward.append(sum(forwards[counted:]))
+            answers = _submit_chains(engine, seqs, k, vocab_size)
+            with OperationCount() as operations:
+                _drive(engine, answers)
             pass_ms, forward_ms = statistics.median(passes[1:]) * 1e3, statistics.median(forward[1:]) * 1e3
             rows.append({"sampling": name, "draft_tokens": k, "sequences": num_seqs, "vocab": vocab_size,
                          "pass_ms": round(pass_ms, 2), "forward_ms": round(forward_ms, 2),
-                         "host_ms": round(pass_ms - forward_ms, 2)})
+                         "host_ms": round(pass_ms - forward_ms, 2), "operations": operations.count})
             for seq in seqs:
                 engine.close(seq)
     return rows

@@ -11,3 +11,6 @@ def test_the_judging_section_times_every_setting_with_and_without_a_draft():
         assert row["sequences"] == 3 and row["vocab"] == 512
         assert 0 < row["forward_ms"] <= row["pass_ms"]
         assert abs(row["host_ms"] - (row["pass_ms"] - row["forward_ms"])) < 0.02  # the fields rounded apart
+    operations = {(row["sampling"], row["draft_tokens"]): row["operations"] for row in rows}
+    # The same pass with a repetition penalty dispatches more operations, counted in its scope only.
+    assert 0 < operations["greedy", 0] < operations["greedy, repetition penalty 1.05", 0]

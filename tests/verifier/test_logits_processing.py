@@ -4,6 +4,7 @@ equal to one-token-at-a-time decoding, sampled speculation distributed as
 the processed target, and validation down to gRPC status codes."""
 
 import asyncio
+import gc
 import math
 
 import grpc
@@ -14,8 +15,15 @@ from scipy.stats import chisquare
 
 from protos.conventions import chain_parents
 from protos.verifier.v1 import verifier_pb2
+from speclane_cli.bench.verifier import OperationCount
 from verifier_service.errors import InvalidRequest
-from verifier_service.logits_processing import LogitsProcessor, make_logits_processor
+from verifier_service.logits_processing import (
+    ControlledStep,
+    LogitsProcessor,
+    TokenCounts,
+    apply_logit_controls,
+    make_logits_processor,
+)
 from verifier_service.sampling import (
     CPU_GROUP_BYTES,
     NUCLEUS_WIDTH,
@@ -37,16 +45,24 @@ CPU = torch.device("cpu")
 INF = math.inf
 
 
+def processor_for(params: SamplingParams, prompt, vocab: int, stop=frozenset()) -> LogitsProcessor:
+    return LogitsProcessor(params, len(prompt), frozenset(stop), TokenCounts(vocab, CPU))
+
+
+def process(processor: LogitsProcessor, rows, tokens, draft=(), parents=None) -> torch.Tensor:
+    """One step's rows through its processor (a copy: the raw rows stay raw, as logprobs use them)."""
+    step = ControlledStep(0, processor, list(tokens), list(draft), parents or chain_parents(len(draft)))
+    return apply_logit_controls(rows.clone(), [step])
+
+
 def processed(params: SamplingParams, prompt, output, rows, draft=(), parents=None, stop=frozenset()):
-    processor = LogitsProcessor(params, prompt, frozenset(stop), rows.shape[-1], CPU)
-    return processor(rows, [*prompt, *output], list(draft), parents or chain_parents(len(draft)))
+    return process(processor_for(params, prompt, rows.shape[-1], stop), rows, [*prompt, *output], draft, parents)
 
 
 def test_logit_bias_is_added_to_every_row():
     rows = torch.tensor([[1.0, 2.0, 3.0, 4.0], [0.0, 0.0, 0.0, 0.0]])
     out = processed(SamplingParams(logit_bias={0: 2.5, 3: -100.0}), [1], [], rows, draft=[2])
     assert torch.equal(out, torch.tensor([[3.5, 2.0, 3.0, -96.0], [2.5, 0.0, 0.0, -100.0]]))
-    assert torch.equal(rows[0], torch.tensor([1.0, 2.0, 3.0, 4.0]))  # the raw rows stay raw (logprobs use them)
 
 
 def test_min_tokens_masks_stop_tokens_in_rows_short_of_it():
@@ -85,9 +101,95 @@ def test_each_row_is_penalised_with_the_draft_path_that_leads_to_it():
 
 
 def test_output_counts_follow_each_steps_committed_tokens():
-    processor = LogitsProcessor(SamplingParams(frequency_penalty=1.0), [0], frozenset(), 4, CPU)
-    assert torch.equal(processor(torch.zeros(1, 4), [0, 1], [], ()), torch.tensor([[0.0, -1.0, 0.0, 0.0]]))
-    assert torch.equal(processor(torch.zeros(1, 4), [0, 1, 2, 2], [], ()), torch.tensor([[0.0, -1.0, -2.0, 0.0]]))
+    processor = processor_for(SamplingParams(frequency_penalty=1.0), [0], 4)
+    assert torch.equal(process(processor, torch.zeros(1, 4), [0, 1]), torch.tensor([[0.0, -1.0, 0.0, 0.0]]))
+    assert torch.equal(process(processor, torch.zeros(1, 4), [0, 1, 2, 2]), torch.tensor([[0.0, -1.0, -2.0, 0.0]]))
+
+
+# Steps with every kind of control: (controls, prompt, output, draft, parents); None: a step without controls.
+MIXED = [
+    ({"repetition_penalty": 1.5, "frequency_penalty": 0.5, "presence_penalty": 0.25}, [1, 2], [3, 3, 4], [5, 3, 6],
+     None),
+    ({"logit_bias": {7: 3.0, 2: -1.5}, "min_tokens": 4}, [8], [9], [7, 10, 7], (-1, -1, 1)),
+    None,
+    ({"repetition_penalty": 0.8}, [11, 12, 11], [], [], None),
+    ({"frequency_penalty": -0.75, "logit_bias": {13: 2.0}}, [14], [15, 13, 13], [13, 16, 13, 17], (-1, 0, 0, 2)),
+    ({"min_tokens": 2}, [18], [], [19], None),
+    None,
+    ({"presence_penalty": 1.0, "min_tokens": 9}, [20], [21, 22], [21, 21], None),
+]
+MIXED_VOCAB, MIXED_STOP = 32, frozenset({0, 19})
+
+
+def mixed_pass(processors, extra: list[int], generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """MIXED's steps in one pass, each sequence having committed `extra` more tokens: their rows processed
+    together, and each step's processed alone by a fresh processor (the steps without controls: raw)."""
+    steps, raw, alone, first = [], [], [], 0
+    for spec, processor in zip(MIXED, processors):
+        draft, parents = (spec[3], spec[4] or chain_parents(len(spec[3]))) if spec else ([4, 5], chain_parents(2))
+        rows = torch.randn(len(draft) + 1, MIXED_VOCAB, generator=generator) * 3
+        raw.append(rows)
+        if spec is None:
+            alone.append(rows)
+            first += len(rows)
+            continue
+        tokens = [*spec[1], *spec[2], *extra]
+        own = processor_for(processor.params, spec[1], MIXED_VOCAB, MIXED_STOP)
+        alone.append(process(own, rows, tokens, draft, parents))
+        steps.append(ControlledStep(first, processor, tokens, draft, parents))
+        first += len(rows)
+    return apply_logit_controls(torch.cat(raw), steps), torch.cat(alone)
+
+
+def test_a_pass_processes_its_steps_together_as_each_alone():
+    """Every kind of control, chains and trees, steps without controls between them (left raw), a table that
+    must grow, and counts carried from one pass to the next: each row equals its step processed alone, bit for
+    bit."""
+    table = TokenCounts(MIXED_VOCAB, CPU, capacity=1)
+    processors = [spec and make_logits_processor(SamplingParams(**spec[0]), len(spec[1]), MIXED_STOP, table)
+                  for spec in MIXED]
+    generator = torch.Generator().manual_seed(3)
+    for extra in ([], [23, 5, 23]):  # the second pass: three more tokens committed by each sequence
+        together, alone = mixed_pass(processors, extra, generator)
+        assert torch.equal(together, alone)
+    assert len(table.counts) == 4  # doubled from 1 for MIXED's four penalised sequences
+
+
+def test_a_finished_sequences_row_is_taken_again_cleared():
+    table = TokenCounts(4, CPU, capacity=1)
+    first = make_logits_processor(SamplingParams(frequency_penalty=1.0), 1, frozenset(), table)
+    assert torch.equal(apply_logit_controls(torch.zeros(1, 4), [ControlledStep(0, first, [3, 1, 1], [], ())]),
+                       torch.tensor([[0.0, -2.0, 0.0, 0.0]]))
+    row = first.row
+    del first
+    gc.collect()
+    second = make_logits_processor(SamplingParams(repetition_penalty=2.0), 1, frozenset(), table)
+    out = apply_logit_controls(torch.ones(1, 4), [ControlledStep(0, second, [2, 0], [], ())])
+    assert second.row == row and len(table.counts) == 1
+    assert torch.equal(out, torch.tensor([[0.5, 1.0, 0.5, 1.0]]))  # its prompt and output, none of the first's
+
+
+def test_a_pass_of_more_steps_runs_no_more_operations():
+    """On an accelerator each operation is a kernel launch and each copy to it may wait for the device: twelve
+    steps of every control cost what four do."""
+
+    def operations(count: int) -> int:
+        table = TokenCounts(MIXED_VOCAB, CPU, capacity=2 * count)
+        specs = [spec for spec in MIXED if spec is not None][:4] * (count // 4)
+        processors = [make_logits_processor(SamplingParams(**spec[0]), len(spec[1]), MIXED_STOP, table)
+                      for spec in specs]
+        counted = OperationCount()
+        for extra in ([], [23]):  # a first pass, and one with a committed token more
+            steps, first = [], 0
+            for spec, processor in zip(specs, processors):
+                parents = spec[4] or chain_parents(len(spec[3]))
+                steps.append(ControlledStep(first, processor, [*spec[1], *spec[2], *extra], spec[3], parents))
+                first += len(spec[3]) + 1
+            with counted:
+                apply_logit_controls(torch.zeros(first, MIXED_VOCAB), steps)
+        return counted.count
+
+    assert operations(12) == operations(4)
 
 
 def test_min_p_cuts_after_temperature():
@@ -166,7 +268,7 @@ def test_a_cpu_judges_rows_in_groups_within_its_budget_and_an_accelerator_all_at
 
 def test_a_request_without_controls_gets_no_processor():
     def processor(**controls):
-        return make_logits_processor(SamplingParams(**controls), [1], frozenset({2}), VOCAB, CPU)
+        return make_logits_processor(SamplingParams(**controls), 1, frozenset({2}), TokenCounts(VOCAB, CPU))
 
     assert processor(temperature=1.0, top_k=5, top_p=0.9, min_p=0.1) is None
     for control in ({"presence_penalty": 0.1}, {"frequency_penalty": -0.1}, {"repetition_penalty": 1.1},
@@ -238,6 +340,24 @@ def test_greedy_speculation_with_controls_equals_one_token_at_a_time(engine, hf_
         assert all(step.num_accepted >= 3 for step in steps[1:-1])
 
 
+def test_sequences_with_different_controls_speculate_together_as_each_alone(engine, hf_model):
+    """Greedy sequences with different controls (and one with none) verify their drafts in shared passes, their
+    rows processed together: each output is its own one-token-at-a-time reference."""
+    controls = [CONTROLS, SamplingParams(repetition_penalty=1.6, min_tokens=10),
+                SamplingParams(logit_bias={45: 4.0, 3: 2.5}), SamplingParams(),
+                SamplingParams(frequency_penalty=0.9, presence_penalty=-0.5, min_tokens=6)]
+    params = [GenerationParams(sampling, max_new_tokens=16) for sampling in controls]
+    refs = [reference_greedy(hf_model, p, STOP) for p in params]
+    drafters = [DRAFTERS["right"], DRAFTERS["tree"], DRAFTERS["partly_right"], DRAFTERS["right"], DRAFTERS["wrong"]]
+    seqs = [engine.open(f"s{i}", PROMPT, p) for i, p in enumerate(params)]
+    engine.run_together([(seq, Draft()) for seq in seqs])
+    while running := [(seq, drafter(ref[seq.num_generated:])) for seq, drafter, ref in zip(seqs, drafters, refs)
+                      if not seq.finished]:
+        engine.run_together(running)
+    assert [seq.tokens[len(PROMPT):] for seq in seqs] == refs
+    assert len({tuple(ref) for ref in refs}) == len(refs)  # the controls matter
+
+
 @pytest.mark.parametrize("temperature", [None, 1.0])
 def test_min_tokens_holds_a_favoured_stop_token_back_even_when_drafted(engine, temperature):
     eos = GENERATION_EOS[0]
@@ -282,8 +402,7 @@ def test_sampled_speculation_draws_each_position_from_its_processed_distribution
     tokens, draft = CHI_PROMPT + CHI_OUTPUT, [CHI_DRAFT, 7]
     with torch.no_grad():
         rows = hf_model(torch.tensor([tokens + draft])).logits[0, len(tokens) - 1:]
-    processor = LogitsProcessor(SAMPLED, CHI_PROMPT, frozenset(), VOCAB, CPU)
-    probs = target_probs(processor(rows, tokens, draft, chain_parents(2)), SAMPLED)
+    probs = target_probs(process(processor_for(SAMPLED, CHI_PROMPT, VOCAB), rows, tokens, draft), SAMPLED)
     generator = torch.Generator().manual_seed(0)
     outputs = [verify_sampled(draft, probs, generator).token_ids for _ in range(TRIALS)]
 
