@@ -42,9 +42,10 @@ class GatewayConfig:
     speculation_debug: str = option("", "experiments only: a JSON object switching step-planner policies off, "
                                         "e.g. '{\"next_round\": false, \"lookup\": \"off\", \"break_even\": false}' "
                                         "(docs/reference/speculative-config.md); empty: as shipped")
-    generation_config: str = option("auto", "auto: a request's missing temperature, top_p, top_k come from the "
-                                            "model's generation_config.json (else temperature 1.0); vllm: "
-                                            "ignore the file, as vLLM's flag")
+    generation_config: str = option("auto", "auto: a request's missing temperature, top_p, top_k, "
+                                            "repetition_penalty, min_p and max_tokens (max_new_tokens) come "
+                                            "from the model's generation_config.json (else temperature 1.0), as "
+                                            "vLLM's; vllm: ignore the file, as vLLM's flag")
     chat_template: str = option("", "Jinja chat template (a file, or the template itself) used instead of the "
                                     "model's")
     tool_call_parser: str = option("hermes", "how tool calls are read from the output: hermes (<tool_call> "

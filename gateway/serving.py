@@ -16,7 +16,7 @@ from gateway.limits import DEFAULT_MAX_REQUEST_BODY_BYTES, ConcurrencyLimiter
 from gateway.metrics import GatewayMetrics
 from gateway.reasoning import ReasoningParser
 from gateway.response_store import DEFAULT_MAX_STORED_RESPONSES, ResponseStore
-from gateway.sampling_defaults import SamplingDefaults
+from gateway.sampling_defaults import MAX_REPETITION_PENALTY, SamplingDefaults
 from gateway.stop_strings import StopStringMatcher
 from gateway.tool_calls import TOOL_CALL_PARSERS, ToolCallParser
 from gateway.types import (
@@ -33,7 +33,6 @@ MAX_STOP_STRINGS = 4  # OpenAI's limit
 CACHE_SALT = re.compile(CACHE_SALT_PATTERN)
 MAX_SEED = 2**64  # seeds travel as uint64
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit
-MAX_REPETITION_PENALTY = 2.0  # vLLM's bound
 MAX_TOP_K = 2**31 - 1  # larger top_k are sent as this (the same: no cut)
 
 GenerateFn = Callable[[GenerationRequest], AsyncIterator[TokenDelta]]
@@ -144,10 +143,10 @@ def _check_params(params: GenerationParams) -> None:
     for name in ("presence_penalty", "frequency_penalty"):
         if not -2 <= getattr(controls, name) <= 2:
             raise InvalidRequest(f"{name} must be between -2 and 2, got {getattr(controls, name)}", name)
-    if not 0 < controls.repetition_penalty <= MAX_REPETITION_PENALTY:
+    if controls.repetition_penalty is not None and not 0 < controls.repetition_penalty <= MAX_REPETITION_PENALTY:
         raise InvalidRequest(f"repetition_penalty must be in (0, {MAX_REPETITION_PENALTY}], got "
                              f"{controls.repetition_penalty}", "repetition_penalty")
-    if not 0 <= controls.min_p <= 1:
+    if controls.min_p is not None and not 0 <= controls.min_p <= 1:
         raise InvalidRequest(f"min_p must be between 0 and 1, got {controls.min_p}", "min_p")
     if controls.min_tokens < 0 or (params.max_tokens is not None and controls.min_tokens > params.max_tokens):
         raise InvalidRequest(f"min_tokens must be between 0 and max_tokens, got {controls.min_tokens}", "min_tokens")
@@ -177,7 +176,7 @@ def _max_tokens(ctx: ServingContext, prompt_len: int, requested: int | None) -> 
         raise InvalidRequest(f"This model's maximum context length is {ctx.max_context_len} tokens. However, your "
                              f"request has {prompt_len} input tokens. Please reduce the length of the input messages.")
     if requested is None:
-        return min(room, ctx.max_tokens_limit) if ctx.max_tokens_limit else room
+        return min(limit for limit in (room, ctx.max_tokens_limit, ctx.sampling_defaults.max_tokens) if limit)
     if ctx.max_tokens_limit and requested > ctx.max_tokens_limit:
         raise InvalidRequest(f"max_tokens must be at most {ctx.max_tokens_limit} on this server, got {requested}",
                              "max_tokens")
@@ -191,6 +190,13 @@ def _max_tokens(ctx: ServingContext, prompt_len: int, requested: int | None) -> 
 
 def _given_or(value, default):
     return default if value is None else value
+
+
+def _logit_controls(ctx: ServingContext, params: GenerationParams) -> LogitControls:
+    """The request's controls, the model's defaults for those it leaves out."""
+    controls, defaults = params.logit_controls, ctx.sampling_defaults
+    return replace(controls, repetition_penalty=_given_or(controls.repetition_penalty, defaults.repetition_penalty),
+                   min_p=_given_or(controls.min_p, defaults.min_p), logit_bias=_logit_bias(ctx, params.logit_bias))
 
 
 def build_generation_request(ctx: ServingContext, request_id: str, params: GenerationParams, *,
@@ -238,7 +244,7 @@ def build_generation_request(ctx: ServingContext, request_id: str, params: Gener
         ignore_eos=params.ignore_eos,
         tenant=params.tenant,
         cache_salt=params.cache_salt or "",
-        logit_controls=replace(params.logit_controls, logit_bias=_logit_bias(ctx, params.logit_bias)),
+        logit_controls=_logit_controls(ctx, params),
         logprobs=params.logprobs,
         grammar=params.grammar,
         prediction_token_ids=tuple(ctx.tokenizer.encode(params.prediction, add_special_tokens=False))

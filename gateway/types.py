@@ -11,12 +11,13 @@ CACHE_SALT_PATTERN = r"[^@/\\\x00]{1,128}"
 
 @dataclass(frozen=True)
 class LogitControls:
-    """vLLM's logit controls; the verifier applies them at every verified position."""
+    """vLLM's logit controls; the verifier applies them at every verified position. A request leaving
+    repetition_penalty or min_p out (None) gets the model's default (gateway/sampling_defaults.py)."""
 
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    min_p: float = 0.0
+    repetition_penalty: float | None = None
+    min_p: float | None = None
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias)
     min_tokens: int = 0
 

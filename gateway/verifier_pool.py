@@ -27,7 +27,9 @@ log = structlog.get_logger()
 # least busy verifier has; beyond that, prefilling it again elsewhere balances the load.
 AFFINITY_SLACK = 2
 
-NEUTRAL_LOGIT_CONTROLS = {name: getattr(LogitControls(), name) for name in SCALAR_LOGIT_CONTROLS}
+# What the verifier assumes of a control left unset.
+NEUTRAL_LOGIT_CONTROLS = {name: getattr(LogitControls(repetition_penalty=1.0, min_p=0.0), name)
+                          for name in SCALAR_LOGIT_CONTROLS}
 
 
 class VerifierSession:
@@ -68,7 +70,7 @@ class VerifierSession:
                 setattr(sampling, name, value)
         controls = request.logit_controls
         for name, neutral in NEUTRAL_LOGIT_CONTROLS.items():
-            if getattr(controls, name) != neutral:
+            if getattr(controls, name) not in (None, neutral):
                 setattr(sampling, name, getattr(controls, name))
         sampling.logit_bias.update(controls.logit_bias)
         speculation = request.speculation

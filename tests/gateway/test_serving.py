@@ -1,4 +1,5 @@
 import dataclasses
+import json
 
 import pytest
 
@@ -6,7 +7,7 @@ from gateway.chat_template import ChatPrompt
 from gateway.errors import InvalidRequest, ModelNotFound, Overloaded
 from gateway.sampling_defaults import SamplingDefaults, read_sampling_defaults
 from gateway.serving import GenerationParams, build_generation_request, generate_text
-from gateway.types import SpeculationUsage
+from gateway.types import LogitControls, SpeculationUsage
 from speclane.speculation import DEFAULT_SPECULATIVE_TOKENS, DrafterLimits, SpeculationSettings
 from tests.gateway.fakes import COMPLETION, FAKE_CACHED_TOKENS, MODEL_NAME, ScriptedEngine, make_context
 
@@ -200,19 +201,37 @@ def test_chat_prompt_with_every_tokenizer(any_tokenizer, engine):
     assert build(ctx).stop_token_ids == [any_tokenizer.convert_tokens_to_ids("<|im_end|>")]
 
 
+def settings(request) -> tuple:
+    controls = request.logit_controls
+    return (request.temperature, request.top_p, request.top_k, controls.repetition_penalty, controls.min_p,
+            request.max_tokens)
+
+
 def test_left_out_sampling_settings_take_the_models_defaults(ctx):
-    """As OpenAI and vLLM: no temperature is not greedy; the model's generation config decides, else 1.0."""
-    assert (build(ctx).temperature, build(ctx).top_p, build(ctx).top_k) == (1.0, None, None)
-    ctx.sampling_defaults = SamplingDefaults(temperature=0.6, top_p=0.9, top_k=20)
-    request = build(ctx)
-    assert (request.temperature, request.top_p, request.top_k) == (0.6, 0.9, 20)
-    explicit = build(ctx, GenerationParams(temperature=0.0, top_p=1.0, top_k=-1))
-    assert (explicit.temperature, explicit.top_p, explicit.top_k) == (0.0, 1.0, None)
+    """As OpenAI and vLLM: no temperature is not greedy; the model's generation config decides, else 1.0 with no
+    penalty; its max_new_tokens bounds a request that sets no max_tokens."""
+    room = ctx.max_context_len - len(build(ctx).prompt_token_ids)
+    assert settings(build(ctx)) == (1.0, None, None, 1.0, 0.0, room)
+    ctx.sampling_defaults = SamplingDefaults(temperature=0.6, top_p=0.9, top_k=20, repetition_penalty=1.05,
+                                             min_p=0.02, max_tokens=7)
+    assert settings(build(ctx)) == (0.6, 0.9, 20, 1.05, 0.02, 7)
+    explicit = build(ctx, GenerationParams(temperature=0.0, top_p=1.0, top_k=-1, max_tokens=9, logit_controls=(
+        LogitControls(repetition_penalty=1.0, min_p=0.0, presence_penalty=0.5))))
+    assert settings(explicit) == (0.0, 1.0, None, 1.0, 0.0, 9)
+    assert explicit.logit_controls.presence_penalty == 0.5
 
 
 def test_sampling_defaults_come_from_generation_config_json(tmp_path):
     assert read_sampling_defaults(tmp_path) == SamplingDefaults()  # no file
-    config = '{"temperature": 0.7, "top_p": 0.8, "top_k": 0, "do_sample": true}'
-    (tmp_path / "generation_config.json").write_text(config)
+    config = {"temperature": 0.7, "top_p": 0.8, "top_k": 0, "do_sample": True}
+    (tmp_path / "generation_config.json").write_text(json.dumps(config))
     assert read_sampling_defaults(tmp_path) == SamplingDefaults(temperature=0.7, top_p=0.8, top_k=None)
+    assert read_sampling_defaults(tmp_path, "vllm") == SamplingDefaults()
+    # Qwen2.5-Instruct's, and a maximum length
+    config |= {"top_k": 20, "repetition_penalty": 1.05, "min_p": 0.01, "max_new_tokens": 2048}
+    (tmp_path / "generation_config.json").write_text(json.dumps(config))
+    assert read_sampling_defaults(tmp_path) == SamplingDefaults(0.7, 0.8, 20, 1.05, 0.01, 2048)
+    (tmp_path / "generation_config.json").write_text(json.dumps(config | {"repetition_penalty": 0}))
+    with pytest.raises(ValueError, match="generation_config.json: a sampling setting is out of range"):
+        read_sampling_defaults(tmp_path)
     assert read_sampling_defaults(tmp_path, "vllm") == SamplingDefaults()
