@@ -55,7 +55,11 @@ async def _check_drafter(drafter: DrafterClient, drafter_wide: dict) -> None:
 
 def _load(model_dir, config: GatewayConfig):
     """The tokenizer (with its chat template) and the sampling defaults of the model in `model_dir`."""
-    return load_tokenizer(model_dir), read_sampling_defaults(model_dir, config.generation_config)
+    try:
+        defaults = read_sampling_defaults(model_dir, config.generation_config)
+    except ValueError as refused:
+        raise SystemExit(f"gateway: refused to start: {refused}") from None
+    return load_tokenizer(model_dir), defaults
 
 
 async def run(config: GatewayConfig) -> None:
