@@ -28,7 +28,16 @@ def test_keeps_an_allocator_already_preloaded(preload):
 
 def test_runs_on_glibc_where_no_tcmalloc_is_installed():
     assert allocator.preload_environment({}, lambda name: None) is None
-    assert allocator.allocator({}).startswith("glibc")
+    assert allocator.allocator({}).startswith("glibc (")
+
+
+def test_the_verifier_raises_glibcs_thresholds_where_no_tcmalloc_is_installed():
+    raised = allocator.preload_environment({"PATH": "/bin"}, lambda name: None, glibc_thresholds=True)
+    assert raised == {"PATH": "/bin", **allocator.GLIBC_THRESHOLDS}
+    assert allocator.preload_environment(raised, lambda name: None, glibc_thresholds=True) is None  # once
+    assert allocator.preload_environment({"MALLOC_TOP_PAD_": "0"}, lambda name: None, glibc_thresholds=True) is None
+    assert allocator.preload_environment({}, found, glibc_thresholds=True) == {"LD_PRELOAD": found("tcmalloc_minimal")}
+    assert allocator.allocator(raised).startswith("glibc, its thresholds raised")
 
 
 @pytest.mark.parametrize(("main", "command"), [(launch.main, ["-m", "verifier_service", "--model", "m"]),
@@ -37,7 +46,7 @@ def test_each_service_reexecutes_its_command_line_first(monkeypatch, main, comma
     calls = []
     monkeypatch.setattr(sys, "platform", "linux")
     monkeypatch.setattr(sys, "orig_argv", ["python3", *command])
-    monkeypatch.setattr(allocator, "preload_environment", lambda environ: {"LD_PRELOAD": "libtcmalloc.so"})
+    monkeypatch.setattr(allocator, "preload_environment", lambda environ, **_: {"LD_PRELOAD": "libtcmalloc.so"})
     monkeypatch.setattr(allocator.os, "execve", lambda *args: calls.append(args) or sys.exit(0))
     with pytest.raises(SystemExit):
         main()

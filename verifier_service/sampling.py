@@ -144,3 +144,18 @@ def _nucleus(probs: torch.Tensor, top_p: torch.Tensor, likeliest: torch.Tensor |
     kept = values.masked_fill((values.cumsum(dim=-1) - values) >= top_p, 0.0)
     nucleus = torch.zeros_like(probs).scatter(-1, order, kept)
     return torch.where(cut, nucleus / nucleus.sum(dim=-1, keepdim=True), probs)
+
+
+def draw(probs: torch.Tensor, uniforms: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A token from each row of `probs` [m, vocab] (non-negative, not necessarily normalised), by inverting its
+    cumulative sum at the row's uniform in [0, 1): torch.multinomial's distribution, but from a uniform drawn
+    with the sequence's generator, so rows of many sequences are drawn in one operation. A token of probability
+    0 is never drawn. The sum in float64 where the device computes it natively, so its rounding skews no
+    token's chance; elsewhere (an Ascend NPU leaves float64 to its AI CPU) in float32, off by at most half an
+    ulp of the running sum (3e-8) per token; `dtype` chooses."""
+    exact = dtype or (torch.float64 if probs.device.type in ("cpu", "cuda") else torch.float32)
+    cumulative = probs.to(exact).cumsum(-1)
+    # A uniform below 1 times the total stays below it (in float32 too), so a token with mass is found; the clamp
+    # keeps a row without finite mass (_usable) in the vocabulary.
+    tokens = torch.searchsorted(cumulative, uniforms.to(exact)[:, None] * cumulative[:, -1:], right=True)[:, 0]
+    return tokens.clamp(max=probs.shape[-1] - 1)

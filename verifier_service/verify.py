@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from protos.conventions import chain_parents
+from verifier_service.sampling import draw
 from verifier_service.sequence import TokenLogprob
 from verifier_service.tree import children, is_chain
 
@@ -66,9 +67,9 @@ class SampledStep:
 
     @property
     def decided_together(self) -> bool:
-        """A deterministic chain, decided with the pass's others (_plain_chain_decisions); else by its own
-        operations (_own_decisions)."""
-        return self.proposals is None and self.is_chain
+        """A chain, decided with the pass's others (_chains_decisions); a tree by its own operations
+        (_tree_decisions)."""
+        return self.is_chain
 
 
 def verify_sampled(
@@ -102,22 +103,22 @@ def verify_sampled_batch(probs: torch.Tensor, steps: Sequence[SampledStep]) -> l
 
 def sampled_decisions(probs: torch.Tensor, steps: Sequence[SampledStep]) -> torch.Tensor:
     """What decides each step's verdict, left on the device (1-D, int64), so that the sampled steps of a pass
-    are read with one copy to the host rather than a wait for the device per sequence. Deterministic chains,
-    the drafters' drafts and plain decodes, are decided together in a few operations; a draft with proposals
-    or a tree by its own. Each step draws its uniforms from its own generator, so a seeded request's outcome
-    does not depend on the rest of the pass."""
-    plain, own = _partition(steps)
-    parts = [_plain_chain_decisions(probs, [steps[i] for i in plain]).flatten()] if plain else []
-    parts += [_own_decisions(probs, steps[i]) for i in own]
+    are read with one copy to the host rather than a wait for the device per sequence. Chains (the drafters'
+    and heads' drafts, with or without proposals, and plain decodes) are decided together in a few operations;
+    a tree by its own. Each step draws its uniforms from its own generator, so a seeded request's outcome does
+    not depend on the rest of the pass."""
+    chains, trees = _partition(steps)
+    parts = [_chains_decisions(probs, [steps[i] for i in chains]).flatten()] if chains else []
+    parts += [_tree_decisions(probs, steps[i]) for i in trees]
     return torch.cat(parts) if parts else torch.empty(0, dtype=torch.long, device=probs.device)
 
 
 def sampled_verdicts(steps: Sequence[SampledStep], decided: Iterator[int]) -> list[Verdict | RuntimeError]:
     """The steps' verdicts from their decisions on the host (sampled_decisions', consumed from `decided`); a
     step whose row has no mass to draw from gets the error in place of its verdict."""
-    plain, own = _partition(steps)
+    chains, trees = _partition(steps)
     verdicts: list[Verdict | RuntimeError | None] = [None] * len(steps)
-    for i in plain + own:
+    for i in chains + trees:
         step = steps[i]
         try:
             if step.is_chain:
@@ -131,24 +132,9 @@ def sampled_verdicts(steps: Sequence[SampledStep], decided: Iterator[int]) -> li
 
 
 def _partition(steps: Sequence[SampledStep]) -> tuple[list[int], list[int]]:
-    """The steps decided together, then those decided by their own operations: the order of their decisions."""
+    """The chains, decided together, then the trees, each by its own operations: the order of their decisions."""
     return ([i for i, step in enumerate(steps) if step.decided_together],
             [i for i, step in enumerate(steps) if not step.decided_together])
-
-
-def draw(probs: torch.Tensor, uniforms: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """A token from each row of `probs` [m, vocab] (non-negative, not necessarily normalised), by inverting its
-    cumulative sum at the row's uniform in [0, 1): torch.multinomial's distribution, but from a uniform drawn
-    with the sequence's generator, so rows of many sequences are drawn in one operation. A token of probability
-    0 is never drawn. The sum in float64 where the device computes it natively, so its rounding skews no
-    token's chance; elsewhere (an Ascend NPU leaves float64 to its AI CPU) in float32, off by at most half an
-    ulp of the running sum (3e-8) per token; `dtype` chooses."""
-    exact = dtype or (torch.float64 if probs.device.type in ("cpu", "cuda") else torch.float32)
-    cumulative = probs.to(exact).cumsum(-1)
-    # A uniform below 1 times the total stays below it (in float32 too), so a token with mass is found; the clamp
-    # keeps a row without finite mass (_usable) in the vocabulary.
-    tokens = torch.searchsorted(cumulative, uniforms.to(exact)[:, None] * cumulative[:, -1:], right=True)[:, 0]
-    return tokens.clamp(max=probs.shape[-1] - 1)
 
 
 def _usable(probs: torch.Tensor) -> torch.Tensor:
@@ -158,10 +144,12 @@ def _usable(probs: torch.Tensor) -> torch.Tensor:
     return (torch.isfinite(total) & (total > 0)).long()
 
 
-def _plain_chain_decisions(probs: torch.Tensor, steps: list[SampledStep]) -> torch.Tensor:
-    """[steps, 3]: for deterministic chains, the number of draft tokens accepted, the token emitted after them and
-    whether its row could be drawn from. Draft token j of a chain is accepted with p_j(x_j); at the first
-    rejection the token is drawn from p_j without x_j, else from the bonus row. Plain indexing, comparisons and
+def _chains_decisions(probs: torch.Tensor, steps: list[SampledStep]) -> torch.Tensor:
+    """[steps, 3]: for chains, the number of draft tokens accepted, the token emitted after them and whether its
+    row could be drawn from. Draft token j of a chain is accepted with min(1, p_j(x_j) / q_j(x_j)), q_j being
+    its proposal row, or one-hot on x_j for a deterministic draft (then p_j(x_j)); at the first rejection the
+    token is drawn from the residual, max(0, p_j - q_j) (p_j without x_j for a deterministic draft; p_j itself
+    where p_j == q_j up to rounding leaves none), else from the bonus row. Plain indexing, comparisons and
     argmax, which every device's torch has (no scatter-reduce)."""
     device = probs.device
     counts = [len(step.draft) for step in steps]
@@ -183,29 +171,38 @@ def _plain_chain_decisions(probs: torch.Tensor, steps: list[SampledStep]) -> tor
                          for offset, count in zip(offsets, counts)], dtype=torch.long, device=device)
     uniforms = torch.cat([torch.rand(n + 1, generator=step.generator, device=device)
                           for step, n in zip(steps, counts)])
-    rejected = torch.cat([uniforms[accepting] >= probs[rows, tokens], torch.ones(1, dtype=torch.bool, device=device)])
+    proposing = [i for i, step in enumerate(steps) if step.proposals is not None and counts[i]]
+    chance = probs[rows, tokens]
+    if proposing:
+        # The proposal rows of the chains that have them, and where their draft tokens are among all the chains'.
+        proposals = torch.cat([steps[i].proposals for i in proposing])
+        proposed = torch.tensor([offsets[i] + j for i in proposing for j in range(counts[i])], device=device)
+        chance = chance.index_copy(0, proposed, chance[proposed] / proposals[torch.arange(len(proposed),
+                                                                                          device=device),
+                                                                             tokens[proposed]])
+    rejected = torch.cat([uniforms[accepting] >= chance, torch.ones(1, dtype=torch.bool, device=device)])
     first = rejected[grid].int().argmax(dim=1)  # argmax finds the first True: k_i where none is rejected
     final = probs[first_rows + first]  # a rejection's row, or the bonus row (first == k)
     if num_tokens:
-        refused = tokens[(token_offsets + first).clamp(max=num_tokens - 1)]
-        residual = final.scatter(1, refused[:, None], 0.0)
-        keep = (first < k)[:, None] & (residual.sum(-1, keepdim=True) > 0)  # p one-hot on x leaves no residual
+        at = (token_offsets + first).clamp(max=num_tokens - 1)
+        every = len(proposing) == len(steps)
+        residual = final if every else final.scatter(1, tokens[at][:, None], 0.0)
+        if proposing:
+            chains = torch.tensor(proposing, device=device)
+            starts = torch.tensor(list(itertools.accumulate((counts[i] for i in proposing), initial=0))[:-1],
+                                  device=device)
+            tried = proposals[starts + first[chains].clamp(max=k[chains] - 1)]
+            if every:
+                residual = (final - tried).clamp_min(0.0)
+            else:
+                residual = residual.index_copy(0, chains, (final[chains] - tried).clamp_min(0.0))
+        keep = (first < k)[:, None] & (residual.sum(-1, keepdim=True) > 0)
         final = torch.where(keep, residual, final)
     emitted = draw(final, uniforms[emitting])
     return torch.stack([first, emitted, _usable(final)], dim=1)
 
 
-def _own_decisions(probs: torch.Tensor, step: SampledStep) -> torch.Tensor:
-    """A step judged by its own operations (a chain with proposals, or a tree): its decisions as
-    sampled_verdicts reads them, left on the device."""
-    rows = probs[step.first_row: step.first_row + len(step.draft) + 1]
-    if step.is_chain:
-        return _chain_decisions(step.draft, rows, step.generator, step.proposals)
-    return _tree_decisions(step.draft, rows, step.generator, step.proposals, step.parents)
-
-
-def _tree_decisions(draft: Sequence[int], probs: torch.Tensor, generator: torch.Generator,
-                    proposals: torch.Tensor | None, parents) -> torch.Tensor:
+def _tree_decisions(probs: torch.Tensor, step: SampledStep) -> torch.Tensor:
     """verify_sampled's rule on a tree, decided on the device: [k node flags, k + 1 row tokens, k + 1 rows usable].
     What each node is tried against does not depend on chance, only on which earlier siblings were rejected
     (all of them, or it is not tried): so every node's acceptance probability, and every row's distribution
@@ -213,7 +210,9 @@ def _tree_decisions(draft: Sequence[int], probs: torch.Tensor, generator: torch.
     nodes at once; then every node's uniform and every row's final token are drawn together, and the walk
     (_tree_verdict) reads them. Each draw is used at most once along the walk, so the result is distributed
     as the one-at-a-time walk's."""
-    k, device = len(draft), probs.device
+    draft, parents, proposals, device = step.draft, step.parents, step.proposals, probs.device
+    k = len(draft)
+    probs = probs[step.first_row: step.first_row + k + 1]
     kids = _children(draft, parents)
     p = probs.clone()  # each row's distribution after its children tried so far were rejected
     accept = probs.new_zeros(k)
@@ -226,7 +225,7 @@ def _tree_decisions(draft: Sequence[int], probs: torch.Tensor, generator: torch.
         accept[nodes_t], residual = _tried(current, tokens[nodes_t], None if proposals is None else proposals[nodes_t])
         total = residual.sum(-1, keepdim=True)
         p[rows] = torch.where(total > 0, residual / total.clamp_min(torch.finfo(total.dtype).tiny), current)
-    uniforms = torch.rand(2 * k + 1, generator=generator, device=device)
+    uniforms = torch.rand(2 * k + 1, generator=step.generator, device=device)
     accepted = uniforms[:k] < accept
     return torch.cat([accepted.long(), draw(p, uniforms[k:]), _usable(p)])
 
@@ -243,24 +242,6 @@ def _tree_verdict(draft: Sequence[int], parents, decided: list[int]) -> Verdict:
     if not usable[row]:
         raise _unusable()
     return Verdict([draft[i] for i in path] + [finals[row]], len(path), path)
-
-
-def _chain_decisions(draft: Sequence[int], probs: torch.Tensor, generator: torch.Generator,
-                     proposals: torch.Tensor | None) -> torch.Tensor:
-    """verify_sampled's rule on a chain with proposals, decided on the device: [accepted, emitted, usable].
-    Every draft token's acceptance is drawn at once, the first rejection found, and the emitted token drawn
-    from that row's residual, or from the bonus row when none is rejected. Independent uniforms make it the
-    same distribution as the one-at-a-time walk."""
-    k, device = len(draft), probs.device
-    accept, residual = _tried(probs[:k], torch.tensor(list(draft), dtype=torch.long, device=device), proposals)
-    uniforms = torch.rand(k + 1, generator=generator, device=device)
-    rejected = uniforms[:k] >= accept
-    # The first rejected position; the bonus row (k) where none is: argmax finds the first True.
-    first = torch.cat([rejected, rejected.new_ones(1)]).int().argmax()
-    candidates = torch.cat([residual, probs[k:k + 1]])
-    final = candidates[first]
-    final = torch.where(final.sum() > 0, final, probs[first])  # p == q up to rounding leaves no residual
-    return torch.cat([first[None].long(), draw(final[None], uniforms[k:]), _usable(final[None])])
 
 
 def _chain_verdict(draft: Sequence[int], accepted: int, emitted: int, usable: int) -> Verdict:

@@ -35,6 +35,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--context", type=int, default=512, help="context of the cost measurement")
     parser.add_argument("--batch", default="1", help="comma-separated sequence counts: above 1, also time that many "
                         "sequences' drafts made together against one after another")
+    parser.add_argument("--temperature", type=float, default=0.0, help="the drafts' temperature in the batch "
+                        "timing (0: greedy)")
     parser.add_argument("--repeats", type=int, default=30)
     parser.add_argument("--num-prompts", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=96)
@@ -71,11 +73,11 @@ def draft_cost(runner, drafter, context: int, k: int, repeats: int) -> dict:
             "draft_share": round(draft / verify, 3)}
 
 
-def batch_cost(runner, drafter, context: int, k: int, batch: int, repeats: int) -> dict:
+def batch_cost(runner, drafter, context: int, k: int, batch: int, repeats: int, temperature: float = 0.0) -> dict:
     """Median seconds of `batch` sequences' head drafts of k tokens made together
     (one head step for all) and one after another, from the same head states:
     each repeat runs a plain step of every sequence, copies the heads' states,
-    and drafts the two ways in alternating order."""
+    and drafts the two ways in alternating order, greedy or sampled at `temperature`."""
     from verifier_service.heads.drafting import DraftRequest
     from verifier_service.sequence import Draft, GenerationParams
 
@@ -91,15 +93,18 @@ def batch_cost(runner, drafter, context: int, k: int, batch: int, repeats: int) 
             states = {"together": [seq.head for seq in seqs], "apart": copy.deepcopy([seq.head for seq in seqs])}
         for way in (("together", "apart") if repeat % 2 else ("apart", "together")):
             started = time.perf_counter()
+            requests = [DraftRequest(state, k, temperature or None, torch.Generator().manual_seed(i))
+                        for i, state in enumerate(states[way])]
             if way == "together":
-                drafter.draft_many([DraftRequest(state, k, None) for state in states[way]])
+                drafter.draft_many(requests)
             else:
-                for state in states[way]:
-                    drafter.draft(state, k, None)
+                for request in requests:
+                    drafter.draft_many([request])
             if repeat:
                 times[way].append(time.perf_counter() - started)
     together, apart = statistics.median(times["together"]), statistics.median(times["apart"])
-    return {**_shape(k, drafter.tree), "sequences": batch, "together_ms": round(together * 1e3, 2),
+    return {**_shape(k, drafter.tree), "sequences": batch, "temperature": temperature,
+            "together_ms": round(together * 1e3, 2),
             "apart_ms": round(apart * 1e3, 2), "together_share": round(together / apart, 3)}
 
 
@@ -149,7 +154,7 @@ def _measured_costs(runner, drafter, shapes, args) -> tuple[list[dict], list[dic
     for k, tree in shapes:
         drafter.tree = tree
         costs.append(draft_cost(runner, drafter, args.context, k, args.repeats))
-        batches += [batch_cost(runner, drafter, args.context, k, int(b), args.repeats)
+        batches += [batch_cost(runner, drafter, args.context, k, int(b), args.repeats, args.temperature)
                     for b in args.batch.split(",") if int(b) > 1]
     return costs, batches
 

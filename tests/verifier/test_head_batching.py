@@ -59,6 +59,47 @@ def test_a_batch_drafts_what_each_sequence_drafts_alone_in_one_head_step_per_tok
         assert torch.allclose(batched.kv.keys, single.kv.keys, atol=1e-5)
 
 
+class HostReads:
+    """Reads of a tensor's values by the host (on an accelerator each waits for the device): tolist(), item(),
+    int(), float() and bool()."""
+
+    READS = ("tolist", "item", "__int__", "__float__", "__bool__")
+
+    def __enter__(self):
+        self.count, self._originals = 0, {name: getattr(torch.Tensor, name) for name in self.READS}
+        for name, original in self._originals.items():
+            setattr(torch.Tensor, name, self._counted(original))
+        return self
+
+    def __exit__(self, *exc):
+        for name, original in self._originals.items():
+            setattr(torch.Tensor, name, original)
+
+    def _counted(self, original):
+        def read(tensor, *args):
+            self.count += 1
+            return original(tensor, *args)
+        return read
+
+
+@pytest.mark.parametrize("temperature", [None, 0.8], ids=["greedy", "sampled"])
+def test_a_draft_step_reads_the_host_once_however_many_sequences_draft(head_engine, temperature):  # noqa: F811
+    drafter = head_engine.head
+    states = pending_states(head_engine)
+
+    def reads(copies: int) -> int:
+        with torch.inference_mode():
+            batch = [copy.deepcopy(state) for state in states for _ in range(copies)]
+        requests = [DraftRequest(state, 3, temperature, torch.Generator().manual_seed(i))
+                    for i, state in enumerate(batch)]
+        with HostReads() as counted:
+            drafts = drafter.draft_many(requests)
+        assert [len(draft.token_ids) for draft in drafts] == [3] * len(batch)
+        return counted.count
+
+    assert reads(4) == reads(1) == 3  # one a draft step
+
+
 @pytest.mark.parametrize("on_demand", [False, True], ids=["after-each-step", "on-demand"])
 def test_sequences_stepped_together_are_drafted_together_and_keep_greedy_output(head_engine, hf_model,  # noqa: F811
                                                                                  monkeypatch, on_demand):
@@ -88,3 +129,4 @@ def test_sequences_stepped_together_are_drafted_together_and_keep_greedy_output(
         head_engine.close(seq)
     for seq in plain:
         head_engine.close(seq)
+

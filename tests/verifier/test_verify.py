@@ -8,13 +8,14 @@ from hypothesis import given
 from hypothesis import strategies as st
 from scipy.stats import chi2_contingency, chisquare
 
-from verifier_service.sampling import greedy_choices
+from speclane_cli.bench.verifier import OperationCount
+from verifier_service.sampling import draw, greedy_choices
 from verifier_service.tree import children
 from verifier_service.verify import (
     SampledStep,
     Verdict,
     dense_proposals,
-    draw,
+    sampled_decisions,
     verify_greedy,
     verify_sampled,
     verify_sampled_batch,
@@ -228,6 +229,46 @@ def test_the_batch_keeps_each_steps_distribution():
     firsts = [verify_sampled_batch(probs, [SampledStep([0], 0, generator), SampledStep([3], 2, generator)])[1]
               .token_ids[0] for _ in range(TRIALS)]
     assert p_value(firsts, P1) > 0.001
+
+
+def test_chains_with_proposals_decided_together_each_keep_their_target():
+    """Chains drafted from proposals (2 tokens from Q0 then P_BONUS's q, and 1 from P1-like q) around a
+    deterministic one, decided together: each chain's tokens follow its own target rows, so none reads another's
+    proposals, rows or uniforms; the first chain's second token, after its first was kept, follows P1."""
+    q_b = torch.tensor([0.30, 0.05, 0.25, 0.05, 0.30, 0.05])
+    probs = torch.stack([P0, P1, P_BONUS, P_BONUS, P1, P_BONUS])
+    generator = torch.Generator().manual_seed(11)
+    firsts, seconds, thirds = [], [], []
+    for _ in range(TRIALS):
+        a = [sample(Q0, generator), sample(P_BONUS, generator)]
+        b = [sample(q_b, generator)]
+        verdicts = verify_sampled_batch(probs, [
+            SampledStep(a, 0, generator, torch.stack([Q0, P_BONUS])),
+            SampledStep([], 3, generator),
+            SampledStep(b, 4, generator, q_b[None])])
+        firsts.append(verdicts[0].token_ids[0])
+        if verdicts[0].num_accepted >= 1:
+            seconds.append(verdicts[0].token_ids[1])
+        thirds.append(verdicts[2].token_ids[0])
+    assert p_value(firsts, P0) > 0.001 and p_value(thirds, P1) > 0.001
+    assert len(seconds) > TRIALS / 4 and p_value(seconds, P1) > 0.001
+
+
+def test_a_pass_of_chains_runs_one_more_operation_a_chain_its_uniforms():
+    """On an accelerator each operation is a kernel launch: chains with and without proposals are decided
+    together, each adding only the draw of its own uniforms (from its own generator)."""
+
+    def operations(count: int) -> int:
+        steps, rows = [], []
+        for i in range(count):
+            proposals = Q0[None].expand(2, -1) if i % 2 else None
+            steps.append(SampledStep([1, 3], 3 * i, torch.Generator().manual_seed(i), proposals))
+            rows += [P0, P1, P_BONUS]
+        with OperationCount() as counted:
+            sampled_decisions(torch.stack(rows), steps)
+        return counted.count
+
+    assert operations(12) - operations(4) == 8
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])

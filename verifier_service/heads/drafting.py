@@ -11,10 +11,10 @@ import torch
 
 from speclane.speculation import draft_value
 from verifier_service.config import TreeShape
-from verifier_service.heads.dynamic_tree import draft_tree
+from verifier_service.heads.dynamic_tree import draft_trees
 from verifier_service.heads.head import Head
 from verifier_service.heads.layer import HeadKV, KVBatch
-from verifier_service.sampling import greedy_choices
+from verifier_service.sampling import draw, greedy_choices
 
 
 @dataclass(frozen=True)
@@ -95,8 +95,7 @@ class HeadDrafter:
             if self.tree is None:
                 made = self._chains([requests[i] for i in live], hidden, positions, token_cost)
             else:
-                made = [self._tree(requests[i], hidden[row: row + 1], positions[row], token_cost)
-                          for row, i in enumerate(live)]
+                made = self._trees([requests[i] for i in live], hidden, positions, token_cost)
         finally:
             for state, length in zip(states, committed):
                 state.kv.truncate(length)
@@ -118,22 +117,27 @@ class HeadDrafter:
             state.tokens, state.features, state.positions = [], [], []
         return hidden[torch.tensor(sizes).cumsum(0) - 1]
 
-    def _tree(self, request: DraftRequest, hidden: torch.Tensor, position: int, token_cost: float) -> HeadDraft:
-        tree = draft_tree(self.head, hidden, request.state.kv, position, request.k, self.tree, request.temperature,
-                          token_cost)
-        return HeadDraft(tree.token_ids, None, tree.score, tree.parents)
+    def _trees(self, requests: list[DraftRequest], hidden: torch.Tensor, positions: list[int],
+               token_cost: float) -> list[HeadDraft]:
+        trees = draft_trees(self.head, hidden, [r.state.kv for r in requests], positions, [r.k for r in requests],
+                            [r.temperature for r in requests], self.tree, token_cost)
+        return [HeadDraft(tree.token_ids, None, tree.score, tree.parents) for tree in trees]
 
     def _chains(self, requests: list[DraftRequest], hidden: torch.Tensor, positions: list[int],
                 token_cost: float) -> list[HeadDraft]:
         """Greedy, or sampled from q = softmax(logits / temperature) (then the
-        proposals are returned). Each step's rows are the chains still growing.
+        proposals are returned). Each step's rows are the chains still growing,
+        and every row's q, top probability and token are computed together and
+        read with one copy to the host: on an accelerator each copy waits for
+        the device, so a step waits once, not twice per sequence.
 
         EAGLE-2's observation: the head's confidence tracks acceptance. A chain
         stops before a token whose chance of joining an accepted run, at most
         the head's top probability times the run so far, is worth less than the
         `token_cost` its verification adds (draft_value's tokens per cost). Once
-        one token does not pay, no later one can. The choice is made before the
-        token is drawn: a cut that looked at the drawn token would change which
+        one token does not pay, no later one can. The choice depends on the top
+        probability alone, not on the token drawn (which a stopping row draws
+        and drops): a cut that looked at the drawn token would change which
         tokens a sampled draft proposes, and min(1, p/q) would no longer be exact."""
         head = self.head
         device = hidden.device
@@ -141,22 +145,19 @@ class HeadDrafter:
         chains = [_Chain() for _ in requests]
         growing, positions = list(range(len(requests))), list(positions)
         for step in range(max(r.k for r in requests)):
-            logits = head.logits(hidden).float()
+            growing_requests = [requests[i] for i in growing]
+            tops, tokens, proposals = _draft_step(head.logits(hidden).float(), growing_requests, vocab_map,
+                                                     vocab_size)
             rows, going = [], []  # the rows, and the chains, that take another step
-            for row, i in enumerate(growing):
+            for row, (i, top, token) in enumerate(zip(growing, tops, tokens)):
                 request, chain = requests[i], chains[i]
-                q = torch.softmax(logits[row] / request.temperature if request.temperature else logits[row], dim=-1)
-                top = float(q.max())
                 if chain.confidence * top <= token_cost * draft_value(chain.score, step, token_cost):
                     continue
                 if request.temperature:
-                    choice = int(torch.multinomial(q, 1, generator=request.generator))
-                    chain.proposals.append(q if vocab_map is None else _scatter(q, vocab_map, vocab_size))
-                else:
-                    choice = int(greedy_choices(logits[row]))
+                    chain.proposals.append(proposals[row])
                 chain.confidence *= top
                 chain.score += chain.confidence
-                chain.tokens.append(choice if vocab_map is None else int(vocab_map[choice]))
+                chain.tokens.append(token)
                 if step + 1 < request.k:
                     rows.append(row)
                     going.append(i)
@@ -172,5 +173,25 @@ class HeadDrafter:
                 for c in chains]
 
 
-def _scatter(q: torch.Tensor, target_ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    return torch.zeros(vocab_size, dtype=q.dtype, device=q.device).index_copy_(0, target_ids, q)
+def _draft_step(logits: torch.Tensor, requests: list[DraftRequest], vocab_map: torch.Tensor | None,
+                vocab_size: int) -> tuple[list[float], list[int], torch.Tensor | None]:
+    """One draft step of chains, a row of `logits` [rows, draft vocab] each, with q the softmax at each request's
+    temperature (at 1 for greedy): each row's top probability and token in the target's vocabulary (the argmax
+    for greedy, else drawn from q with a uniform from the request's generator), read with one copy, and every
+    row's q over the target's vocabulary where some row samples (else None)."""
+    device = logits.device
+    temperatures = torch.tensor([r.temperature or 1.0 for r in requests], dtype=logits.dtype, device=device)
+    q = torch.softmax(logits / temperatures[:, None], dim=-1)
+    tokens = greedy_choices(logits)
+    sampled = [row for row, r in enumerate(requests) if r.temperature]
+    proposals = None
+    if sampled:
+        uniforms = torch.cat([torch.rand(1, generator=requests[row].generator, device=device) for row in sampled])
+        at = torch.tensor(sampled, device=device)
+        tokens = tokens.index_copy(0, at, draw(q[at], uniforms))
+        proposals = q if vocab_map is None else q.new_zeros(len(q), vocab_size).index_copy_(1, vocab_map, q)
+    if vocab_map is not None:
+        tokens = vocab_map[tokens]
+    # Token ids are exact in fp32 (below 2**24), so the tops and tokens travel in one copy.
+    tops, ids = torch.stack([q.amax(dim=-1), tokens.to(q.dtype)]).tolist()
+    return tops, [int(token) for token in ids], proposals

@@ -6,7 +6,8 @@ acceptance, so the tree grows where the head is sure:
 
 - expand: at each depth the `topk` nodes with the highest path probability
   (the product of the head's probabilities from the root) each get their
-  `topk` most likely children, all in one batched head step;
+  `topk` most likely children, all in one batched head step (with every
+  other sequence's level);
 - rerank: of every node seen, verify those with the highest path
   probability, as long as each still pays for its verification (below) and at
   most `max_nodes`. A child's path probability never exceeds its parent's, so
@@ -16,14 +17,14 @@ The tree is chosen without drawing anything, so the verifier judges it as a
 deterministic draft (accept x with p(x), else drop x and try its sibling):
 exact for greedy and for sampling alike."""
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from speclane.speculation import draft_value
 from verifier_service.config import TreeShape
 from verifier_service.heads.head import Head
-from verifier_service.heads.layer import HeadKV
+from verifier_service.heads.layer import HeadKV, KVBatch
 
 
 @dataclass(frozen=True)
@@ -50,42 +51,75 @@ class _Nodes:
         return len(self.tokens) - 1
 
 
-def draft_tree(head: Head, hidden: torch.Tensor, kv: HeadKV, position: int, depth: int, shape: TreeShape,
-               temperature: float | None, token_cost: float) -> DraftTree:
-    """A tree of at most `depth` levels after the last committed token, whose
-    head output `hidden` [1, H] at `position` predicts the first level. The
-    expansion's KV entries are left in `kv` for the caller to roll back."""
+@dataclass
+class _Growing:
+    """One sequence's tree while it grows: its nodes, and the frontier whose children its rows of the level's
+    head output predict."""
+
+    kv: HeadKV
+    position: int  # of the last committed pair, whose head output predicts the first level
+    depth: int
+    temperature: float | None
+    committed: int  # its KV entries before the expansion's
+    nodes: _Nodes = field(default_factory=lambda: _Nodes([], [], [], []))
+    frontier: list[int] = field(default_factory=lambda: [-1])  # -1: the last committed token
+    frontier_probs: list[float] = field(default_factory=lambda: [1.0])
+    expanded: list[int] = field(default_factory=list)  # nodes with a KV entry, in entry order
+
+
+def draft_trees(head: Head, hidden: torch.Tensor, kvs: list[HeadKV], positions: list[int], depths: list[int],
+                temperatures: list[float | None], shape: TreeShape, token_cost: float) -> list[DraftTree]:
+    """A tree for each sequence, of at most depths[i] levels after its last committed token, whose head output
+    hidden[i] at positions[i] predicts the first level. Every sequence's level goes through one head step
+    together, and its choices are read with one copy to the host. The expansion's KV entries are left in
+    `kvs` for the caller to roll back."""
     device = hidden.device
     vocab_map = head.draft_token_ids
-    nodes = _Nodes([], [], [], [])
-    frontier, frontier_probs = [-1], [1.0]  # the nodes whose children the rows of `hidden` predict
-    row_of: dict[int, int] = {}  # the row of `hidden` each node of the last expanded level is at
-    expanded: list[int] = []  # nodes with a KV entry, in entry order after the committed ones
-    committed = len(kv)
-    for level in range(1, depth + 1):
+    trees = [_Growing(kv, position, depth, temperature, len(kv))
+             for kv, position, depth, temperature in zip(kvs, positions, depths, temperatures)]
+    growing = trees  # the trees whose frontiers are the rows of `hidden`, in order
+    for level in range(1, max(depths) + 1):
         logits = head.logits(hidden).float()
-        probs = torch.softmax(logits / temperature if temperature else logits, dim=-1)
-        top_probs, top_ids = probs.topk(min(shape.topk, probs.shape[-1]), dim=-1)
+        temperature = torch.tensor([tree.temperature or 1.0 for tree in growing for _ in tree.frontier],
+                                   dtype=logits.dtype, device=device)
+        top_probs, top_ids = torch.softmax(logits / temperature[:, None], dim=-1).topk(
+            min(shape.topk, logits.shape[-1]), dim=-1)
         if vocab_map is not None:
             top_ids = vocab_map[top_ids]
-        children = [nodes.add(token, parent, parent_prob * prob)
-                    for parent, parent_prob, row_probs, row_ids in zip(frontier, frontier_probs, top_probs.tolist(),
-                                                                       top_ids.tolist())
-                    for prob, token in zip(row_probs, row_ids)]
-        if level == depth:
+        # Token ids are exact in fp32 (below 2**24), so the probabilities and ids travel in one copy.
+        probs, ids = torch.stack([top_probs, top_ids.to(top_probs.dtype)]).tolist()
+        going, tokens, parent_rows, new_positions, masks, first = [], [], [], [], [], 0
+        for tree in growing:
+            nodes, rows = tree.nodes, range(first, first + len(tree.frontier))
+            first += len(rows)
+            children = [nodes.add(int(token), parent, parent_prob * prob)
+                        for parent, parent_prob, row in zip(tree.frontier, tree.frontier_probs, rows)
+                        for prob, token in zip(probs[row], ids[row])]
+            if level == tree.depth:
+                continue
+            frontier = sorted(children, key=lambda node: -nodes.path_probs[node])[: shape.topk]
+            kept, score = _rerank(nodes, shape.max_nodes, token_cost)
+            # A deeper node's path probability is at most its parent's: none can pay once these do not.
+            if nodes.path_probs[frontier[0]] <= token_cost * draft_value(score, len(kept), token_cost):
+                continue
+            row_of = {node: row for node, row in zip(tree.frontier, rows)}
+            parent_rows += [row_of[nodes.parents[node]] for node in frontier]
+            tokens += [nodes.tokens[node] for node in frontier]
+            new_positions += [tree.position + level] * len(frontier)
+            masks.append(_ancestor_mask(nodes, frontier, tree.expanded, tree.committed, device))
+            tree.expanded.extend(frontier)
+            tree.frontier, tree.frontier_probs = frontier, [nodes.path_probs[node] for node in frontier]
+            going.append(tree)
+        if not going:
             break
-        frontier = sorted(children, key=lambda node: -nodes.path_probs[node])[: shape.topk]
-        kept, score = _rerank(nodes, shape.max_nodes, token_cost)
-        # A deeper node's path probability is at most its parent's: none can pay once these do not.
-        if nodes.path_probs[frontier[0]] <= token_cost * draft_value(score, len(kept), token_cost):
-            break
-        parent_rows = [row_of.get(nodes.parents[node], 0) for node in frontier]  # the root's children: row 0
-        mask = _ancestor_mask(nodes, frontier, expanded, committed, device)
-        hidden = head(torch.tensor([nodes.tokens[node] for node in frontier], device=device), hidden[parent_rows],
-                      torch.full((len(frontier),), position + level, device=device), kv, mask=mask)
-        expanded.extend(frontier)
-        row_of = {node: row for row, node in enumerate(frontier)}
-        frontier_probs = [nodes.path_probs[node] for node in frontier]
+        hidden = head(torch.tensor(tokens, device=device), hidden[parent_rows],
+                      torch.tensor(new_positions, device=device),
+                      KVBatch([tree.kv for tree in going], [len(tree.frontier) for tree in going], masks))
+        growing = going
+    return [_kept_tree(tree.nodes, shape, token_cost) for tree in trees]
+
+
+def _kept_tree(nodes: _Nodes, shape: TreeShape, token_cost: float) -> DraftTree:
     kept, score = _rerank(nodes, shape.max_nodes, token_cost)
     kept.sort(key=lambda node: (nodes.depths[node], -nodes.path_probs[node]))  # parents first, likelier first
     index = {node: i for i, node in enumerate(kept)}

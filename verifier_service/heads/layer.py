@@ -80,17 +80,20 @@ class HeadKV:
 class KVBatch:
     """Several sequences' caches behind one batch of rows, sequence i owning the
     next `sizes[i]` rows: the head's linear layers run once over all of them
-    (one read of the weights), and each sequence attends over its own cache."""
+    (one read of the weights), and each sequence attends over its own cache,
+    causally or under its own mask (masks[i], as HeadKV.attend takes it)."""
 
-    def __init__(self, caches: list[HeadKV], sizes: list[int]):
+    def __init__(self, caches: list[HeadKV], sizes: list[int], masks: list[torch.Tensor] | None = None):
         self.caches, self.sizes = caches, sizes
+        self.masks = masks or [None] * len(caches)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
                scale: float | None = None) -> torch.Tensor:
         if mask is not None:
-            raise ValueError("a batch of sequences attends causally: masks are per sequence")
-        return torch.cat([cache.attend(*rows, None, scale) for cache, *rows in
-                          zip(self.caches, q.split(self.sizes, 1), k.split(self.sizes, 1), v.split(self.sizes, 1))], 1)
+            raise ValueError("a batch of sequences takes its masks per sequence (KVBatch.masks)")
+        return torch.cat([cache.attend(*rows, own_mask, scale) for cache, own_mask, *rows in
+                          zip(self.caches, self.masks, q.split(self.sizes, 1), k.split(self.sizes, 1),
+                              v.split(self.sizes, 1))], 1)
 
 
 def rotate(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
