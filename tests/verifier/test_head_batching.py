@@ -30,30 +30,38 @@ def pending_states(engine) -> list[HeadState]:
     return states
 
 
-@pytest.mark.parametrize("temperature", [None, 0.8], ids=["greedy", "sampled"])
-def test_a_batch_drafts_what_each_sequence_drafts_alone_in_one_head_step_per_token(head_engine, temperature):  # noqa: F811
-    drafter = head_engine.head
-    states = pending_states(head_engine)
+def together_and_alone(drafter, states: list[HeadState], requests) -> tuple[list, list, list[int], int, list]:
+    """The drafts of `requests(states)` made together, with the row counts of the head's steps and the host reads
+    they took; and the same requests' drafts made one by one from copies of the states, with those copies."""
     with torch.inference_mode():
-        alone = copy.deepcopy(states)
-    ks = [1, 4, 3]
+        copies = copy.deepcopy(states)
     forwards = []
     hook = drafter.head.register_forward_hook(lambda module, args, out: forwards.append(len(args[0])))
     try:
-        together = drafter.draft_many([*(DraftRequest(state, k, temperature, torch.Generator().manual_seed(i))
-                                         for i, (state, k) in enumerate(zip(states, ks))),
-                                       DraftRequest(HeadState(), 2, temperature)])  # nothing to draft from
+        with HostReads() as reads:
+            together = drafter.draft_many(requests(states))
     finally:
         hook.remove()
+    alone = [drafter.draft_many([request])[0] for request in requests(copies)]
+    return together, alone, forwards, reads.count, copies
+
+
+@pytest.mark.parametrize("temperature", [None, 0.8], ids=["greedy", "sampled"])
+def test_a_batch_drafts_what_each_sequence_drafts_alone_in_one_head_step_per_token(head_engine, temperature):  # noqa: F811
+    states = pending_states(head_engine)
+    ks = [1, 4, 3]
+    fed = sum(len(s.tokens) for s in states)
+    together, expected, forwards, _, alone = together_and_alone(head_engine.head, states, lambda states: [
+        *(DraftRequest(state, k, temperature, torch.Generator().manual_seed(i))
+          for i, (state, k) in enumerate(zip(states, ks))),
+        DraftRequest(HeadState(), 2, temperature)])  # nothing to draft from
     # One pass feeds every sequence's new pairs; then one step per draft position while any chain grows.
-    assert forwards == [sum(len(s.tokens) for s in alone), 2, 2, 1]
-    expected = [drafter.draft(state, k, temperature, torch.Generator().manual_seed(i))
-                for i, (state, k) in enumerate(zip(alone, ks))]
-    assert [d.token_ids for d in together[:3]] == [d.token_ids for d in expected]
+    assert forwards == [fed, 2, 2, 1]
+    assert [d.token_ids for d in together[:3]] == [d.token_ids for d in expected[:3]]
     assert [len(d.token_ids) for d in together] == [*ks, 0]
-    assert together[:3] and all(d.score == pytest.approx(e.score, rel=1e-4) for d, e in zip(together, expected))
+    assert all(d.score == pytest.approx(e.score, rel=1e-4) for d, e in zip(together, expected))
     if temperature:
-        assert all(torch.allclose(d.proposals, e.proposals, atol=1e-5) for d, e in zip(together, expected))
+        assert all(torch.allclose(d.proposals, e.proposals, atol=1e-5) for d, e in zip(together[:3], expected))
     for batched, single in zip(states, alone):  # drafted from the same committed pairs, rolled back to them
         assert len(batched.kv) == len(single.kv) and not batched.tokens
         assert torch.allclose(batched.kv.keys, single.kv.keys, atol=1e-5)

@@ -3,7 +3,6 @@ top choices after that node's path (the tree's attention mask and positions
 are a chain's), the nodes kept are a tree, and verifying the trees keeps
 greedy output and the sampled distribution exactly the target's."""
 
-import copy
 import json
 import pathlib
 
@@ -13,7 +12,7 @@ import torch
 from tests.heads_support import write_random_head
 from tests.verifier.conftest import make_engine
 from tests.verifier.test_engine import SAMPLING_PROMPT, SAMPLING_TRIALS, exact_second_token, p_value
-from tests.verifier.test_head_batching import HostReads, pending_states
+from tests.verifier.test_head_batching import pending_states, together_and_alone
 from tests.verifier.test_heads import assert_head_cache_is_the_committed_pairs, generate, head_second_tokens
 from verifier_service.config import TreeShape, draft_settings
 from verifier_service.heads.drafting import DraftRequest, HeadDrafter, HeadState
@@ -113,24 +112,15 @@ def test_a_batch_of_trees_is_what_each_sequence_drafts_alone_in_one_head_step_a_
     """Sequences of different depths and pending pairs expand their trees together: one head step a level for
     all of them, the level's choices read once, each tree equal to the one drafted alone, every cache rolled back
     to its committed pairs."""
-    drafter = tree_engine.head
     states = pending_states(tree_engine)
-    with torch.inference_mode():
-        alone = copy.deepcopy(states)
     ks = [2, 4, 3]
-    forwards = []
-    hook = drafter.head.register_forward_hook(lambda module, args, out: forwards.append(len(args[0])))
-    try:
-        with HostReads() as reads:
-            together = drafter.draft_many([DraftRequest(state, k, None) for state, k in zip(states, ks)])
-    finally:
-        hook.remove()
-    expected = [drafter.draft(state, k, None) for state, k in zip(alone, ks)]
+    together, expected, forwards, reads, alone = together_and_alone(
+        tree_engine.head, states, lambda states: [DraftRequest(state, k, None) for state, k in zip(states, ks)])
     assert [(d.token_ids, d.parents) for d in together] == [(d.token_ids, d.parents) for d in expected]
     assert all(d.score == pytest.approx(e.score, rel=1e-4) for d, e in zip(together, expected))
     assert any(not is_chain(d.parents) for d in together) and len(together[1].token_ids) > 3
     # The pairs fed, then a step a level below the last (each as wide as the trees still growing), read once each.
-    assert len(forwards) == 1 + 3 and forwards[1] == 3 * SHAPE.topk and reads.count == 4
+    assert len(forwards) == 1 + 3 and forwards[1] == 3 * SHAPE.topk and reads == 4
     for batched, single in zip(states, alone):
         assert len(batched.kv) == len(single.kv) and torch.allclose(batched.kv.keys, single.kv.keys, atol=1e-5)
 
