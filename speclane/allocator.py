@@ -7,9 +7,9 @@ protobuf messages make as many small ones (docs/benchmarks/drafter-service).
 An allocator already in LD_PRELOAD is kept: the operator chose it. Where no
 tcmalloc is installed the verifier re-executes with glibc's mmap and trim
 thresholds raised instead: a pass's judging makes temporaries of megabytes,
-which glibc otherwise maps and faults in afresh each time (deciding 64 sampled
-chains with proposals, in the engine's groups, took 47-57 ms under glibc's
-defaults and 30 with the thresholds raised; docs/benchmarks/heads/README.md)."""
+which glibc otherwise maps and faults in afresh depending on its heap's state
+(deciding 64 sampled chains with proposals took 22-70 ms from run to run under
+glibc's defaults, 18-30 with the thresholds raised; docs/benchmarks/heads/README.md)."""
 
 import ctypes.util
 import os

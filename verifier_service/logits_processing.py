@@ -84,24 +84,24 @@ class LogitsProcessor:
     """One sequence's controls; its token counts are a row of the engine's TokenCounts, once it is penalised."""
 
     def __init__(self, params: SamplingParams, prompt_len: int, stop_token_ids: frozenset[int],
-                 counts: TokenCounts):
+                 table: TokenCounts):
         self.params = params
         self.prompt_len = prompt_len
         self.bias = tuple(params.logit_bias.items())
         self.stop_ids = tuple(sorted(stop_token_ids))
         self.penalised = bool(params.repetition_penalty != 1 or params.frequency_penalty or params.presence_penalty)
-        self.counts = counts
-        self.row: int | None = None  # its row of `counts`, taken by its first pass
+        self.table = table
+        self.row: int | None = None  # its row of `table`, taken by its first pass
         self.num_counted = 0  # its committed tokens before this index are in its row
 
 
 def make_logits_processor(params: SamplingParams, prompt_len: int, stop_token_ids: frozenset[int],
-                          counts: TokenCounts) -> LogitsProcessor | None:
+                          table: TokenCounts) -> LogitsProcessor | None:
     """None when the request sets none of these controls: its steps then do no per-row work."""
     if not (params.logit_bias or params.min_tokens or params.repetition_penalty != 1
             or params.frequency_penalty or params.presence_penalty):
         return None
-    return LogitsProcessor(params, prompt_len, stop_token_ids, counts)
+    return LogitsProcessor(params, prompt_len, stop_token_ids, table)
 
 
 @dataclass(frozen=True)
@@ -119,7 +119,7 @@ class ControlledStep:
     def rows(self) -> range:
         return range(self.first_row, self.first_row + len(self.draft_tokens) + 1)
 
-    def depths(self) -> list[int]:
+    def row_depths(self) -> list[int]:
         """Each row's position below the last committed token."""
         return [0, *depths(self.parents)]
 
@@ -133,7 +133,7 @@ def apply_logit_controls(logits: torch.Tensor, steps: Sequence[ControlledStep]) 
         bias += [value for _ in step.rows for _, value in processor.bias]
         generated = len(step.tokens) - processor.prompt_len
         if generated < processor.params.min_tokens:
-            short += [(row, token) for row, depth in zip(step.rows, step.depths())
+            short += [(row, token) for row, depth in zip(step.rows, step.row_depths())
                       if generated + depth < processor.params.min_tokens for token in processor.stop_ids]
     device = logits.device
     if biased:  # a step's tokens are distinct (a map's keys), so accumulating is adding
@@ -148,7 +148,7 @@ def apply_logit_controls(logits: torch.Tensor, steps: Sequence[ControlledStep]) 
 
 def _penalise(logits: torch.Tensor, steps: Sequence[ControlledStep]) -> None:
     """The repetition, frequency and presence penalties of the steps' rows, each over all of them at once."""
-    table = steps[0].processor.counts
+    table = steps[0].processor.table
     table.update(steps)
     device = logits.device
     rows = [row for step in steps for row in step.rows]

@@ -63,13 +63,8 @@ class SampledStep:
 
     @functools.cached_property
     def is_chain(self) -> bool:
+        """A chain is decided with the pass's others (_chains_decisions); a tree by its own operations."""
         return self.parents is None or is_chain(self.parents)
-
-    @property
-    def decided_together(self) -> bool:
-        """A chain, decided with the pass's others (_chains_decisions); a tree by its own operations
-        (_tree_decisions)."""
-        return self.is_chain
 
 
 def verify_sampled(
@@ -133,8 +128,8 @@ def sampled_verdicts(steps: Sequence[SampledStep], decided: Iterator[int]) -> li
 
 def _partition(steps: Sequence[SampledStep]) -> tuple[list[int], list[int]]:
     """The chains, decided together, then the trees, each by its own operations: the order of their decisions."""
-    return ([i for i, step in enumerate(steps) if step.decided_together],
-            [i for i, step in enumerate(steps) if not step.decided_together])
+    return ([i for i, step in enumerate(steps) if step.is_chain],
+            [i for i, step in enumerate(steps) if not step.is_chain])
 
 
 def _usable(probs: torch.Tensor) -> torch.Tensor:
@@ -185,17 +180,13 @@ def _chains_decisions(probs: torch.Tensor, steps: list[SampledStep]) -> torch.Te
     final = probs[first_rows + first]  # a rejection's row, or the bonus row (first == k)
     if num_tokens:
         at = (token_offsets + first).clamp(max=num_tokens - 1)
-        every = len(proposing) == len(steps)
-        residual = final if every else final.scatter(1, tokens[at][:, None], 0.0)
+        residual = final.scatter(1, tokens[at][:, None], 0.0)
         if proposing:
             chains = torch.tensor(proposing, device=device)
             starts = torch.tensor(list(itertools.accumulate((counts[i] for i in proposing), initial=0))[:-1],
                                   device=device)
             tried = proposals[starts + first[chains].clamp(max=k[chains] - 1)]
-            if every:
-                residual = (final - tried).clamp_min(0.0)
-            else:
-                residual = residual.index_copy(0, chains, (final[chains] - tried).clamp_min(0.0))
+            residual = residual.index_copy(0, chains, (final[chains] - tried).clamp_min(0.0))
         keep = (first < k)[:, None] & (residual.sum(-1, keepdim=True) > 0)
         final = torch.where(keep, residual, final)
     emitted = draw(final, uniforms[emitting])
