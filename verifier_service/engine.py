@@ -81,6 +81,7 @@ class Engine:
         self._state_commits: list[StateCommit] = []  # the last pass's accepted nodes, sent with the next plan
         self.grammars = GrammarCompiler(runner.model_dir, runner.vocab_size)
         self.token_counts = TokenCounts(runner.vocab_size, runner.device)  # the penalised sequences'
+        self.generator = make_generator(None, runner.device)  # the unseeded sequences'
         self.on_step = on_step
         self.head = head
         # A verify step's extra cost per draft token by batch size (draft_cost.py), for the gateway.
@@ -135,7 +136,7 @@ class Engine:
         stop = frozenset(params.stop_token_ids if params.ignore_eos
                          else params.stop_token_ids | set(runner.eos_token_ids))
         seq = Sequence(sequence_id, list(prompt), params, stop, runner.max_context_len,
-                       make_generator(sampling.seed, runner.device),
+                       self.generator if sampling.seed is None else make_generator(sampling.seed, runner.device),
                        make_logits_processor(sampling, len(prompt), stop, self.token_counts),
                        self.grammars.matcher(params.grammar) if params.grammar else None)
         if params.num_head_draft_tokens:

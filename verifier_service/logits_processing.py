@@ -152,8 +152,10 @@ def _penalise(logits: torch.Tensor, steps: Sequence[ControlledStep]) -> None:
     table.update(steps)
     device = logits.device
     rows = [row for step in steps for row in step.rows]
-    owners = torch.tensor([step.processor.row for step in steps for _ in step.rows], device=device)
-    counts, seen = table.counts[owners], table.in_prompt[owners]
+    # Each logits row's row of the table, and the logits rows, in one copy. Whole rows are gathered with
+    # index_select, which copies them, where a CPU's advanced indexing goes element by element.
+    owners, at = torch.tensor([[step.processor.row for step in steps for _ in step.rows], rows], device=device)
+    counts, seen = table.counts.index_select(0, owners), table.in_prompt.index_select(0, owners)
     drafted, first = [], 0  # (row among `rows`, token) for each draft token on the path to a row
     for step in steps:
         drafted += [(first + node + 1, step.draft_tokens[ancestor])
@@ -166,7 +168,7 @@ def _penalise(logits: torch.Tensor, steps: Sequence[ControlledStep]) -> None:
                           dtype=torch.float32, device=device)
     repetition, frequency, presence = values.T[:, :, None]
     contiguous = rows == list(range(rows[0], rows[-1] + 1))
-    penalised = logits[rows[0]: rows[-1] + 1] if contiguous else logits[rows]
+    penalised = logits[rows[0]: rows[-1] + 1] if contiguous else logits.index_select(0, at)
     in_output = counts > 0
     if any(p.repetition_penalty != 1 for p in params):
         scaled = torch.where(penalised > 0, penalised / repetition, penalised * repetition)
@@ -178,7 +180,7 @@ def _penalise(logits: torch.Tensor, steps: Sequence[ControlledStep]) -> None:
     if contiguous:
         logits[rows[0]: rows[-1] + 1] = penalised
     else:
-        logits[rows] = penalised
+        logits.index_copy_(0, at, penalised)
 
 
 def _index(pairs: list[tuple[int, int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:

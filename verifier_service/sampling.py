@@ -1,5 +1,6 @@
 """The request's target distribution p over the vocabulary, and draws from it."""
 
+import itertools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -66,12 +67,33 @@ class SamplingParams:
 
 
 def make_generator(seed: int | None, device: torch.device) -> torch.Generator:
-    """A per-sequence generator, so a seeded request is reproducible whatever
-    else runs on the server. An unseeded one draws its seed from torch's global
-    generator, which the verifier's --seed seeds, as vLLM's does."""
+    """A generator seeded with `seed`, or where None with a seed drawn from torch's global generator (which the
+    verifier's --seed seeds, as vLLM's does). A seeded request gets its own, so it is reproducible whatever else
+    runs on the server; the unseeded ones share their engine's, so a pass draws all their uniforms at once."""
     generator = torch.Generator(device=device)
     generator.manual_seed(int(torch.randint(2**63 - 1, ())) if seed is None else seed)
     return generator
+
+
+def draw_uniforms(counts: Sequence[int], generators: Sequence[torch.Generator], device: torch.device) -> torch.Tensor:
+    """counts[i] uniforms in [0, 1) for each i, in order, those of every i with the same generator drawn in one
+    operation (a launch on an accelerator): a pass draws once for its unseeded sequences (vLLM draws them from one
+    generator too) and once for each seeded sequence, whose own draws so depend on nothing else in the pass."""
+    totals: dict[int, int] = {}
+    for generator, count in zip(generators, counts):
+        totals[id(generator)] = totals.get(id(generator), 0) + count
+    distinct = {id(generator): generator for generator in generators}  # in order of first appearance
+    draws = [torch.rand(totals[key], generator=generator, device=device) for key, generator in distinct.items()]
+    if len(draws) == 1:
+        return draws[0]
+    # Each generator's next uniform in the concatenation of the draws.
+    firsts = dict(zip(distinct, itertools.accumulate((totals[key] for key in distinct), initial=0)))
+    order = []
+    for generator, count in zip(generators, counts):
+        first = firsts[id(generator)]
+        order += range(first, first + count)
+        firsts[id(generator)] = first + count
+    return torch.cat(draws)[torch.tensor(order, device=device)]
 
 
 # A CPU computes target probabilities in groups of rows this large, well under glibc's largest mmap threshold

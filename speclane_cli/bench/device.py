@@ -195,9 +195,9 @@ def engine_rates(runner, batch: int, steps: int, drafts: list[int], profile: str
         row[f"verify_k{k}_vs_decode"] = round(verify / decode, 3)
     for seq in seqs:
         engine.close(seq)
-    # The same decodes sampled (temperature 0.8, each sequence its own generator): what judging sampled steps
-    # adds to a pass (engine._judge).
-    params = GenerationParams(SamplingParams(temperature=0.8, seed=0), max_new_tokens=budget, ignore_eos=True)
+    # The same decodes sampled (temperature 0.8, unseeded as most requests are, so drawing from the engine's one
+    # generator): what judging sampled steps adds to a pass (engine._judge).
+    params = GenerationParams(SamplingParams(temperature=0.8), max_new_tokens=budget, ignore_eos=True)
     seqs = [engine.open(f"t{i}", p, params) for i, p in enumerate(_prompts(batch, runner.vocab_size))]
     engine.run_together([(seq, Draft()) for seq in seqs])
     timed_steps(1, 0)

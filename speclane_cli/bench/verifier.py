@@ -12,10 +12,11 @@
 - judging: the host time of a pass outside its forward (logit controls,
   acceptance, the tokens' bookkeeping) at 64 sequences, greedy, sampled,
   sampled with top-p, with Qwen3's and Qwen2.5's defaults (the latter's
-  with a repetition penalty) and greedy with that penalty, decoding and
-  verifying 3-token chains, on a tiny model with SmolLM2's vocabulary;
-  medians of repeated passes, and the operations torch dispatches in a
-  pass (on an accelerator, each a kernel launch);
+  with a repetition penalty) and greedy with that penalty, decoding,
+  verifying 3-token chains and 6-node trees, unseeded requests on a tiny
+  model with SmolLM2's vocabulary; medians of repeated passes, and the
+  operations torch dispatches in a pass (on an accelerator, each a kernel
+  launch);
 - scale: decode tokens/s of SmolLM2 in process at 32, 64 and 128 sequences;
 - throughput: 8 concurrent greedy requests against 1 at a time through the
   real `speclane serve` stack, with speculation off and suffix decoding.
@@ -189,19 +190,26 @@ class OperationCount(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def _submit_chains(engine, seqs, k: int, vocab_size: int) -> list[list]:
-    """Each sequence's next step with a k-token chain continuing its last token; the boxes its answers land in."""
+# The drafts a judged pass verifies: none (a decode), a 3-token chain, and a tree of 6 nodes (two children at the
+# root and under each of them, EAGLE's top-2 to depth 2).
+JUDGED_DRAFTS = {"none": (0, ()), "chain": (3, ()), "tree": (6, (-1, -1, 0, 0, 1, 1))}
+
+
+def _submit_drafts(engine, seqs, k: int, parents: tuple[int, ...], vocab_size: int) -> list[list]:
+    """Each sequence's next step with a draft of that shape continuing its last token (distinct tokens: the
+    greedy target rejects them all, a sampled one mostly); the boxes its answers land in."""
     from verifier_service.sequence import Draft
 
     answers = [[] for _ in seqs]
     for seq, box in zip(seqs, answers):
-        engine.submit(seq, Draft(tuple((seq.tokens[-1] + j + 1) % vocab_size for j in range(k))), box.append)
+        engine.submit(seq, Draft(tuple((seq.tokens[-1] + j + 1) % vocab_size for j in range(k)), parents=parents),
+                      box.append)
     return answers
 
 
 def judging(num_seqs: int, repeats: int, vocab_size: int = 49152) -> list[dict]:
     """Medians of a pass's time and of its forward's, and their difference, the host's work around the forward,
-    for each of JUDGED's settings with no draft and with a 3-token chain (mostly rejected when sampled)."""
+    for each of JUDGED's settings with each of JUDGED_DRAFTS, the requests unseeded as most are."""
     from verifier_service.block_manager import BlockManager
     from verifier_service.engine import Engine
     from verifier_service.model_runner import ModelRunner
@@ -213,28 +221,28 @@ def judging(num_seqs: int, repeats: int, vocab_size: int = 49152) -> list[dict]:
         runner = ModelRunner(_tiny_llama(path, 2, vocab_size=vocab_size), "cpu", torch.float32)
     rows, forwards = [], []
     for name, sampling in JUDGED:
-        for k in (0, 3):
+        for draft, (k, parents) in JUDGED_DRAFTS.items():
             engine = Engine(runner, BlockManager(num_seqs * 16, BLOCK, False),
                             BatchLimits(max_tokens=4096, max_sequences=num_seqs, max_queue_wait=3600),
                             on_step=lambda stats: forwards.append(stats.forward_seconds))
             params = GenerationParams(max_new_tokens=(repeats + 3) * (k + 1), ignore_eos=True,
-                                      sampling=SamplingParams(seed=0, **sampling))
+                                      sampling=SamplingParams(**sampling))
             seqs = [engine.open(f"j{i}", [(i * 31 + j * 7) % (vocab_size - 4) + 4 for j in range(64)], params)
                     for i in range(num_seqs)]
             engine.run_together([(seq, Draft()) for seq in seqs])
             passes, forward = [], []
             for _ in range(repeats + 1):  # the first pass warms up
-                answers = _submit_chains(engine, seqs, k, vocab_size)
+                answers = _submit_drafts(engine, seqs, k, parents, vocab_size)
                 counted, started = len(forwards), time.perf_counter()
                 _drive(engine, answers)
                 passes.append(time.perf_counter() - started)
                 forward.append(sum(forwards[counted:]))
-            answers = _submit_chains(engine, seqs, k, vocab_size)
+            answers = _submit_drafts(engine, seqs, k, parents, vocab_size)
             with OperationCount() as operations:
                 _drive(engine, answers)
             pass_ms, forward_ms = statistics.median(passes[1:]) * 1e3, statistics.median(forward[1:]) * 1e3
-            rows.append({"sampling": name, "draft_tokens": k, "sequences": num_seqs, "vocab": vocab_size,
-                         "pass_ms": round(pass_ms, 2), "forward_ms": round(forward_ms, 2),
+            rows.append({"sampling": name, "draft": draft, "draft_tokens": k, "sequences": num_seqs,
+                         "vocab": vocab_size, "pass_ms": round(pass_ms, 2), "forward_ms": round(forward_ms, 2),
                          "host_ms": round(pass_ms - forward_ms, 2), "operations": operations.count})
             for seq in seqs:
                 engine.close(seq)

@@ -196,6 +196,25 @@ def test_seeded_sampling_is_reproducible(engine):
     assert len({tuple(run(seed)) for seed in range(5)}) > 1
 
 
+def test_a_seeded_sequence_samples_alike_alone_and_among_unseeded_ones(engine):
+    """The unseeded sequences draw from the engine's one generator (a pass draws their uniforms at once); a
+    seeded one from its own, so what shares its passes changes none of its tokens."""
+    def run(num_unseeded: int) -> list[int]:
+        seqs = [engine.open(f"s{i}", PROMPT, GenerationParams(SamplingParams(temperature=1.0, seed=None if i else 7),
+                                                              max_new_tokens=8, ignore_eos=True))
+                for i in range(1 + num_unseeded)]
+        assert all(seq.generator is engine.generator for seq in seqs[1:]) and seqs[0].generator is not engine.generator
+        engine.run_together([(seq, Draft()) for seq in seqs])
+        while not seqs[0].finished:
+            engine.run_together([(seq, Draft((4, 5)) if i % 2 else Draft((4, 5, 6), parents=(-1, -1, 0)))
+                                 for i, seq in enumerate(seqs) if not seq.finished])
+        for seq in seqs:
+            engine.close(seq)
+        return seqs[0].tokens
+
+    assert run(0) == run(5)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("controls", [{}, {"top_p": 0.9, "presence_penalty": 0.5}], ids=["plain", "controls"])
 def test_a_pass_reads_its_sampled_steps_from_the_device_at_once(tiny_model_dir, runner, dtype, controls):

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from scipy.stats import chi2_contingency, chisquare
 
 from speclane_cli.bench.verifier import OperationCount
-from verifier_service.sampling import draw, greedy_choices
+from verifier_service.sampling import draw, draw_uniforms, greedy_choices
 from verifier_service.tree import children
 from verifier_service.verify import (
     SampledStep,
@@ -183,10 +183,10 @@ def test_a_sampled_tree_is_distributed_as_the_walk_that_draws_per_node(proposals
 
 
 def test_a_pass_of_sampled_steps_judges_each_as_it_would_be_judged_alone():
-    """Decodes, deterministic chains of several lengths, a chain with proposals and a tree, their rows packed
-    in one tensor as a pass lays them out: each step's verdict is the one it gets alone with its generator in
-    the same state, so a seeded request does not depend on what shares its pass; and the batch reads the
-    host once (its chains decided together), where each step alone reads it once."""
+    """Decodes, deterministic chains of several lengths, a chain with proposals and trees of two shapes with and
+    without proposals, their rows packed in one tensor as a pass lays them out: each step's verdict is the one it
+    gets alone with its generator in the same state, so a seeded request does not depend on what shares its
+    pass; and the batch reads the host once, where each step alone reads it once."""
     chain_rows = [torch.stack([P0, P1, P_BONUS]), torch.stack([P_BONUS]), torch.stack([P1, P0, Q0, P_BONUS])]
     layouts = [  # (draft, rows, proposals, parents)
         ([1, 2], chain_rows[0], None, None),
@@ -195,6 +195,9 @@ def test_a_pass_of_sampled_steps_judges_each_as_it_would_be_judged_alone():
         ([1], torch.stack([P0, P_BONUS]), Q0[None], None),
         (list(TREE_DRAFT), TREE_ROWS, None, TREE_PARENTS),
         ([0], torch.stack([P1, P0]), None, None),
+        ([1, 1, 3, 0, 2, 1], TREE_ROWS.flip(0), torch.stack([Q0, Q0, P1, P1, P0, Q0]), TREE_PARENTS),
+        ([1, 2, 4], torch.stack([P0, P1, Q0, P_BONUS]), P_BONUS.expand(3, -1), (-1, -1, 0)),
+        ([3, 1, 1], torch.stack([P0, P_BONUS, P1, Q0]), None, (-1, -1, 1)),
     ]
     probs = torch.cat([rows for _, rows, _, _ in layouts])
     starts = np.cumsum([0] + [len(rows) for _, rows, _, _ in layouts])[:-1]
@@ -254,21 +257,39 @@ def test_chains_with_proposals_decided_together_each_keep_their_target():
     assert len(seconds) > TRIALS / 4 and p_value(seconds, P1) > 0.001
 
 
-def test_a_pass_of_chains_runs_one_more_operation_a_chain_its_uniforms():
-    """On an accelerator each operation is a kernel launch: chains with and without proposals are decided
-    together, each adding only the draw of its own uniforms (from its own generator)."""
+@pytest.mark.parametrize("kind", ["chains", "trees"])
+def test_a_pass_decides_its_steps_in_operations_their_number_does_not_change(kind):
+    """On an accelerator each operation is a kernel launch: chains, and trees, with and without proposals, are
+    decided together. Unseeded steps share one generator and add nothing; a seeded step adds the one draw of its
+    own uniforms."""
+    draft, parents, rows = ([1, 3], None, [P0, P1, P_BONUS]) if kind == "chains" else (
+        list(TREE_DRAFT), TREE_PARENTS, list(TREE_ROWS))
+    shared = torch.Generator().manual_seed(0)
 
-    def operations(count: int) -> int:
-        steps, rows = [], []
+    def operations(count: int, seeded: bool) -> int:
+        steps = []
         for i in range(count):
-            proposals = Q0[None].expand(2, -1) if i % 2 else None
-            steps.append(SampledStep([1, 3], 3 * i, torch.Generator().manual_seed(i), proposals))
-            rows += [P0, P1, P_BONUS]
+            proposals = Q0[None].expand(len(draft), -1) if i % 2 else None
+            generator = torch.Generator().manual_seed(i) if seeded else shared
+            steps.append(SampledStep(draft, len(rows) * i, generator, proposals, parents))
         with OperationCount() as counted:
-            sampled_decisions(torch.stack(rows), steps)
+            sampled_decisions(torch.stack(rows * count), steps)
         return counted.count
 
-    assert operations(12) - operations(4) == 8
+    assert operations(12, seeded=False) == operations(4, seeded=False)
+    assert operations(12, seeded=True) - operations(4, seeded=True) == 8
+
+
+def test_draw_uniforms_draws_once_a_generator_in_each_steps_order():
+    """The uniforms of steps that share a generator come from one draw of it, in the steps' order; a seeded
+    step's are what its own generator gives alone, whatever shares the pass."""
+    shared, own = torch.Generator().manual_seed(1), torch.Generator().manual_seed(2)
+    drawn = draw_uniforms([2, 3, 1, 2], [shared, own, shared, shared], torch.device("cpu"))
+    expected_shared = torch.rand(5, generator=torch.Generator().manual_seed(1))
+    expected_own = torch.rand(3, generator=torch.Generator().manual_seed(2))
+    assert torch.equal(drawn, torch.cat([expected_shared[:2], expected_own, expected_shared[2:]]))
+    assert torch.equal(draw_uniforms([3], [own], torch.device("cpu")),
+                       torch.rand(6, generator=torch.Generator().manual_seed(2))[3:])
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])

@@ -14,7 +14,7 @@ from verifier_service.config import TreeShape
 from verifier_service.heads.dynamic_tree import draft_trees
 from verifier_service.heads.head import Head
 from verifier_service.heads.layer import HeadKV, KVBatch
-from verifier_service.sampling import draw, greedy_choices
+from verifier_service.sampling import draw, draw_uniforms, greedy_choices
 
 
 @dataclass(frozen=True)
@@ -186,9 +186,9 @@ def _draft_step(logits: torch.Tensor, requests: list[DraftRequest], vocab_map: t
     sampled = [row for row, r in enumerate(requests) if r.temperature]
     proposals = None
     if sampled:
-        uniforms = torch.cat([torch.rand(1, generator=requests[row].generator, device=device) for row in sampled])
+        uniforms = draw_uniforms([1] * len(sampled), [requests[row].generator for row in sampled], device)
         at = torch.tensor(sampled, device=device)
-        tokens = tokens.index_copy(0, at, draw(q[at], uniforms))
+        tokens = tokens.index_copy(0, at, draw(q.index_select(0, at), uniforms))
         proposals = q if vocab_map is None else q.new_zeros(len(q), vocab_size).index_copy_(1, vocab_map, q)
     if vocab_map is not None:
         tokens = vocab_map[tokens]
