@@ -101,7 +101,7 @@ def draw_uniforms(counts: Sequence[int], generators: Sequence[torch.Generator], 
 # of 49,152 took 54 ms at once and 10.6 in groups of 16 (docs/benchmarks/verifier-engine/softmax_groups.py).
 # An accelerator takes every row at once.
 CPU_GROUP_BYTES = 4 << 20
-NUCLEUS_WIDTH = 1024  # tokens top-p looks among before it sorts a whole row (_nucleus)
+NUCLEUS_WIDTH = 1024  # tokens top-p looks among on an accelerator before it sorts a whole row (_nucleus)
 
 
 def step_groups(counts: Sequence[int], vocab_size: int, device: torch.device) -> list[range]:
@@ -151,21 +151,42 @@ def batch_target_probs(logits: torch.Tensor, params: Sequence[SamplingParams], c
 
 
 def _nucleus(probs: torch.Tensor, top_p: torch.Tensor, likeliest: torch.Tensor | None = None) -> torch.Tensor:
-    """Each row where top_p < 1 keeps the smallest prefix of its tokens by probability whose mass reaches top_p
-    (a token is dropped when the mass before it already does), renormalised. The prefix is looked for among the
-    row's likeliest tokens (top-k's, else its NUCLEUS_WIDTH most likely by a partial sort), and the whole rows are
-    sorted only where those hold less than top_p: the usual nucleus of a trained model, and any under top-k,
-    is far narrower than a vocabulary, whose sort took 3.5 ms a row of 49,152 on this repository's CPU host."""
+    """Each row where top_p < 1 keeps the smallest prefix of its tokens by probability whose mass reaches top_p (a
+    token is dropped when the mass before it already does), renormalised. Under top-k the prefix is looked for
+    among top-k's tokens; on a CPU otherwise, and where those hold less than top_p, by our kernel
+    (csrc/nucleus.cc), which reads a row three times and sorts only the few tokens around the cut. Elsewhere among
+    the row's NUCLEUS_WIDTH most likely tokens (a partial sort), and the whole rows are sorted only where those
+    hold less than top_p: the usual nucleus of a trained model is far narrower than a vocabulary."""
     cut = top_p < 1
+    cpu = _kernel_takes(probs)
+    if likeliest is None and cpu:
+        return _cpu_nucleus(probs, top_p)
     if likeliest is None:
         values, order = torch.topk(probs, min(probs.shape[-1], NUCLEUS_WIDTH), dim=-1)
     else:
         values, order = probs.gather(-1, likeliest), likeliest
     if order.shape[-1] < probs.shape[-1] and bool(((values.sum(-1, keepdim=True) < top_p) & cut).any()):
+        if cpu:
+            return _cpu_nucleus(probs, top_p)
         values, order = torch.sort(probs, dim=-1, descending=True)
     kept = values.masked_fill((values.cumsum(dim=-1) - values) >= top_p, 0.0)
     nucleus = torch.zeros_like(probs).scatter(-1, order, kept)
     return torch.where(cut, nucleus / nucleus.sum(dim=-1, keepdim=True), probs)
+
+
+def _kernel_takes(probs: torch.Tensor) -> bool:
+    return probs.device.type == "cpu" and probs.dtype == torch.float32
+
+
+def _cpu_nucleus(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """_nucleus by csrc/nucleus.cc: the nucleus of each fp32 row [rows, vocab] where top_p [rows, 1] < 1, found
+    without sorting the row (a sort of SmolLM2's 49,152 took 3.5 ms on this repository's CPU host)."""
+    rows = probs.contiguous()
+    cut = top_p.reshape(-1).contiguous()
+    out = torch.empty_like(rows)
+    cpu_kernels().nucleus(rows.data_ptr(), cut.data_ptr(), out.data_ptr(), rows.shape[0], rows.shape[1],
+                          torch.get_num_threads())
+    return out
 
 
 def draw(probs: torch.Tensor, uniforms: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:

@@ -16,6 +16,7 @@ from scipy.stats import chisquare
 from protos.conventions import chain_parents
 from protos.verifier.v1 import verifier_pb2
 from speclane_cli.bench.verifier import OperationCount
+from verifier_service import sampling
 from verifier_service.errors import InvalidRequest
 from verifier_service.logits_processing import (
     ControlledStep,
@@ -238,13 +239,18 @@ def test_one_batch_gives_every_steps_rows_their_own_controls():
     assert (together[1:4] > 0).sum(-1).tolist() == [5, 5, 5]  # top-k reached its rows only
 
 
+@pytest.mark.parametrize("by", ["kernel", "sort"])
 @pytest.mark.parametrize("spread, top_k, narrow", [(8.0, None, True), (0.1, None, False), (0.1, 20, True),
                                                    (8.0, 5, True)], ids=["peaked", "flat", "flat top-k", "top-k 5"])
-def test_top_p_finds_the_nucleus_among_the_likeliest_tokens_or_sorts_the_whole_row(spread, top_k, narrow):
+def test_top_p_finds_the_nucleus_among_the_likeliest_tokens_or_sorts_the_whole_row(spread, top_k, narrow, by,
+                                                                                   monkeypatch):
     """A vocabulary wider than the partial sort: a peaked row's nucleus lies among its likeliest tokens, a flat
-    row's does not and is found by sorting the whole row, and under top-k among top-k's tokens (the row of
-    another step with top-p alone beside it, whose nucleus top-k's tokens do not hold); each as the
-    written-out reference finds it, and the row without top-p keeps all its tokens."""
+    row's does not and is found by sorting the whole row (an accelerator's way; a CPU's kernel finds either
+    without sorting), and under top-k among top-k's tokens (the row of another step with top-p alone beside it,
+    whose nucleus top-k's tokens do not hold); each as the written-out reference finds it, and the row without
+    top-p keeps all its tokens."""
+    if by == "sort":
+        monkeypatch.setattr(sampling, "_kernel_takes", lambda probs: False)
     vocab = 3 * NUCLEUS_WIDTH
     rows = torch.randn(3, vocab, generator=torch.Generator().manual_seed(1)) * spread
     params = [SamplingParams(temperature=1.0, top_k=top_k, top_p=0.9), SamplingParams(temperature=1.0),
@@ -254,6 +260,63 @@ def test_top_p_finds_the_nucleus_among_the_likeliest_tokens_or_sorts_the_whole_r
     assert torch.allclose(together, expected, atol=1e-6)
     assert ((together[0] > 0).sum() < NUCLEUS_WIDTH) == narrow
     assert (together[1] > 0).all()
+
+
+def written_out_nucleus(row: torch.Tensor, top_p: float) -> torch.Tensor:
+    """One row's nucleus with a sorted Python list (equal probabilities by index), renormalised."""
+    values = row.tolist()
+    kept, mass = set(), 0.0
+    for token in sorted(range(len(values)), key=lambda t: -values[t]):
+        if mass >= top_p:
+            break
+        kept.add(token)
+        mass += values[token]
+    nucleus = torch.tensor([v if t in kept else 0.0 for t, v in enumerate(values)], dtype=torch.float64)
+    return (nucleus / nucleus.sum()).float()
+
+
+def test_the_cpu_kernel_finds_the_nucleus_without_sorting_rows():
+    """csrc/nucleus.cc against the written-out rule: a cut inside a run of equal probabilities (the first by
+    index kept, as many as the mass allows), rows with zeros and -0.0 (counted as 0, never above a positive
+    probability), a vocabulary of no round size, a row whose mass stays under top-p (all kept), a row without
+    top-p copied bit for bit and a NaN row that stays NaN beside the others."""
+    generator = torch.Generator().manual_seed(3)
+    vocab = 3_001
+    flat = torch.full((vocab,), 1.0)
+    flat[:7] = torch.tensor([300.0, 200.0, 100.0, 50.0, 50.0, 25.0, 10.0])
+    peaked = torch.softmax(torch.randn(vocab, generator=generator) * 6, -1)
+    sparse = torch.softmax(torch.randn(vocab, generator=generator), -1)
+    sparse[::3] = 0.0
+    sparse[1::7] = -0.0
+    rows = torch.stack([flat / flat.sum(), peaked, sparse / sparse.sum(), peaked, peaked / 2,
+                        torch.full((vocab,), math.nan)])
+    top_p = torch.tensor([0.6, 0.9, 0.3, 2.0, 0.9, 0.5])[:, None]
+    out = sampling._cpu_nucleus(rows, top_p)
+    for row, cut, got in zip(rows[:3], top_p[:3, 0].tolist(), out):
+        assert torch.allclose(got, written_out_nucleus(row, cut), atol=1e-7, rtol=1e-5)
+    kept_ties = int((out[0, 7:] > 0).sum())  # the cut lands among the 2,994 equal tokens
+    assert 0 < kept_ties < vocab - 7 and (out[0, 7: 7 + kept_ties] > 0).all()
+    assert torch.equal(out[3], rows[3])
+    assert torch.allclose(out[4], peaked, atol=1e-9, rtol=1e-6)  # a mass under top-p: every token kept
+    assert out[5].isnan().all()
+    # A mass before a token equal to top-p drops it; of equal tokens the first by index comes first.
+    exact = sampling._cpu_nucleus(torch.tensor([[0.25, 0.5, 0.25]] * 2), torch.tensor([[0.5], [0.75]]))
+    assert torch.equal(exact, torch.tensor([[0.0, 1.0, 0.0], [1 / 3, 2 / 3, 0.0]]))
+
+
+def test_the_cpu_kernel_keeps_the_written_out_nucleus_of_rows_of_every_spread():
+    """Rows from nearly flat to peaked, top-p from 0.05 to 0.999 (the cut in a crowded bucket, a sparse one, or
+    the first token): the kernel keeps exactly the tokens the written-out rule keeps."""
+    generator = torch.Generator().manual_seed(5)
+    spreads = torch.logspace(-1.5, 1, 40).tolist()
+    rows = torch.stack([torch.softmax(torch.randn(4_099, generator=generator) * spread, -1) for spread in spreads])
+    top_p = torch.rand(len(spreads), 1, generator=generator) * 0.949 + 0.05
+    top_p[::8] = 0.999
+    out = sampling._cpu_nucleus(rows, top_p)
+    for row, cut, got in zip(rows, top_p[:, 0].tolist(), out):
+        expected = written_out_nucleus(row, cut)
+        assert torch.equal(got > 0, expected > 0)
+        assert torch.allclose(got, expected, atol=1e-7, rtol=1e-5)
 
 
 def test_a_cpu_judges_rows_in_groups_within_its_budget_and_an_accelerator_all_at_once():

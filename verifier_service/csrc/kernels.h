@@ -54,6 +54,10 @@ void add_rms_norm(uintptr_t x, uintptr_t residual, uintptr_t weight, uintptr_t y
 void row_argmax(uintptr_t logits, uintptr_t out, int64_t rows, int64_t vocab, int64_t row_stride, bool bf16,
                 int threads);
 
+// Top-p's nucleus of each fp32 row of probabilities where top_p < 1, renormalised, found without sorting the row
+// (nucleus.cc); rows with top_p >= 1 copied.
+void nucleus(uintptr_t probs, uintptr_t top_p, uintptr_t out, int64_t rows, int64_t vocab, int threads);
+
 // bf16 products on Intel AMX that give a row the same bits in any batch, plain or a SwiGLU MLP's gated pair
 // (amx_linear.cc: layouts); amx_ready says whether this CPU and kernel let the process use them.
 bool amx_ready();
