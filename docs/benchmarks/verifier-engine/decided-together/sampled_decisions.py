@@ -6,8 +6,8 @@ dispatches (each a kernel launch on an accelerator) and the median milliseconds,
 accelerator) and in the engine's CPU groups (sampling.step_groups).
 
     git worktree add /tmp/before <rev>
-    flock /tmp/speclane-bench.lock .venv/bin/python docs/benchmarks/verifier-engine/sampled_decisions.py \
-        /tmp/before/verifier_service/verify.py
+    flock /tmp/speclane-bench.lock .venv/bin/python \
+        docs/benchmarks/verifier-engine/decided-together/sampled_decisions.py /tmp/before/verifier_service/verify.py
 """
 
 import importlib.util
