@@ -79,8 +79,9 @@ class VerifierConfig:
                                         f"also read); 0: {DEFAULT_CPU_KV_CACHE_GIB} GiB")
     num_gpu_blocks_override: int = option(0, "vLLM's override: exactly this many KV blocks, whatever the memory "
                                              "(tests, experiments); 0: sized from the two flags above")
-    seed: int = option(0, "vLLM's global seed: Python's and torch's random generators are seeded with it at start; "
-                          "a request's own seed makes its sampling reproducible")
+    seed: int = option(0, "vLLM's global seed: Python's and torch's random generators are seeded with it at start, "
+                          "and so the generator the unseeded requests share; a request's own seed makes its "
+                          "sampling reproducible")
     kv_block_size: int = option(16, "tokens per KV block: the unit of allocation and of prefix caching (vLLM's "
                                     "default)", aliases=("--block-size",))
     enable_prefix_caching: bool = option(True, "keep finished sequences' KV so a prompt extending them "

@@ -249,7 +249,8 @@ def _trees_decisions(probs: torch.Tensor, steps: list[SampledStep]) -> torch.Ten
     p = probs.index_select(0, rows_of)
     accept = p.new_zeros(num_nodes)
     proposals = torch.cat([step.proposals for step in steps if step.proposals is not None]) if proposal_rows else None
-    for (rows, nodes, at, q_rows), any_proposed in zip(zip(*[iter(rank_parts)] * 4), proposed):
+    for rank, any_proposed in enumerate(proposed):
+        rows, nodes, at, q_rows = rank_parts[4 * rank: 4 * rank + 4]
         current = p.index_select(0, rows)
         tried = tokens[nodes][:, None]
         # Deterministic: accepted with p(x), the residual p without x; proposed: min(1, p(x) / q(x)), max(0, p - q).
