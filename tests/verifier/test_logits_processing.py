@@ -83,6 +83,19 @@ def test_repetition_penalty_shrinks_prompt_and_output_tokens_towards_unlikely():
     assert torch.equal(out, torch.tensor([[1.0, 1.0, -2.0, 2.0, -4.0]]))
 
 
+@pytest.mark.parametrize("penalty", [0.5, 0.8, 1.05, 2.0])
+def test_repetition_penalty_divides_positive_and_multiplies_other_logits_bit_for_bit(penalty):
+    """The branch-free form (the smaller of x / r and x * r for r >= 1, the larger below 1) gives the bits of
+    vLLM's x / r where x > 0, else x * r, on random logits and on 0, -0, infinities and the largest floats."""
+    generator = torch.Generator().manual_seed(2)
+    special = torch.tensor([0.0, -0.0, INF, -INF, 3.4e38, -3.4e38, 1e-38, -1e-38])
+    rows = torch.cat([special, torch.randn(200, generator=generator) * 10])[None]
+    tokens = list(range(rows.shape[-1]))
+    out = processed(SamplingParams(repetition_penalty=penalty), tokens, [], rows)
+    expected = torch.where(rows > 0, rows / penalty, rows * penalty)
+    assert torch.equal(out, expected) and torch.equal(out.signbit(), expected.signbit())
+
+
 def test_frequency_and_presence_penalties_count_output_tokens_only():
     out = processed(SamplingParams(frequency_penalty=0.5, presence_penalty=0.25), [0, 3], [1, 1, 2], torch.zeros(1, 4))
     assert torch.equal(out, torch.tensor([[0.0, -1.25, -0.75, 0.0]]))
