@@ -195,7 +195,14 @@ def draw(probs: torch.Tensor, uniforms: torch.Tensor, dtype: torch.dtype | None 
     with the sequence's generator, so rows of many sequences are drawn in one operation. A token of probability
     0 is never drawn. The sum in float64 where the device computes it natively, so its rounding skews no
     token's chance; elsewhere (an Ascend NPU leaves float64 to its AI CPU) in float32, off by at most half an
-    ulp of the running sum (3e-8) per token; `dtype` chooses."""
+    ulp of the running sum (3e-8) per token; `dtype` chooses. On a CPU, fp32 rows without a `dtype` go through
+    our kernel (csrc/draw.cc), which sums in double without writing the cumulative sum out."""
+    if dtype is None and _kernel_takes(probs) and probs.dim() == 2 and probs.stride(-1) == 1:
+        cut = uniforms.to(torch.float32).contiguous()
+        tokens = torch.empty(probs.shape[0], dtype=torch.int64)
+        cpu_kernels().draw(probs.data_ptr(), probs.stride(0), cut.data_ptr(), tokens.data_ptr(), probs.shape[0],
+                           probs.shape[1], torch.get_num_threads())
+        return tokens
     exact = dtype or (torch.float64 if probs.device.type in ("cpu", "cuda") else torch.float32)
     cumulative = probs.to(exact).cumsum(-1)
     # A uniform below 1 times the total stays below it (in float32 too), so a token with mass is found; the clamp

@@ -1,6 +1,8 @@
 """Acceptance rules: greedy equivalence and statistical losslessness of
 speculative sampling (chi-square against the target distribution p)."""
 
+import math
+
 import numpy as np
 import pytest
 import torch
@@ -292,7 +294,7 @@ def test_draw_uniforms_draws_once_a_generator_in_each_steps_order():
                        torch.rand(6, generator=torch.Generator().manual_seed(2))[3:])
 
 
-@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, None], ids=["float64", "float32", "cpu kernel"])
 def test_draw_follows_each_rows_distribution_and_never_a_token_without_mass(dtype):
     rows = torch.stack([P0, torch.tensor([0.0, 0.5, 0.0, 0.5, 0.0, 0.0]) * 3])  # the second unnormalised
     generator = torch.Generator().manual_seed(0)
@@ -303,6 +305,22 @@ def test_draw_follows_each_rows_distribution_and_never_a_token_without_mass(dtyp
     assert edges.tolist() == [1, 3]  # the extremes of [0, 1) land on the first and last token with mass
     trailing = torch.tensor([[0.1, 0.2, 0.3, 0.0, 0.0]])  # the largest uniform stops at the last token with mass
     assert draw(trailing, torch.tensor([1.0 - 2 ** -24]), dtype).tolist() == [2]
+
+
+def test_the_cpu_kernel_draws_the_token_the_float64_cumulative_sum_finds():
+    """Wide rows (the kernel sums 16 tokens at a time), a third of their tokens without mass and a tail of zeros,
+    at uniforms spread over [0, 1) and at its ends: the kernel's token is the float64 cumulative sum's, with mass,
+    and rows without mass (zero, NaN, infinite) stay in the vocabulary."""
+    generator = torch.Generator().manual_seed(4)
+    rows = torch.softmax(torch.randn(300, 1_003, generator=generator) * 4, -1)
+    rows[:, ::3] = 0.0
+    rows[:, -40:] = 0.0
+    uniforms = torch.cat([torch.rand(296, generator=generator), torch.tensor([0.0, 1 - 2 ** -24, 0.5, 0.999])])
+    drawn = draw(rows, uniforms)
+    assert torch.equal(drawn, draw(rows, uniforms, torch.float64))
+    assert (rows.gather(1, drawn[:, None]) > 0).all()
+    empty = torch.stack([torch.zeros(1_003), torch.full((1_003,), math.nan), rows[0].clone().fill_(math.inf)])
+    assert draw(empty, torch.full((3,), 0.5)).tolist() == [1_002] * 3
 
 
 def test_a_step_with_no_mass_to_draw_from_fails_alone():

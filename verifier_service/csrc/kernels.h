@@ -58,6 +58,10 @@ void row_argmax(uintptr_t logits, uintptr_t out, int64_t rows, int64_t vocab, in
 // (nucleus.cc); rows with top_p >= 1 copied.
 void nucleus(uintptr_t probs, uintptr_t top_p, uintptr_t out, int64_t rows, int64_t vocab, int threads);
 
+// A token from each fp32 row of probabilities at the row's uniform, by inverting its cumulative sum (draw.cc).
+void draw(uintptr_t probs, int64_t row_stride, uintptr_t uniforms, uintptr_t out, int64_t rows, int64_t vocab,
+          int threads);
+
 // bf16 products on Intel AMX that give a row the same bits in any batch, plain or a SwiGLU MLP's gated pair
 // (amx_linear.cc: layouts); amx_ready says whether this CPU and kernel let the process use them.
 bool amx_ready();
