@@ -198,9 +198,9 @@ def draw(probs: torch.Tensor, uniforms: torch.Tensor, dtype: torch.dtype | None 
     ulp of the running sum (3e-8) per token; `dtype` chooses. On a CPU, fp32 rows without a `dtype` go through
     our kernel (csrc/draw.cc), which sums in double without writing the cumulative sum out."""
     if dtype is None and _kernel_takes(probs) and probs.dim() == 2 and probs.stride(-1) == 1:
-        cut = uniforms.to(torch.float32).contiguous()
+        at = uniforms.to(torch.float32).contiguous()
         tokens = torch.empty(probs.shape[0], dtype=torch.int64)
-        cpu_kernels().draw(probs.data_ptr(), probs.stride(0), cut.data_ptr(), tokens.data_ptr(), probs.shape[0],
+        cpu_kernels().draw(probs.data_ptr(), probs.stride(0), at.data_ptr(), tokens.data_ptr(), probs.shape[0],
                            probs.shape[1], torch.get_num_threads())
         return tokens
     exact = dtype or (torch.float64 if probs.device.type in ("cpu", "cuda") else torch.float32)
