@@ -240,13 +240,13 @@ def measure(name: str, shape: dict, path: str, device: torch.device, dtype: torc
     transformers' own layers, the same weights, its rows under "transformers_layers")."""
     started = time.perf_counter()
     weight_bytes = build_model(shape, path, device, dtype)
-    runner = _runner(path, device, dtype, batch_invariant, attention_backend, cuda_graph_sizes, fuse=True)
+    runner = make_runner(path, device, dtype, batch_invariant, attention_backend, cuda_graph_sizes, fuse=True)
     load_s = time.perf_counter() - started
     result = {"model": name, "vocab_size": shape["vocab_size"], "weight_gb": round(weight_bytes / 1e9, 3),
               "build_and_load_s": round(load_s, 1),
               "attention_backend": runner.backend.name, "fused_layers": runner.fused_layers,
               "cuda_graph_sizes": [size.tokens for size in runner.graphs.sizes] if runner.graphs else [],
-              "reference_check": _reference_check(runner, dtype),
+              "reference_check": reference_check(runner, dtype),
               "weight_read_limit_tokens_per_s": round(bandwidth / weight_bytes, 1), "batches": []}
     for batch in batches:
         row = engine_rates(runner, batch, steps, drafts, f"{profile}{name}.txt" if profile and batch == 1 else "")
@@ -270,8 +270,8 @@ def measure(name: str, shape: dict, path: str, device: torch.device, dtype: torc
     del runner
     _free(device)
     if unfused_too:
-        runner = _runner(path, device, dtype, batch_invariant, attention_backend, cuda_graph_sizes, fuse=False)
-        unfused = {"reference_check": _reference_check(runner, dtype), "batches": []}
+        runner = make_runner(path, device, dtype, batch_invariant, attention_backend, cuda_graph_sizes, fuse=False)
+        unfused = {"reference_check": reference_check(runner, dtype), "batches": []}
         for row in result["batches"]:
             theirs = engine_rates(runner, row["sequences"], steps, drafts)
             row["vs_transformers_layers"] = round(row["decode_tokens_per_s"] / theirs["decode_tokens_per_s"], 3)
@@ -283,8 +283,8 @@ def measure(name: str, shape: dict, path: str, device: torch.device, dtype: torc
     return result
 
 
-def _runner(path: str, device: torch.device, dtype: torch.dtype, batch_invariant: str, attention_backend: str,
-            cuda_graph_sizes: tuple[int, ...], fuse: bool):
+def make_runner(path: str, device: torch.device, dtype: torch.dtype, batch_invariant: str, attention_backend: str,
+                cuda_graph_sizes: tuple[int, ...], fuse: bool):
     from verifier_service.model_runner import ModelRunner
 
     runner = ModelRunner(path, str(device), dtype, batch_invariant=batch_invariant,
@@ -293,7 +293,7 @@ def _runner(path: str, device: torch.device, dtype: torch.dtype, batch_invariant
     return runner
 
 
-def _reference_check(runner, dtype: torch.dtype) -> dict:
+def reference_check(runner, dtype: torch.dtype) -> dict:
     from verifier_service.self_check import largest_difference, tolerance
 
     difference, scale = largest_difference(runner)
@@ -332,8 +332,11 @@ def run(args) -> int:
             if tokenizer is not None:
                 copy_tokenizer(tokenizer, pathlib.Path(path))
                 log_dir = pathlib.Path(os.path.dirname(os.path.abspath(args.json)) if args.json else path)
-                result["stack"] = device_stack.served_rates(pathlib.Path(path), str(device),
-                                                            log_dir / f"serve-{name}.log", args)
+                try:  # a device run is one try: a model the stack fails on leaves the next model's rows
+                    result["stack"] = device_stack.served_rates(pathlib.Path(path), str(device),
+                                                                log_dir / f"serve-{name}.log", args)
+                except (RuntimeError, TimeoutError, OSError) as error:
+                    result["stack_error"] = f"{type(error).__name__}: {error}"
         results["models"].append(result)
         print(json.dumps(result), flush=True)
         if args.json:
