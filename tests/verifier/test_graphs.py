@@ -190,7 +190,7 @@ def test_ascend_passes_replayed_from_acl_graphs_give_transformers_logits(model_t
     updates = ops.updates
     check_against_reference(runner)
     reference = AutoModelForCausalLM.from_pretrained(runner.model_dir, dtype=torch.float32,
-                                                     attn_implementation="eager").to(DEVICE).eval()
+                                                     attn_implementation="eager").to(runner.device).eval()
     assert_passes_equal_transformers(runner, reference)
     if not ON_NPU:
         layers = runner.model.config.num_hidden_layers
@@ -203,7 +203,7 @@ def test_acl_graph_replays_without_the_length_updates_attend_the_captured_length
     runner.capture_graphs()
     monkeypatch.setattr(AscendAttention, "update_graph", staticmethod(lambda tasks, host: None))
     reference = AutoModelForCausalLM.from_pretrained(runner.model_dir, dtype=torch.float32,
-                                                     attn_implementation="eager").to(DEVICE).eval()
+                                                     attn_implementation="eager").to(runner.device).eval()
     with pytest.raises(AssertionError):
         assert_passes_equal_transformers(runner, reference)
 

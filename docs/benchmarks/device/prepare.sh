@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # Prepares, here (where the registry is reachable), what an offline GPU host lacks for run.sh, in .device/
 # (ignored by git; carried to the device):
-#   site.tar.xz  the contents of the wheels the GPU image lacks, for CPython 3.12 on x86-64 (its Python). The
-#                image has torch, numpy, tokenizers, huggingface-hub, safetensors, accelerate, jinja2, httpx,
-#                prometheus-client, pyyaml, pybind11 and a C++ compiler. Unpacked and xz-compressed because the
-#                wheels themselves (26 MB, zip) and the tracked tree (40 MB) pass the 64 MiB a device call carries.
+#   site.tar.xz  the contents of the wheels the GPU image lacks, for its CPython 3.12 on x86-64 (ARCH and
+#                PYTHON_VERSION choose another host's). The image has torch, numpy, tokenizers, huggingface-hub,
+#                safetensors, accelerate, jinja2, httpx, prometheus-client, pyyaml, pybind11 and a C++ compiler.
+#                Unpacked and xz-compressed because the wheels themselves (26 MB, zip) and the tracked tree
+#                (40 MB) pass the 64 MiB a device call carries.
 #   tokenizer/   SmolLM2's tokenizer, which the random models get when --stack serves them;
 #   home/        a SPECLANE_HOME holding the HumanEval prompts that --stack sends.
 # With --stack, also what `speclane serve` needs for its gateway and drafter. Versions: this repository's
@@ -21,10 +22,11 @@ fi
 grep -qx '/.device/' .git/info/exclude 2>/dev/null || echo '/.device/' >> .git/info/exclude
 staging=$(mktemp -d)
 trap 'rm -rf "$staging"' EXIT
-python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-  --platform manylinux_2_31_x86_64 --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 \
-  --platform manylinux_2_24_x86_64 \
-  --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d "$staging/wheels" "${wheels[@]}"
+arch=${ARCH:-x86_64}  # aarch64 for an Atlas host's Kunpeng processors
+python3 -m pip download -q --no-deps --only-binary=:all: --python-version "${PYTHON_VERSION:-3.12}" \
+  --implementation cp --platform "manylinux_2_31_$arch" --platform "manylinux_2_28_$arch" \
+  --platform "manylinux_2_27_$arch" --platform "manylinux_2_24_$arch" --platform "manylinux_2_17_$arch" \
+  --platform "manylinux2014_$arch" -d "$staging/wheels" "${wheels[@]}"
 # A wheel unpacked is an installed package (none of these has a .data folder or needs an entry point here).
 for wheel in "$staging"/wheels/*.whl; do python3 -m zipfile -e "$wheel" "$staging/site"; done
 mkdir -p .device
