@@ -22,8 +22,9 @@ from verifier_service.errors import InvalidRequest, SequenceFinished, StaleDraft
 from verifier_service.grammar import GrammarCompiler
 from verifier_service.heads.capture import HiddenStateCapture
 from verifier_service.heads.drafting import DraftRequest, HeadDrafter, HeadState
-from verifier_service.logits_processing import ControlledStep, TokenCounts, apply_logit_controls, make_logits_processor
+from verifier_service.logits_processing import ControlledStep, apply_logit_controls, make_logits_processor
 from verifier_service.model_runner import ModelRunner
+from verifier_service.penalties import penalty_counts
 from verifier_service.sampling import batch_target_probs, greedy_choices, make_generator, step_groups
 from verifier_service.scheduler import BatchLimits, Scheduled, Scheduler, Work
 from verifier_service.sequence import Draft, GenerationParams, Sequence, StepResult, TokenLogprob, check_token_ids
@@ -80,7 +81,7 @@ class Engine:
         self.scheduler = Scheduler(blocks, limits, num_state_slots=state_slots)
         self._state_commits: list[StateCommit] = []  # the last pass's accepted nodes, sent with the next plan
         self.grammars = GrammarCompiler(runner.model_dir, runner.vocab_size)
-        self.token_counts = TokenCounts(runner.vocab_size, runner.device)  # the penalised sequences'
+        self.token_counts = penalty_counts(runner.vocab_size, runner.device)  # the penalised sequences'
         self.generator = make_generator(None, runner.device)  # the unseeded sequences'
         self.on_step = on_step
         self.head = head

@@ -6,6 +6,7 @@ the processed target, and validation down to gRPC status codes."""
 import asyncio
 import gc
 import math
+import random
 
 import grpc
 import numpy as np
@@ -21,10 +22,10 @@ from verifier_service.errors import InvalidRequest
 from verifier_service.logits_processing import (
     ControlledStep,
     LogitsProcessor,
-    TokenCounts,
     apply_logit_controls,
     make_logits_processor,
 )
+from verifier_service.penalties import SeenTokenCounts, TokenCounts, penalty_counts
 from verifier_service.sampling import (
     CPU_GROUP_BYTES,
     NUCLEUS_WIDTH,
@@ -46,8 +47,17 @@ CPU = torch.device("cpu")
 INF = math.inf
 
 
-def processor_for(params: SamplingParams, prompt, vocab: int, stop=frozenset()) -> LogitsProcessor:
-    return LogitsProcessor(params, len(prompt), frozenset(stop), TokenCounts(vocab, CPU))
+def new_table(form: str, vocab: int, capacity: int = 16) -> TokenCounts | SeenTokenCounts:
+    """The penalties' dense form (an accelerator's, run here on the CPU) or the seen-token form (a CPU's)."""
+    return TokenCounts(vocab, CPU, capacity) if form == "dense" else SeenTokenCounts()
+
+
+# The tests of the penalties run on both forms.
+form = pytest.mark.parametrize("form", ["dense", "seen"])
+
+
+def processor_for(params: SamplingParams, prompt, vocab: int, stop=frozenset(), form="dense") -> LogitsProcessor:
+    return LogitsProcessor(params, len(prompt), frozenset(stop), new_table(form, vocab))
 
 
 def process(processor: LogitsProcessor, rows, tokens, draft=(), parents=None) -> torch.Tensor:
@@ -56,8 +66,9 @@ def process(processor: LogitsProcessor, rows, tokens, draft=(), parents=None) ->
     return apply_logit_controls(rows.clone(), [step])
 
 
-def processed(params: SamplingParams, prompt, output, rows, draft=(), parents=None, stop=frozenset()):
-    return process(processor_for(params, prompt, rows.shape[-1], stop), rows, [*prompt, *output], draft, parents)
+def processed(params: SamplingParams, prompt, output, rows, draft=(), parents=None, stop=frozenset(), form="dense"):
+    return process(processor_for(params, prompt, rows.shape[-1], stop, form), rows, [*prompt, *output], draft,
+                   parents)
 
 
 def test_logit_bias_is_added_to_every_row():
@@ -77,34 +88,39 @@ def test_min_tokens_masks_stop_tokens_in_rows_short_of_it():
                        torch.zeros(1, 6))
 
 
-def test_repetition_penalty_shrinks_prompt_and_output_tokens_towards_unlikely():
+@form
+def test_repetition_penalty_shrinks_prompt_and_output_tokens_towards_unlikely(form):
     rows = torch.tensor([[2.0, 2.0, -2.0, 2.0, -2.0]])
-    out = processed(SamplingParams(repetition_penalty=2.0), [0], [1, 4], rows)
+    out = processed(SamplingParams(repetition_penalty=2.0), [0], [1, 4], rows, form=form)
     assert torch.equal(out, torch.tensor([[1.0, 1.0, -2.0, 2.0, -4.0]]))
 
 
+@form
 @pytest.mark.parametrize("penalty", [0.5, 0.8, 1.05, 2.0])
-def test_repetition_penalty_divides_positive_and_multiplies_other_logits_bit_for_bit(penalty):
+def test_repetition_penalty_divides_positive_and_multiplies_other_logits_bit_for_bit(penalty, form):
     """The branch-free form (the smaller of x / r and x * r for r >= 1, the larger below 1) gives the bits of
     vLLM's x / r where x > 0, else x * r, on random logits and on 0, -0, infinities and the largest floats."""
     generator = torch.Generator().manual_seed(2)
     special = torch.tensor([0.0, -0.0, INF, -INF, 3.4e38, -3.4e38, 1e-38, -1e-38])
     rows = torch.cat([special, torch.randn(200, generator=generator) * 10])[None]
     tokens = list(range(rows.shape[-1]))
-    out = processed(SamplingParams(repetition_penalty=penalty), tokens, [], rows)
+    out = processed(SamplingParams(repetition_penalty=penalty), tokens, [], rows, form=form)
     expected = torch.where(rows > 0, rows / penalty, rows * penalty)
     assert torch.equal(out, expected) and torch.equal(out.signbit(), expected.signbit())
 
 
-def test_frequency_and_presence_penalties_count_output_tokens_only():
-    out = processed(SamplingParams(frequency_penalty=0.5, presence_penalty=0.25), [0, 3], [1, 1, 2], torch.zeros(1, 4))
+@form
+def test_frequency_and_presence_penalties_count_output_tokens_only(form):
+    out = processed(SamplingParams(frequency_penalty=0.5, presence_penalty=0.25), [0, 3], [1, 1, 2], torch.zeros(1, 4),
+                    form=form)
     assert torch.equal(out, torch.tensor([[0.0, -1.25, -0.75, 0.0]]))
 
 
-def test_each_row_is_penalised_with_the_draft_path_that_leads_to_it():
+@form
+def test_each_row_is_penalised_with_the_draft_path_that_leads_to_it(form):
     # root -> node 0 (token 2); root -> node 1 (token 1) -> node 2 (token 3) -> node 3 (token 2)
     params = SamplingParams(repetition_penalty=2.0, frequency_penalty=1.0, presence_penalty=0.5)
-    out = processed(params, [0], [1], torch.ones(5, 5), draft=[2, 1, 3, 2], parents=(-1, -1, 1, 2))
+    out = processed(params, [0], [1], torch.ones(5, 5), draft=[2, 1, 3, 2], parents=(-1, -1, 1, 2), form=form)
     assert torch.equal(out, torch.tensor([
         [0.5, -1.0, 1.0, 1.0, 1.0],  # output 1
         [0.5, -1.0, -1.0, 1.0, 1.0],  # output 1, 2
@@ -114,8 +130,9 @@ def test_each_row_is_penalised_with_the_draft_path_that_leads_to_it():
     ]))
 
 
-def test_output_counts_follow_each_steps_committed_tokens():
-    processor = processor_for(SamplingParams(frequency_penalty=1.0), [0], 4)
+@form
+def test_output_counts_follow_each_steps_committed_tokens(form):
+    processor = processor_for(SamplingParams(frequency_penalty=1.0), [0], 4, form=form)
     assert torch.equal(process(processor, torch.zeros(1, 4), [0, 1]), torch.tensor([[0.0, -1.0, 0.0, 0.0]]))
     assert torch.equal(process(processor, torch.zeros(1, 4), [0, 1, 2, 2]), torch.tensor([[0.0, -1.0, -2.0, 0.0]]))
 
@@ -135,7 +152,7 @@ MIXED = [
 MIXED_VOCAB, MIXED_STOP = 32, frozenset({0, 19})
 
 
-def mixed_pass(processors, extra: list[int], generator) -> tuple[torch.Tensor, torch.Tensor]:
+def mixed_pass(processors, extra: list[int], generator, form: str) -> tuple[torch.Tensor, torch.Tensor]:
     """MIXED's steps in one pass, each sequence having committed `extra` more tokens: their rows processed
     together, and each step's processed alone by a fresh processor (the steps without controls: raw)."""
     steps, raw, alone, first = [], [], [], 0
@@ -148,25 +165,27 @@ def mixed_pass(processors, extra: list[int], generator) -> tuple[torch.Tensor, t
             first += len(rows)
             continue
         tokens = [*spec[1], *spec[2], *extra]
-        own = processor_for(processor.params, spec[1], MIXED_VOCAB, MIXED_STOP)
+        own = processor_for(processor.params, spec[1], MIXED_VOCAB, MIXED_STOP, form)
         alone.append(process(own, rows, tokens, draft, parents))
         steps.append(ControlledStep(first, processor, tokens, draft, parents))
         first += len(rows)
     return apply_logit_controls(torch.cat(raw), steps), torch.cat(alone)
 
 
-def test_a_pass_processes_its_steps_together_as_each_alone():
+@form
+def test_a_pass_processes_its_steps_together_as_each_alone(form):
     """Every kind of control, chains and trees, steps without controls between them (left raw), a table that
     must grow, and counts carried from one pass to the next: each row equals its step processed alone, bit for
     bit."""
-    table = TokenCounts(MIXED_VOCAB, CPU, capacity=1)
+    table = new_table(form, MIXED_VOCAB, capacity=1)
     processors = [spec and make_logits_processor(SamplingParams(**spec[0]), len(spec[1]), MIXED_STOP, table)
                   for spec in MIXED]
     generator = torch.Generator().manual_seed(3)
     for extra in ([], [23, 5, 23]):  # the second pass: three more tokens committed by each sequence
-        together, alone = mixed_pass(processors, extra, generator)
+        together, alone = mixed_pass(processors, extra, generator, form)
         assert torch.equal(together, alone)
-    assert len(table.counts) == 4  # doubled from 1 for MIXED's four penalised sequences
+    if form == "dense":
+        assert len(table.counts) == 4  # doubled from 1 for MIXED's four penalised sequences
 
 
 def test_a_finished_sequences_row_is_taken_again_cleared():
@@ -183,12 +202,13 @@ def test_a_finished_sequences_row_is_taken_again_cleared():
     assert torch.equal(out, torch.tensor([[0.5, 1.0, 0.5, 1.0]]))  # its prompt and output, none of the first's
 
 
-def test_a_pass_of_more_steps_runs_no_more_operations():
+@form
+def test_a_pass_of_more_steps_runs_no_more_operations(form):
     """On an accelerator each operation is a kernel launch and each copy to it may wait for the device: twelve
     steps of every control cost what four do."""
 
     def operations(count: int) -> int:
-        table = TokenCounts(MIXED_VOCAB, CPU, capacity=2 * count)
+        table = new_table(form, MIXED_VOCAB, capacity=2 * count)
         specs = [spec for spec in MIXED if spec is not None][:4] * (count // 4)
         processors = [make_logits_processor(SamplingParams(**spec[0]), len(spec[1]), MIXED_STOP, table)
                       for spec in specs]
@@ -204,6 +224,42 @@ def test_a_pass_of_more_steps_runs_no_more_operations():
         return counted.count
 
     assert operations(12) == operations(4)
+
+
+def test_the_seen_token_form_gives_the_dense_forms_values():
+    """Nine sequences over six passes, each pass's rows processed by both forms: prompts with repeats, outputs
+    that grow past a sequence's first arrays, random trees and chains drafting tokens seen and unseen, every
+    penalty above and below its neutral value, logits of 0 and of both infinities. Equal, bit for bit."""
+    rng, generator, vocab = random.Random(5), torch.Generator().manual_seed(5), 64
+    dense, seen = new_table("dense", vocab, capacity=1), new_table("seen", vocab)
+    sequences = []
+    for _ in range(9):
+        params = SamplingParams(repetition_penalty=rng.choice([1.0, 0.7, 1.3]),
+                                frequency_penalty=rng.choice([0.0, 0.4, -0.6]),
+                                presence_penalty=rng.choice([0.0, 0.9, -0.2]) or 0.5)
+        prompt = [rng.randrange(vocab) for _ in range(rng.randrange(1, 30))]
+        sequences.append((prompt, [], *(make_logits_processor(params, len(prompt), frozenset(), table)
+                                         for table in (dense, seen))))
+    for _ in range(6):
+        steps, first = {"dense": [], "seen": []}, 0
+        for prompt, output, by_dense, by_seen in sequences:
+            output += [rng.randrange(vocab) for _ in range(rng.randrange(12))]
+            draft = [rng.randrange(vocab) for _ in range(rng.randrange(6))]
+            parents = tuple(rng.randrange(-1, node) for node in range(len(draft)))
+            for name, processor in (("dense", by_dense), ("seen", by_seen)):
+                steps[name].append(ControlledStep(first, processor, [*prompt, *output], draft, parents))
+            first += len(draft) + 1
+        rows = torch.randn(first, vocab, generator=generator) * 4
+        rows[:, :3] = torch.tensor([INF, -INF, 0.0])
+        assert torch.equal(apply_logit_controls(rows.clone(), steps["dense"]),
+                           apply_logit_controls(rows.clone(), steps["seen"]))
+    # Some sequence's arrays doubled.
+    assert any(len(by_seen.seen.tokens) > max(16, 2 * len(set(prompt))) for prompt, _, _, by_seen in sequences)
+
+
+def test_a_cpu_penalises_seen_tokens_alone_and_an_accelerator_whole_rows():
+    assert isinstance(penalty_counts(VOCAB, CPU), SeenTokenCounts)
+    assert isinstance(penalty_counts(VOCAB, torch.device("meta")), TokenCounts)
 
 
 def test_min_p_cuts_after_temperature():
