@@ -93,6 +93,9 @@ def test_passes_padded_to_a_capture_size_give_transformers_logits(model_type, tm
     if DEVICE == "cpu":
         assert Rerun.captures - before == 6  # each size captured once, at start; every pass after replays one
     assert runner.cache.num_blocks == 64 + 1  # the scratch block the padding rows write to
+    for captured in runner.graphs.captured.values():  # a size's inputs: views of the one buffer a pass copies in
+        buffer = captured.staged.device_bytes.untyped_storage().data_ptr()
+        assert {value.untyped_storage().data_ptr() for value in captured.staged.inputs.values()} == {buffer}
 
 
 @flex
