@@ -6,13 +6,13 @@ the Python around each. Measured on an H100 (SmolLM2-135M's shape, bf16, FlexAtt
 pass in eager mode, 2.9 ms replayed from a graph at one sequence and 6.4 ms at 64
 (docs/benchmarks/device/README.md). An NPU launches its operators the same way.
 
-How: a graph is captured per GraphSize, a pass of up to `tokens` tokens over up to `segments` segments, and a
-pass runs as the smallest size that holds it. The attention backend lays the pass out for that size
-(`graph_inputs`: padding rows see nothing that is kept and write their KV to a scratch slot, tables are as wide as
-the longest context allows); the layout's tensors, with the rows whose logits are kept, go into the graph's static
-input buffers in one copy (`StagedInputs`), and the graph runs the model over them, reading and writing the KV
-cache in place. What a backend cannot read from a tensor is
-updated in the graph before each replay (`update_graph`: FIA's sequence lengths, which it takes as host lists).
+How: a graph is captured per GraphSize, a pass of up to `tokens` tokens over up to `segments` segments, and a pass
+runs as the smallest size that holds it. The attention backend lays the pass out for that size (`graph_inputs`:
+padding rows see nothing that is kept and write their KV to a scratch slot, tables are as wide as the longest
+context allows); the layout's tensors, with the rows whose logits are kept, go into the graph's static input buffers
+in one copy (`StagedInputs`), and the graph runs the model over them, reading and writing the KV cache in place.
+What a backend cannot read from a tensor is updated in the graph before each replay (`update_graph`: FIA's sequence
+lengths, which it takes as host lists).
 - FlexAttention (CUDA): a size is a token count; one graph serves every mix of decodes, chains, trees and prompt
   chunks of its size, since the graph builds the block masks from the copied tensors.
 - Ascend's FIA: a size is `segments` causal segments of tokens / segments tokens each, a decode (1) or a chain of
