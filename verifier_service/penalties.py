@@ -129,13 +129,17 @@ class SeenTokens:
         self.counts = np.zeros(len(self.tokens), dtype=np.float32)
         self.in_prompt = np.zeros(len(self.tokens), dtype=bool)
         self.in_prompt[:size] = True
-        self.position = dict(zip(distinct.tolist(), range(size)))
-        self.size = size
+        self.position = dict(zip(distinct.tolist(), range(size)))  # each token's index in the arrays
         self.num_counted = len(prompt)  # its committed tokens before this index are counted
 
-    def count(self, tokens: Sequence[int]) -> None:
-        """One more output occurrence of each of `tokens`."""
-        for token in tokens:
+    @property
+    def size(self) -> int:
+        """How many distinct tokens the arrays hold."""
+        return len(self.position)
+
+    def update(self, tokens: Sequence[int]) -> None:
+        """Counts the committed `tokens` (prompt and output) not counted yet: one output occurrence each."""
+        for token in tokens[self.num_counted:]:
             at = self.position.get(token)
             if at is None:
                 if self.size == len(self.tokens):
@@ -143,8 +147,8 @@ class SeenTokens:
                                                                 for a in (self.tokens, self.counts, self.in_prompt))
                 at = self.position[token] = self.size
                 self.tokens[at] = token
-                self.size += 1
             self.counts[at] += 1
+        self.num_counted = len(tokens)
 
 
 class SeenTokenCounts:
@@ -159,8 +163,7 @@ class SeenTokenCounts:
             if processor.seen is None:
                 processor.seen = SeenTokens(step.tokens[:processor.prompt_len])
             seen = processor.seen
-            seen.count(step.tokens[seen.num_counted:])
-            seen.num_counted = len(step.tokens)
+            seen.update(step.tokens)
             size, num_rows = seen.size, len(step.rows)
             # The step's rows over the sequence's seen tokens; each draft token on a row's path counts once more
             # there, and one the sequence has not seen is an entry of that row alone.
